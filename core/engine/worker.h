@@ -1,0 +1,25 @@
+#pragma once
+// The engine worker's main loop. One thread owns the DEALER socket to the coordinator: it
+// sends the handshake and the heartbeats and hands requests to a compute thread, so a long
+// device step never silences the heartbeat. The compute thread posts replies back through
+// an inproc socket that wakes the I/O loop.
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace twinkle::engine {
+
+struct WorkerOptions {
+  int32_t rank = 0;
+  std::string endpoint;   // the coordinator's ROUTER, e.g. ipc:///tmp/twinkle-x/engine.sock
+  std::string identity;   // routing id; the supervisor tells each spawn its own
+  std::string device = "cpu";
+  int heartbeat_interval_ms = 200;
+};
+
+// Runs until the coordinator says shutdown or goes away. Returns the reason it stopped.
+absl::Status RunWorker(const WorkerOptions& options);
+
+}  // namespace twinkle::engine

@@ -1,0 +1,35 @@
+// twinkle-engine: one worker process per device, spawned by twinkle-server. It links
+// LibTorch and never gRPC/Protobuf (see docs/architecture.md, "Processes").
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/common/log.h"
+#include "core/engine/worker.h"
+#include "twinkle_version.h"
+
+int main(int argc, char** argv) {
+  twinkle::engine::WorkerOptions options;
+  std::string log_level = "info";
+  CLI::App app{"twinkle-engine: the LibTorch worker of twinkle-server (started by it, not by hand)"};
+  app.set_version_flag("--version", std::string(twinkle::kTwinkleVersion));
+  app.add_option("--rank", options.rank, "rank of this worker in the device pool")->required();
+  app.add_option("--endpoint", options.endpoint, "the coordinator's ZeroMQ endpoint")->required();
+  app.add_option("--identity", options.identity, "routing id given by the supervisor")->required();
+  app.add_option("--device", options.device, "cpu or cuda:N")->default_val("cpu");
+  app.add_option("--heartbeat-ms", options.heartbeat_interval_ms, "heartbeat interval")
+      ->check(CLI::Range(10, 60000))
+      ->default_val(200);
+  app.add_option("--log-level", log_level, "debug|info|warning|error")->default_val("info");
+  CLI11_PARSE(app, argc, argv);
+
+  twinkle::LogLevel level;
+  if (twinkle::ParseLogLevel(log_level, &level)) twinkle::SetLogLevel(level);
+
+  const absl::Status status = twinkle::engine::RunWorker(options);
+  if (!status.ok()) {
+    twinkle::LogError(absl::StrCat("engine rank ", options.rank), status.ToString());
+    return 1;
+  }
+  return 0;
+}

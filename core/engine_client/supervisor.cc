@@ -1,0 +1,359 @@
+#include "core/engine_client/supervisor.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include <zmq.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "core/common/log.h"
+#include "core/engine_client/worker_process.h"
+#include "core/ipc/messages.h"
+#include "core/ipc/socket.h"
+
+namespace twinkle {
+namespace {
+
+constexpr char kLog[] = "supervisor";
+// How often the loop wakes when nothing arrives, to check exits and heartbeat deadlines.
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
+
+enum class State { kStarting, kLoading, kReady, kBackoff, kStopped };
+
+}  // namespace
+
+struct Supervisor::Worker {
+  int32_t rank = 0;
+  std::string device;
+  State state = State::kStopped;
+  WorkerProcess process;
+  std::string identity;        // routing id of the current spawn; older ones are ignored
+  uint64_t generation = 0;
+  absl::Time spawned_at;
+  absl::Time last_seen;        // last message of any kind from this spawn
+  absl::Time restart_at;
+  absl::Duration backoff;
+  uint64_t load_request_id = 0;
+  int64_t restarts = 0;
+  bool acknowledged = false;   // the hello was accepted: it can be sent a shutdown
+};
+
+struct Supervisor::ZmqState {
+  zmq::context_t context{1};
+  zmq::socket_t router{context, zmq::socket_type::router};
+};
+
+Supervisor::Supervisor(SupervisorOptions options, const Clock& clock)
+    : options_(std::move(options)), clock_(clock) {}
+
+Supervisor::~Supervisor() { Stop(absl::Seconds(5)); }
+
+absl::Status Supervisor::Start(Listener listener) {
+  // A private directory: only this user can reach the socket.
+  std::string tmpl = (std::filesystem::temp_directory_path() / "twinkle-XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot create a run directory in ",
+                                            std::filesystem::temp_directory_path().string()));
+  }
+  run_dir_ = tmpl;
+  endpoint_ = absl::StrCat("ipc://", run_dir_, "/engine.sock");
+  zmq_ = std::make_unique<ZmqState>();
+  try {
+    zmq_->router.set(zmq::sockopt::linger, 0);
+    zmq_->router.set(zmq::sockopt::router_mandatory, 1);  // sends to a gone peer fail loudly
+    zmq_->router.bind(endpoint_);
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(absl::StrCat("cannot bind ", endpoint_, ": ", e.what()));
+  }
+
+  {
+    absl::MutexLock lock(&mu_);
+    listener_ = std::move(listener);
+    const absl::Time now = clock_.Now();
+    for (size_t i = 0; i < options_.devices.size(); ++i) {
+      auto w = std::make_unique<Worker>();
+      w->rank = static_cast<int32_t>(i);
+      w->device = options_.devices[i];
+      w->backoff = options_.backoff_initial;
+      SpawnLocked(*w, now);
+      workers_.push_back(std::move(w));
+    }
+  }
+  thread_ = std::thread([this] { Loop(); });
+
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!startup_error_.ok() || stopping_) return true;
+    return std::all_of(workers_.begin(), workers_.end(),
+                       [](const auto& w) { return w->state == State::kReady; });
+  };
+  mu_.Await(absl::Condition(&done));
+  if (!startup_error_.ok()) return startup_error_;
+  if (stopping_) return absl::CancelledError("stopped before every engine worker was ready");
+  started_ = true;
+  return absl::OkStatus();
+}
+
+void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
+  ++w.generation;
+  w.identity = absl::StrCat("rank-", w.rank, "-gen-", w.generation);
+  w.acknowledged = false;
+  std::vector<std::string> argv = {
+      options_.engine_binary, "--rank", absl::StrCat(w.rank), "--endpoint", endpoint_,
+      "--identity", w.identity, "--device", w.device, "--heartbeat-ms",
+      absl::StrCat(absl::ToInt64Milliseconds(options_.heartbeat_interval)), "--log-level",
+      options_.log_level};
+  absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
+  w.spawned_at = now;
+  w.last_seen = now;
+  if (!process.ok()) {
+    WorkerDownLocked(w, now, std::string(process.status().message()));
+    return;
+  }
+  w.process = *process;
+  w.state = State::kStarting;
+  LogInfo(kLog, absl::StrCat("started engine rank ", w.rank, " on ", w.device, " (pid ",
+                             w.process.pid(), ")"));
+}
+
+void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& why) {
+  const bool was_ready = w.state == State::kReady;
+  if (w.process.running()) w.process.Kill(SIGKILL);
+  if (!started_) {
+    if (startup_error_.ok()) {
+      startup_error_ = absl::UnavailableError(
+          absl::StrCat("engine rank ", w.rank, " on ", w.device, " failed to start: ", why));
+    }
+    w.state = State::kStopped;
+    return;
+  }
+  w.state = State::kBackoff;
+  w.restart_at = now + w.backoff;
+  LogError(kLog, absl::StrCat("engine rank ", w.rank, " is down: ", why, "; restarting in ",
+                              absl::FormatDuration(w.backoff)));
+  w.backoff = std::min(w.backoff * 2, options_.backoff_max);
+  if (was_ready) NotifyLocked();
+}
+
+void Supervisor::NotifyLocked() {
+  if (!listener_) return;
+  std::vector<WorkerSnapshot> snapshot;
+  for (const auto& w : workers_) {
+    snapshot.push_back({w->rank, w->device, w->state == State::kReady, w->restarts,
+                        static_cast<int64_t>(w->process.pid())});
+  }
+  // The listener only flips health flags and gauges; calling it under the lock keeps the
+  // order of notifications the order of events.
+  listener_(snapshot);
+}
+
+void Supervisor::Loop() {
+  zmq::pollitem_t items[] = {{zmq_->router.handle(), 0, ZMQ_POLLIN, 0}};
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_ || !startup_error_.ok()) break;
+    }
+    try {
+      zmq::poll(items, 1, kPollInterval);
+    } catch (const zmq::error_t& e) {
+      if (e.num() != EINTR) LogError(kLog, absl::StrCat("poll failed: ", e.what()));
+    }
+    const absl::Time now = clock_.Now();
+    if (items[0].revents & ZMQ_POLLIN) HandleMessages(now);
+    Housekeep(now);
+  }
+  ShutdownWorkers();
+}
+
+void Supervisor::HandleMessages(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    absl::StatusOr<ipc::Received> received = ipc::ReceiveMessage(zmq_->router, true);
+    if (!received.ok()) return;  // NotFound: drained
+    auto it = std::find_if(workers_.begin(), workers_.end(),
+                           [&](const auto& w) { return w->identity == received->routing_id; });
+    if (it == workers_.end()) continue;  // a previous spawn's last words
+    Worker& w = **it;
+    if (!received->message.ok()) {
+      WorkerDownLocked(w, now, absl::StrCat("sent a bad message: ",
+                                            received->message.status().message()));
+      continue;
+    }
+    w.last_seen = now;
+    const ipc::Message& m = *received->message;
+    switch (m.envelope.type) {
+      case ipc::MessageType::kHello: {
+        absl::StatusOr<ipc::HelloBody> hello = ipc::Unpack<ipc::HelloBody>(m.envelope.body, "hello");
+        if (!hello.ok() || hello->protocol_version != ipc::kProtocolVersion) {
+          WorkerDownLocked(w, now, hello.ok() ? absl::StrCat("speaks protocol ",
+                                                             hello->protocol_version, ", we speak ",
+                                                             ipc::kProtocolVersion)
+                                              : std::string(hello.status().message()));
+          break;
+        }
+        ipc::Message ack;
+        ack.envelope.type = ipc::MessageType::kHelloAck;
+        ipc::Message load;
+        load.envelope.type = ipc::MessageType::kRequest;
+        load.envelope.request_id = w.load_request_id = next_request_id_++;
+        load.envelope.method = ipc::kMethodLoadModel;
+        load.envelope.body =
+            ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device});
+        absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
+        if (s.ok()) s = ipc::SendMessage(zmq_->router, load, w.identity);
+        if (!s.ok()) {
+          WorkerDownLocked(w, now, std::string(s.message()));
+          break;
+        }
+        w.acknowledged = true;
+        w.state = State::kLoading;
+        break;
+      }
+      case ipc::MessageType::kHeartbeat:
+        break;
+      case ipc::MessageType::kReply: {
+        if (m.envelope.request_id != w.load_request_id) break;
+        absl::Status status = ipc::ReplyStatus(m.envelope);
+        absl::StatusOr<ipc::LoadModelReply> reply =
+            status.ok() ? ipc::Unpack<ipc::LoadModelReply>(m.envelope.body, "load_model reply")
+                        : absl::StatusOr<ipc::LoadModelReply>(status);
+        if (!reply.ok()) {
+          WorkerDownLocked(w, now, absl::StrCat("could not load the model: ",
+                                                reply.status().message()));
+          break;
+        }
+        model_info_ = ModelInfo{reply->architecture, reply->model_type, reply->parameter_count,
+                                reply->dtype, reply->num_layers, reply->vocab_size,
+                                reply->hidden_size, reply->supported_losses};
+        w.state = State::kReady;
+        w.backoff = options_.backoff_initial;
+        LogInfo(kLog, absl::StrCat("engine rank ", w.rank, " ready: ", reply->architecture, ", ",
+                                   reply->parameter_count, " parameters, ", reply->dtype, " on ",
+                                   reply->device, ", loaded in ", reply->load_seconds, " s"));
+        NotifyLocked();
+        break;
+      }
+      default:
+        LogWarning(kLog, absl::StrCat("engine rank ", w.rank, " sent an unexpected ",
+                                      ipc::MessageTypeName(m.envelope.type), " message"));
+    }
+  }
+}
+
+void Supervisor::Housekeep(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  for (auto& wp : workers_) {
+    Worker& w = *wp;
+    switch (w.state) {
+      case State::kStarting:
+      case State::kLoading:
+      case State::kReady: {
+        if (std::optional<std::string> how = w.process.PollExit()) {
+          WorkerDownLocked(w, now, absl::StrCat("process exited (", *how, ")"));
+          break;
+        }
+        // Before the hello, a fresh process may still be loading LibTorch: give it the
+        // startup timeout. Afterwards its heartbeats must keep coming.
+        const absl::Duration limit =
+            w.state == State::kStarting ? options_.startup_timeout : options_.heartbeat_timeout;
+        if (now - w.last_seen > limit) {
+          WorkerDownLocked(w, now, absl::StrCat("silent for ", absl::FormatDuration(now - w.last_seen),
+                                                " (pid ", w.process.pid(), " killed)"));
+        } else if (w.state == State::kLoading && now - w.spawned_at > options_.startup_timeout) {
+          WorkerDownLocked(w, now, absl::StrCat("did not load the model within ",
+                                                absl::FormatDuration(options_.startup_timeout)));
+        }
+        break;
+      }
+      case State::kBackoff:
+        if (now >= w.restart_at) {
+          ++w.restarts;
+          SpawnLocked(w, now);
+          NotifyLocked();
+        }
+        break;
+      case State::kStopped:
+        break;
+    }
+  }
+}
+
+void Supervisor::ShutdownWorkers() {
+  absl::Duration grace;
+  {
+    absl::MutexLock lock(&mu_);
+    grace = stop_grace_;
+    ipc::Message bye;
+    bye.envelope.type = ipc::MessageType::kShutdown;
+    for (auto& w : workers_) {
+      if (w->process.running() && w->acknowledged) {
+        (void)ipc::SendMessage(zmq_->router, bye, w->identity);
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (auto& w : workers_) {
+    if (!w->process.running()) continue;
+    const std::string how =
+        w->process.WaitOrKill(static_cast<int>(absl::ToInt64Milliseconds(grace)));
+    LogInfo(kLog, absl::StrCat("engine rank ", w->rank, " stopped: ", how));
+    w->state = State::kStopped;
+  }
+}
+
+void Supervisor::RequestStop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+}
+
+void Supervisor::Stop(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    stop_grace_ = grace;
+  }
+  if (thread_.joinable()) thread_.join();
+  {
+    // Start() may have failed before the loop ran; make sure no child outlives us.
+    absl::MutexLock lock(&mu_);
+    for (auto& w : workers_) {
+      if (w->process.running()) w->process.Kill(SIGKILL);
+      w->state = State::kStopped;
+    }
+  }
+  zmq_.reset();
+  if (!run_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(run_dir_, ec);
+    run_dir_.clear();
+  }
+}
+
+bool Supervisor::AllReady() const {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || workers_.empty()) return false;
+  return std::all_of(workers_.begin(), workers_.end(),
+                     [](const auto& w) { return w->state == State::kReady; });
+}
+
+std::vector<WorkerSnapshot> Supervisor::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerSnapshot> out;
+  for (const auto& w : workers_) {
+    out.push_back({w->rank, w->device, w->state == State::kReady, w->restarts,
+                   static_cast<int64_t>(w->process.pid())});
+  }
+  return out;
+}
+
+std::optional<ModelInfo> Supervisor::model_info() const {
+  absl::MutexLock lock(&mu_);
+  return model_info_;
+}
+
+}  // namespace twinkle

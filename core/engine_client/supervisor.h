@@ -1,0 +1,115 @@
+#pragma once
+// The coordinator's view of its engine workers: one twinkle-engine process per configured
+// device. The supervisor spawns them, accepts their handshake, has them load the model,
+// watches their heartbeats, and restarts a dead or silent one with exponential back-off.
+//
+// One thread (the supervisor loop) owns the ZeroMQ ROUTER socket; other threads only read
+// snapshots. Readiness changes are reported through a listener so the transport layer can
+// flip health status and metrics without knowing about processes.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/common/clock.h"
+
+namespace twinkle {
+
+struct SupervisorOptions {
+  std::string engine_binary;          // path to twinkle-engine
+  std::vector<std::string> devices;   // one worker per entry: "cpu", "cuda:0", ...
+  std::string model_dir;
+  std::string dtype;
+  std::string log_level = "info";
+  absl::Duration heartbeat_interval = absl::Milliseconds(200);
+  absl::Duration heartbeat_timeout = absl::Seconds(3);
+  absl::Duration startup_timeout = absl::Seconds(120);
+  absl::Duration backoff_initial = absl::Milliseconds(500);
+  absl::Duration backoff_max = absl::Seconds(30);
+};
+
+struct WorkerSnapshot {
+  int32_t rank = 0;
+  std::string device;
+  bool ready = false;
+  int64_t restarts = 0;
+  int64_t pid = 0;
+};
+
+// What the workers reported after loading the model (identical across ranks).
+struct ModelInfo {
+  std::string architecture;
+  std::string model_type;
+  int64_t parameter_count = 0;
+  std::string dtype;
+  int32_t num_layers = 0;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  std::vector<std::string> supported_losses;
+};
+
+class Supervisor {
+ public:
+  // Called from the supervisor thread whenever a worker's readiness or restart count changes.
+  using Listener = std::function<void(const std::vector<WorkerSnapshot>&)>;
+
+  Supervisor(SupervisorOptions options, const Clock& clock = RealClock());
+  ~Supervisor();
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  // Spawns every worker and blocks until all have loaded the model. Fails, naming the rank
+  // and the reason, if any worker dies, reports an error, or the startup timeout passes;
+  // during startup nothing is retried (a broken model or binary would only loop).
+  absl::Status Start(Listener listener);
+
+  // Makes a pending or future Start() return Cancelled and the loop wind down; safe from
+  // any thread (the signal thread uses it). Stop() still has to be called to reap workers.
+  void RequestStop();
+
+  // Asks every worker to exit, waits up to `grace`, then kills what is left.
+  void Stop(absl::Duration grace);
+
+  bool AllReady() const;
+  std::vector<WorkerSnapshot> Snapshot() const;
+  std::optional<ModelInfo> model_info() const;
+
+ private:
+  struct Worker;
+  void Loop();
+  void Housekeep(absl::Time now);
+  void HandleMessages(absl::Time now);
+  void SpawnLocked(Worker& w, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WorkerDownLocked(Worker& w, absl::Time now, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ShutdownWorkers();
+
+  const SupervisorOptions options_;
+  const Clock& clock_;
+  std::string run_dir_;    // private 0700 temp dir holding the ipc socket
+  std::string endpoint_;
+  struct ZmqState;
+  std::unique_ptr<ZmqState> zmq_;
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
+  std::optional<ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
+  Listener listener_ ABSL_GUARDED_BY(mu_);
+  bool started_ ABSL_GUARDED_BY(mu_) = false;      // Start() succeeded: failures now restart
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration stop_grace_ ABSL_GUARDED_BY(mu_) = absl::Seconds(5);
+  absl::Status startup_error_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace twinkle

@@ -1,0 +1,89 @@
+#pragma once
+// Typed bodies of the coordinator <-> engine messages, serialized with msgpack as maps
+// (field names on the wire, so adding a field stays compatible). Method names are the
+// constants below; each request body has a matching reply body.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <msgpack.hpp>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+namespace twinkle::ipc {
+
+// Sent by a worker as its first message (MessageType::kHello).
+struct HelloBody {
+  uint32_t protocol_version = 0;
+  std::string engine_version;
+  int32_t rank = 0;
+  int64_t pid = 0;
+  std::string device;
+  MSGPACK_DEFINE_MAP(protocol_version, engine_version, rank, pid, device);
+};
+
+// Sent by a worker every heartbeat interval (MessageType::kHeartbeat).
+struct HeartbeatBody {
+  uint64_t sequence = 0;
+  uint64_t busy_request_id = 0;  // the request being executed, 0 when idle
+  MSGPACK_DEFINE_MAP(sequence, busy_request_id);
+};
+
+// method "load_model": load an HF model directory onto the worker's device.
+inline constexpr char kMethodLoadModel[] = "load_model";
+struct LoadModelRequest {
+  std::string model_dir;
+  std::string dtype;   // float32 | bfloat16 | float16
+  std::string device;  // cpu | cuda:N
+  MSGPACK_DEFINE_MAP(model_dir, dtype, device);
+};
+struct LoadModelReply {
+  std::string architecture;
+  std::string model_type;
+  int64_t parameter_count = 0;
+  std::string dtype;
+  std::string device;
+  int32_t num_layers = 0;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  std::vector<std::string> supported_losses;
+  double load_seconds = 0;
+  MSGPACK_DEFINE_MAP(architecture, model_type, parameter_count, dtype, device, num_layers,
+                     vocab_size, hidden_size, supported_losses, load_seconds);
+};
+
+// Describes a tensor travelling as a raw frame: frame index into Message::buffers.
+struct TensorDesc {
+  std::string dtype;  // float32 | bfloat16 | float16 | int64 | int32 | uint8 | bool
+  std::vector<int64_t> shape;
+  uint32_t frame = 0;
+  MSGPACK_DEFINE_MAP(dtype, shape, frame);
+};
+
+// Bytes per element of a TensorDesc dtype name, or an error naming the dtype.
+absl::StatusOr<size_t> DtypeItemSize(absl::string_view dtype);
+
+// Checks that `desc` names an existing frame whose size is exactly numel * itemsize.
+absl::Status ValidateTensor(const TensorDesc& desc, const std::vector<std::string>& buffers);
+
+template <typename T>
+std::string Pack(const T& value) {
+  msgpack::sbuffer buffer;
+  msgpack::pack(buffer, value);
+  return std::string(buffer.data(), buffer.size());
+}
+
+// Decodes a body; a malformed or mistyped body is InvalidArgument naming `what`.
+template <typename T>
+absl::StatusOr<T> Unpack(const std::string& bytes, absl::string_view what) {
+  try {
+    msgpack::object_handle handle = msgpack::unpack(bytes.data(), bytes.size());
+    return handle.get().as<T>();
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("ipc: malformed ", what, " body: ", e.what()));
+  }
+}
+
+}  // namespace twinkle::ipc

@@ -1,0 +1,54 @@
+#include "core/ipc/socket.h"
+
+#include <vector>
+
+#include <zmq_addon.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace twinkle::ipc {
+
+absl::Status SendMessage(zmq::socket_t& socket, const Message& message,
+                         absl::string_view routing_id) {
+  std::vector<std::string> frames = EncodeFrames(message);
+  try {
+    if (!routing_id.empty()) {
+      socket.send(zmq::buffer(routing_id.data(), routing_id.size()), zmq::send_flags::sndmore);
+    }
+    for (size_t i = 0; i < frames.size(); ++i) {
+      const auto flags = i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none;
+      socket.send(zmq::buffer(frames[i]), flags);
+    }
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(absl::StrCat("ipc: send failed: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing_id,
+                                        const DecodeLimits& limits) {
+  std::vector<zmq::message_t> parts;
+  try {
+    const auto n = zmq::recv_multipart(socket, std::back_inserter(parts), zmq::recv_flags::dontwait);
+    if (!n) return absl::NotFoundError("ipc: no message waiting");
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(absl::StrCat("ipc: receive failed: ", e.what()));
+  }
+  Received received;
+  size_t first = 0;
+  if (with_routing_id) {
+    if (parts.empty()) {
+      received.message = absl::InvalidArgumentError("ipc: empty message");
+      return received;
+    }
+    received.routing_id = parts[0].to_string();
+    first = 1;
+  }
+  std::vector<std::string> frames;
+  frames.reserve(parts.size() - first);
+  for (size_t i = first; i < parts.size(); ++i) frames.push_back(parts[i].to_string());
+  received.message = DecodeFrames(std::move(frames), limits);
+  return received;
+}
+
+}  // namespace twinkle::ipc

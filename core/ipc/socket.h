@@ -1,0 +1,32 @@
+#pragma once
+// Sending and receiving envelopes over ZeroMQ sockets. The coordinator binds one ROUTER
+// socket and each worker connects a DEALER whose routing id names it; so a ROUTER-side
+// message carries the routing id as an extra first frame.
+
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include <zmq.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/ipc/envelope.h"
+
+namespace twinkle::ipc {
+
+// Sends `message`; on a ROUTER socket pass the peer's routing id. Never throws.
+absl::Status SendMessage(zmq::socket_t& socket, const Message& message,
+                         absl::string_view routing_id = {});
+
+struct Received {
+  std::string routing_id;                // set on ROUTER sockets
+  absl::StatusOr<Message> message;       // a decode error keeps the routing id for a reply
+};
+
+// Receives one whole multipart message without blocking: returns NotFound when none is
+// waiting, Unavailable when the socket failed. Frames that do not decode come back as an
+// error in Received::message, so the caller can log and drop them.
+absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing_id,
+                                        const DecodeLimits& limits = {});
+
+}  // namespace twinkle::ipc

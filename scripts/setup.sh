@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One-command setup for twinkle-server. Idempotent: a second run checks and changes nothing.
+#   1. Debian packages (scripts/debian-packages.txt)
+#   2. Python venv with pinned packages, outside the checkout and keyed by the requirements'
+#      hash (~/.cache/twinkle/venv-<hash>), linked as .venv, so fresh clones reuse it
+#   3. the Python client (client/python) with its generated gRPC code
+#   4. a tiny random Qwen3 model in HF format under models/ (no hub: made locally)
+#   5. CMake configure + Release build with ccache into build/ (binaries in build/bin/)
+# Environment: TWINKLE_CACHE (default ~/.cache/twinkle), TWINKLE_BUILD_TYPE (Release),
+# TWINKLE_WITH_CUDA=1 to build the CUDA engine (needs nvcc matching the torch wheel).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CACHE="${TWINKLE_CACHE:-$HOME/.cache/twinkle}"
+BUILD_TYPE="${TWINKLE_BUILD_TYPE:-Release}"
+mkdir -p "$CACHE"
+
+phase_start=0
+phase() { phase_start=$(date +%s); echo "== setup: $1"; }
+phase_done() { echo "   ($(( $(date +%s) - phase_start )) s)"; }
+
+# ---- 1. Debian packages --------------------------------------------------------------------
+phase "Debian packages"
+mapfile -t packages < <(grep -vE '^\s*(#|$)' scripts/debian-packages.txt)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "   installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "   all ${#packages[@]} present"
+fi
+phase_done
+
+# ---- 2. Python venv ------------------------------------------------------------------------
+phase "Python venv"
+PYTHON="${PYTHON:-python3}"
+key=$( (cat scripts/requirements.txt; "$PYTHON" --version) | sha256sum | cut -c1-16)
+VENV="$CACHE/venv-$key"
+if [ ! -f "$VENV/.twinkle-complete" ]; then
+  echo "   creating $VENV"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -r scripts/requirements.txt
+  touch "$VENV/.twinkle-complete"   # written last: a half-made venv is never reused
+else
+  echo "   reusing $VENV"
+fi
+if [ "$(readlink .venv 2>/dev/null)" != "$VENV" ]; then ln -sfn "$VENV" .venv; fi
+PY="$ROOT/.venv/bin/python"
+TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+phase_done
+
+# ---- 3. Python client ----------------------------------------------------------------------
+phase "Python client (client/python)"
+client_hash=$( (find client/python proto -type f \( -name '*.py' -o -name '*.toml' -o -name '*.proto' \) \
+                  -not -path '*/_proto/*' -not -path '*/build/*' | sort | xargs sha256sum) | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.twinkle-client-hash" 2>/dev/null)" != "$client_hash" ] || \
+   [ ! -d client/python/twinkle_client/_proto ]; then
+  "$PY" client/python/generate_protos.py
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall ./client/python
+  rm -rf client/python/build
+  echo "$client_hash" > "$VENV/.twinkle-client-hash"
+  echo "   installed twinkle-client ($client_hash)"
+else
+  echo "   up to date ($client_hash)"
+fi
+phase_done
+
+# ---- 4. Tiny model -------------------------------------------------------------------------
+phase "tiny model (models/tiny-qwen3)"
+"$PY" scripts/make_tiny_model.py models/tiny-qwen3
+phase_done
+
+# ---- 5. Build ------------------------------------------------------------------------------
+phase "build ($BUILD_TYPE) into build/"
+export CCACHE_BASEDIR="$ROOT"          # relative paths in the cache key: hits across clones
+export CCACHE_DIR="${CCACHE_DIR:-$CACHE/ccache}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+cuda_flag=OFF; [ "${TWINKLE_WITH_CUDA:-0}" = "1" ] && cuda_flag=ON
+mkdir -p build
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
+  -DTWINKLE_TORCH_DIR="$TORCH_DIR" -DTWINKLE_WITH_CUDA="$cuda_flag" \
+  -DPython3_EXECUTABLE="$PY" > build/cmake-configure.log 2>&1 || { cat build/cmake-configure.log; exit 1; }
+# Two jobs: this machine class has 2 cores and the torch TUs are memory-hungry.
+cmake --build build -j "${TWINKLE_JOBS:-2}"
+command -v ccache >/dev/null && ccache -s 2>/dev/null | grep -E 'Hits|hit rate' | head -2 | sed 's/^/   ccache: /' || true
+phase_done
+
+echo "== setup: done. Binaries: build/bin/twinkle-server, build/bin/twinkle-engine"

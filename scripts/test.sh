@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test: setup (idempotent, quick when nothing changed), then ctest (GoogleTest
+# units and the link-isolation check), then pytest (end-to-end against the real binaries).
+# Exits non-zero on any failure.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+start=$(date +%s)
+"$ROOT/scripts/setup.sh"
+echo "== test: setup took $(( $(date +%s) - start )) s"
+
+t=$(date +%s)
+echo "== test: ctest"
+ctest --test-dir build --output-on-failure -j 2
+echo "== test: ctest took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
+echo "== test: pytest"
+"$ROOT/.venv/bin/python" -m pytest tests/e2e -q "$@"
+echo "== test: pytest took $(( $(date +%s) - t )) s"
+echo "== test: all passed in $(( $(date +%s) - start )) s"

@@ -1,0 +1,232 @@
+#include "server/app.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "core/common/log.h"
+#include "core/engine_client/supervisor.h"
+#include "server/grpc/utility_service.h"
+#include "server/http/http_server.h"
+#include "server/metrics.h"
+#include "server/serving_state.h"
+#include "twinkle_version.h"
+
+namespace twinkle {
+namespace {
+
+constexpr char kLog[] = "server";
+constexpr int kHttpThreads = 2;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string DefaultEngineBinary() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path() / "twinkle-engine").string();
+}
+
+std::string HostPort(const std::string& host, int port) {
+  return host.find(':') != std::string::npos && host.front() != '['
+             ? absl::StrCat("[", host, "]:", port)
+             : absl::StrCat(host, ":", port);
+}
+
+// Writes the chosen ports where a test or an orchestrator can find them, atomically.
+absl::Status WritePortFile(const std::string& path, int grpc_port, int http_port) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp);
+    out << nlohmann::json{{"grpc_port", grpc_port}, {"http_port", http_port}, {"pid", getpid()}}.dump()
+        << "\n";
+    if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+// Waits for SIGTERM/SIGINT on its own thread (they are blocked everywhere else).
+class SignalWatcher {
+ public:
+  explicit SignalWatcher(std::function<void(int)> on_signal) : on_signal_(std::move(on_signal)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~SignalWatcher() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    const timespec tick{0, 100'000'000};
+    bool signalled = false;
+    while (!stop_) {
+      const int sig = sigtimedwait(&set, nullptr, &tick);
+      if (sig > 0 && !signalled) {
+        signalled = true;
+        on_signal_(sig);
+      }
+    }
+  }
+  std::function<void(int)> on_signal_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+SupervisorOptions MakeSupervisorOptions(const Config& c) {
+  SupervisorOptions o;
+  o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
+  o.devices = c.engine.devices;
+  o.model_dir = c.model.path;
+  o.dtype = c.model.dtype;
+  o.log_level = c.logging.level;
+  o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
+  o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
+  o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);
+  o.backoff_initial = absl::Milliseconds(c.engine.restart_backoff_initial_ms);
+  o.backoff_max = absl::Milliseconds(c.engine.restart_backoff_max_ms);
+  return o;
+}
+
+void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grpc_address, bool tls) {
+  http.Route("GET", "/metrics", [&state](const HttpRequest&) {
+    return HttpResponse{200, "text/plain; version=0.0.4", state.metrics.Render()};
+  });
+  http.Route("GET", "/healthz", [](const HttpRequest&) {
+    return HttpResponse{200, "application/json", R"({"status":"ok"})"};
+  });
+  http.Route("GET", "/readyz", [&state](const HttpRequest&) {
+    const bool serving = state.Serving();
+    return HttpResponse{serving ? 200 : 503, "application/json",
+                        serving ? R"({"status":"serving"})" : R"({"status":"not_serving"})"};
+  });
+  const std::string endpoints =
+      nlohmann::json{{"grpc_address", grpc_address}, {"tls", tls}}.dump();
+  http.Route("GET", "/api/v1/twinkle/endpoints", [endpoints](const HttpRequest&) {
+    return HttpResponse{200, "application/json", endpoints};
+  });
+}
+
+}  // namespace
+
+void BlockShutdownSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int RunServer(const Config& config, const LaunchOptions& options) {
+  auto fail = [](const std::string& line) {
+    std::cerr << "twinkle-server: " << line << std::endl;
+    return 1;
+  };
+  if (absl::Status s = CheckEnvironment(config); !s.ok()) return fail(std::string(s.message()));
+
+  Metrics metrics;
+  Supervisor supervisor(MakeSupervisorOptions(config));
+  ServingState state(config, supervisor, metrics);
+  const std::string where = config.source_file.string();
+
+  // gRPC first: its port is what the HTTP endpoints route advertises.
+  const bool tls = !config.server.tls.cert_file.empty();
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (tls) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back(
+        {ReadFile(config.server.tls.key_file), ReadFile(config.server.tls.cert_file)});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  UtilityServiceImpl utility(state);
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  const std::string grpc_bind = HostPort(config.server.host, config.server.grpc_port);
+  builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
+  builder.RegisterService(&utility);
+  std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
+  if (!grpc_server || grpc_port == 0) {
+    return fail(absl::StrCat(where, ": server.grpc_port: cannot listen for gRPC on ", grpc_bind,
+                             " (port in use or address not available)"));
+  }
+  grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
+  health->SetServingStatus(false);
+
+  HttpServer http(metrics);
+  const std::string grpc_address = HostPort(config.server.host, grpc_port);
+  AddHttpRoutes(http, state, grpc_address, tls);
+  absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);
+  if (!http_port.ok()) {
+    grpc_server->Shutdown();
+    return fail(absl::StrCat(where, ": server.http_port: ", http_port.status().message()));
+  }
+  LogInfo(kLog, absl::StrCat("twinkle-server ", kTwinkleVersion, " listening: gRPC ", grpc_address,
+                             tls ? " (TLS)" : "", ", HTTP ", HostPort(config.server.host, *http_port)));
+  if (!options.port_file.empty()) {
+    if (absl::Status s = WritePortFile(options.port_file, grpc_port, *http_port); !s.ok()) {
+      grpc_server->Shutdown();
+      return fail(std::string(s.message()));
+    }
+  }
+
+  absl::Notification shutdown;
+  SignalWatcher signals([&](int sig) {
+    LogInfo(kLog, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                               "; draining for up to ", config.server.drain_timeout_s, " s"));
+    state.draining = true;
+    health->Shutdown();  // every service NOT_SERVING now, and it stays so
+    supervisor.RequestStop();
+    shutdown.Notify();
+  });
+
+  absl::Status started = supervisor.Start([&](const std::vector<WorkerSnapshot>& workers) {
+    metrics.UpdateWorkers(workers);
+    bool all_ready = !workers.empty();
+    for (const WorkerSnapshot& w : workers) all_ready &= w.ready;
+    if (!state.draining) health->SetServingStatus(all_ready);
+  });
+  int exit_code = 0;
+  if (!started.ok() && !shutdown.HasBeenNotified()) {
+    LogError(kLog, std::string(started.message()));
+    std::cerr << "twinkle-server: " << started.message() << std::endl;
+    exit_code = 1;
+  } else {
+    if (started.ok()) LogInfo(kLog, "all engine workers ready: SERVING");
+    shutdown.WaitForNotification();
+  }
+
+  // Drain: in-flight calls get up to drain_timeout_s; new ones are refused (UNAVAILABLE).
+  grpc_server->Shutdown(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(config.server.drain_timeout_s * 1000)));
+  http.Stop();
+  supervisor.Stop(absl::Seconds(5));
+  LogInfo(kLog, exit_code == 0 ? "stopped cleanly" : "stopped after a startup error");
+  return exit_code;
+}
+
+}  // namespace twinkle

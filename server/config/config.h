@@ -1,0 +1,86 @@
+#pragma once
+// The server's configuration: typed structs with every default in one place (the member
+// initializers below). config.cc binds them to YAML through one field list per section
+// (VisitFields), which serves parsing, validation and printing alike, so a key can never be
+// parsed under one name and printed under another.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace twinkle {
+
+struct TlsConfig {
+  std::string cert_file;  // PEM; both set = TLS on the gRPC port
+  std::string key_file;   // secret: masked by print-config
+};
+
+struct ServerSection {
+  std::string host = "127.0.0.1";
+  int32_t grpc_port = 50051;  // 0 = any free port (reported via --port-file and the log)
+  int32_t http_port = 8000;
+  double drain_timeout_s = 10;
+  TlsConfig tls;
+};
+
+struct ModelSection {
+  std::string path;       // an HF model directory; relative paths are relative to the config file
+  std::string name;       // display id; default: the directory's name
+  std::string dtype = "float32";
+};
+
+struct EngineSection {
+  std::vector<std::string> devices = {"cpu"};  // one engine worker per entry
+  std::string binary;                          // default: twinkle-engine beside twinkle-server
+  int32_t heartbeat_interval_ms = 200;
+  int32_t heartbeat_timeout_ms = 3000;
+  double startup_timeout_s = 120;
+  int32_t restart_backoff_initial_ms = 500;
+  int32_t restart_backoff_max_ms = 30000;
+};
+
+struct LimitsSection {
+  int32_t max_adapters = 64;
+  int32_t max_lora_rank = 64;
+  int64_t max_tokens_per_request = 32768;
+};
+
+struct LoggingSection {
+  std::string level = "info";  // debug | info | warning | error
+};
+
+struct Config {
+  ServerSection server;
+  ModelSection model;
+  EngineSection engine;
+  LimitsSection limits;
+  LoggingSection logging;
+
+  std::filesystem::path source_file;  // where it was read from (not a key)
+};
+
+// Reads and validates a config file. Errors name the file, line and dotted key:
+//   "configs/x.yaml:4: server.grpc_prot: unknown key (known: host, grpc_port, ...)"
+// Several problems are reported together, one per line. Relative paths are resolved against
+// the file's folder. Checks only the file's content; see CheckEnvironment for the disk.
+absl::StatusOr<Config> LoadConfigFile(const std::filesystem::path& file);
+
+// Same as LoadConfigFile, on YAML text (file_name is used in messages and to resolve paths).
+absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
+                                   const std::filesystem::path& file_name);
+
+// Checks what the config refers to: the model directory and its config.json exist, the TLS
+// files are readable. Separate so that tests of the parser need no model on disk.
+absl::Status CheckEnvironment(const Config& config);
+
+enum class ConfigFormat { kYaml, kJson };
+// The effective config with every default filled in and secrets masked.
+std::string RenderConfig(const Config& config, ConfigFormat format);
+
+// True for 127.0.0.0/8, ::1 and "localhost".
+bool IsLoopbackHost(const std::string& host);
+
+}  // namespace twinkle

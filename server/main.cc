@@ -1,0 +1,68 @@
+// twinkle-server: the coordinator. Subcommands:
+//   launch -c FILE [--port-file PATH]   serve until SIGTERM/SIGINT
+//   check-config -c FILE                validate a config (exit 2 on errors)
+//   print-config -c FILE [--format yaml|json]   the effective config, secrets masked
+
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "core/common/log.h"
+#include "server/app.h"
+#include "server/config/config.h"
+#include "twinkle_version.h"
+
+namespace {
+
+// Exit code for configuration errors, distinct from runtime failures (1).
+constexpr int kExitConfigError = 2;
+
+absl::StatusOr<twinkle::Config> Load(const std::string& file) {
+  absl::StatusOr<twinkle::Config> config = twinkle::LoadConfigFile(file);
+  if (!config.ok()) std::cerr << config.status().message() << std::endl;
+  return config;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"twinkle-server: a multi-tenant LoRA training server (coordinator)"};
+  app.set_version_flag("--version", std::string("twinkle-server ") + twinkle::kTwinkleVersion +
+                                        " (" + twinkle::kTwinkleGitCommit + ")");
+  app.require_subcommand(1);
+
+  std::string config_file, port_file, format = "yaml";
+  CLI::App* launch = app.add_subcommand("launch", "start the server and serve until SIGTERM/SIGINT");
+  launch->add_option("-c,--config", config_file, "YAML config file")->required();
+  launch->add_option("--port-file", port_file,
+                     "write {grpc_port, http_port, pid} as JSON here once listening");
+  CLI::App* check = app.add_subcommand("check-config", "validate a config file; exit 2 on errors");
+  check->add_option("-c,--config", config_file, "YAML config file")->required();
+  CLI::App* print = app.add_subcommand("print-config", "print the effective config (secrets masked)");
+  print->add_option("-c,--config", config_file, "YAML config file")->required();
+  print->add_option("--format", format, "yaml or json")->check(CLI::IsMember({"yaml", "json"}));
+  CLI11_PARSE(app, argc, argv);
+
+  // Block the shutdown signals before any thread exists, so only the signal thread sees them.
+  if (launch->parsed()) twinkle::BlockShutdownSignals();
+
+  absl::StatusOr<twinkle::Config> config = Load(config_file);
+  if (!config.ok()) return kExitConfigError;
+
+  if (check->parsed()) {
+    if (absl::Status env = twinkle::CheckEnvironment(*config); !env.ok()) {
+      std::cerr << env.message() << std::endl;
+      return kExitConfigError;
+    }
+    std::cout << config_file << ": OK" << std::endl;
+    return 0;
+  }
+  if (print->parsed()) {
+    std::cout << twinkle::RenderConfig(
+        *config, format == "json" ? twinkle::ConfigFormat::kJson : twinkle::ConfigFormat::kYaml);
+    return 0;
+  }
+  twinkle::LogLevel level;
+  if (twinkle::ParseLogLevel(config->logging.level, &level)) twinkle::SetLogLevel(level);
+  return twinkle::RunServer(*config, twinkle::LaunchOptions{port_file});
+}

@@ -1,0 +1,112 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/ipc/envelope.h"
+#include "core/ipc/messages.h"
+
+namespace twinkle::ipc {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(IpcEnvelopeTest, RoundTripKeepsEveryFieldAndBuffer) {
+  Message m;
+  m.envelope.type = MessageType::kRequest;
+  m.envelope.request_id = 0xFFFFFFFFFFULL;
+  m.envelope.method = kMethodLoadModel;
+  m.envelope.body = Pack(LoadModelRequest{"/models/x", "bfloat16", "cuda:1"});
+  m.buffers = {std::string("\x00\x01\x02\x03", 4), std::string(1000, 'z')};
+
+  absl::StatusOr<Message> back = DecodeFrames(EncodeFrames(m));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->envelope.type, MessageType::kRequest);
+  EXPECT_EQ(back->envelope.request_id, 0xFFFFFFFFFFULL);
+  EXPECT_EQ(back->envelope.method, "load_model");
+  EXPECT_EQ(back->buffers, m.buffers);
+  absl::StatusOr<LoadModelRequest> body = Unpack<LoadModelRequest>(back->envelope.body, "load_model");
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(body->model_dir, "/models/x");
+  EXPECT_EQ(body->dtype, "bfloat16");
+  EXPECT_EQ(body->device, "cuda:1");
+}
+
+TEST(IpcEnvelopeTest, ReplyCarriesStatus) {
+  Envelope request;
+  request.request_id = 7;
+  request.method = "load_model";
+  Message reply = MakeReply(request, absl::NotFoundError("no such model"));
+  absl::StatusOr<Message> back = DecodeFrames(EncodeFrames(reply));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->envelope.request_id, 7u);
+  const absl::Status s = ReplyStatus(back->envelope);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.message(), "no such model");
+  EXPECT_TRUE(ReplyStatus(MakeReply(request, absl::OkStatus(), "x").envelope).ok());
+}
+
+TEST(IpcEnvelopeTest, RejectsOversizeFrames) {
+  Message m;
+  m.buffers = {std::string(2048, 'a')};
+  DecodeLimits limits;
+  limits.max_buffer_bytes = 1024;
+  absl::StatusOr<Message> r = DecodeFrames(EncodeFrames(m), limits);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("tensor frame 1 of 2048 bytes"));
+
+  limits = DecodeLimits{};
+  limits.max_envelope_bytes = 8;
+  m.buffers.clear();
+  m.envelope.method = std::string(100, 'm');
+  EXPECT_THAT(DecodeFrames(EncodeFrames(m), limits).status().message(), HasSubstr("envelope of"));
+
+  limits = DecodeLimits{};
+  limits.max_frames = 2;
+  m.buffers = {"a", "b", "c"};
+  EXPECT_THAT(DecodeFrames(EncodeFrames(m), limits).status().message(), HasSubstr("4 frames"));
+}
+
+TEST(IpcEnvelopeTest, RejectsMalformedFrames) {
+  EXPECT_THAT(DecodeFrames({}).status().message(), HasSubstr("no envelope"));
+  // Truncated msgpack.
+  std::vector<std::string> frames = EncodeFrames(Message{});
+  frames[0].resize(frames[0].size() / 2);
+  EXPECT_THAT(DecodeFrames(frames).status().message(), HasSubstr("malformed envelope"));
+  // A msgpack value that is not a map (the integer 5).
+  EXPECT_THAT(DecodeFrames({std::string("\x05", 1)}).status().message(), HasSubstr("not a msgpack map"));
+  // Garbage bytes.
+  EXPECT_FALSE(DecodeFrames({std::string("\xc1\xc1\xc1", 3)}).ok());
+}
+
+TEST(IpcEnvelopeTest, RejectsUnknownTypeAndVersion) {
+  Message m;
+  m.envelope.version = kProtocolVersion + 1;
+  absl::StatusOr<Message> r = DecodeFrames(EncodeFrames(m));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("protocol version"));
+
+  m.envelope.version = kProtocolVersion;
+  m.envelope.type = static_cast<MessageType>(99);
+  EXPECT_THAT(DecodeFrames(EncodeFrames(m)).status().message(), HasSubstr("unknown message type 99"));
+}
+
+TEST(IpcEnvelopeTest, MistypedBodyIsAnError) {
+  // A hello body where a string is expected in place of the rank.
+  const std::string bad = Pack(std::map<std::string, std::string>{{"rank", "zero"}});
+  absl::StatusOr<HelloBody> r = Unpack<HelloBody>(bad, "hello");
+  EXPECT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("malformed hello body"));
+}
+
+TEST(IpcTensorTest, ValidatesFrameSizeAgainstShape) {
+  std::vector<std::string> buffers = {std::string(2 * 3 * 4, '\0'), std::string(5, '\0')};
+  EXPECT_TRUE(ValidateTensor({"float32", {2, 3}, 0}, buffers).ok());
+  EXPECT_THAT(ValidateTensor({"bfloat16", {2, 3}, 0}, buffers).message(), HasSubstr("needs 12"));
+  EXPECT_THAT(ValidateTensor({"float32", {2, 3}, 2}, buffers).message(), HasSubstr("frame 2"));
+  EXPECT_THAT(ValidateTensor({"complex64", {1}, 0}, buffers).message(), HasSubstr("complex64"));
+  EXPECT_THAT(ValidateTensor({"float32", {-1}, 0}, buffers).message(), HasSubstr("negative"));
+  EXPECT_THAT(ValidateTensor({"int64", {int64_t{1} << 62, 8}, 0}, buffers).message(),
+              HasSubstr("overflows"));
+}
+
+}  // namespace
+}  // namespace twinkle::ipc
