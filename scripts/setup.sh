@@ -64,7 +64,7 @@ client_hash=$( (find client/python proto -type f \( -name '*.py' -o -name '*.tom
 if [ "$(cat "$VENV/.twinkle-client-hash" 2>/dev/null)" != "$client_hash" ] || \
    [ ! -d client/python/twinkle_client/_proto ]; then
   "$PY" client/python/generate_protos.py
-  "$VENV/bin/pip" install -q --no-deps --force-reinstall ./client/python
+  "$VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./client/python
   rm -rf client/python/build
   echo "$client_hash" > "$VENV/.twinkle-client-hash"
   echo "   installed twinkle-client ($client_hash)"
