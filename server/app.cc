@@ -167,6 +167,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   grpc::ServerBuilder builder;
   int grpc_port = 0;
   const std::string grpc_bind = HostPort(config.server.host, config.server.grpc_port);
+  // gRPC sets SO_REUSEPORT by default, which would let a second server bind the same port
+  // silently and split the traffic; a port in use must be a startup error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
   builder.RegisterService(&utility);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
