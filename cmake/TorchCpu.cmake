@@ -9,16 +9,24 @@ if(NOT TWINKLE_TORCH_DIR)
                       "venv (scripts/setup.sh does this)")
 endif()
 set(_torch_lib "${TWINKLE_TORCH_DIR}/lib")
-foreach(_lib torch_cpu c10)
-  if(NOT EXISTS "${_torch_lib}/lib${_lib}.so")
-    message(FATAL_ERROR "LibTorch library lib${_lib}.so not found in ${_torch_lib}")
-  endif()
-  add_library(twinkle_torch_${_lib} SHARED IMPORTED GLOBAL)
-  set_target_properties(twinkle_torch_${_lib} PROPERTIES IMPORTED_LOCATION "${_torch_lib}/lib${_lib}.so")
-endforeach()
-add_library(twinkle_torch_cpu_all INTERFACE)
-add_library(twinkle::torch_cpu ALIAS twinkle_torch_cpu_all)
-target_link_libraries(twinkle_torch_cpu_all INTERFACE twinkle_torch_torch_cpu twinkle_torch_c10)
+
+# twinkle_import_torch_libs(NAME lib...): imports each lib<lib>.so of the wheel and bundles
+# them as the INTERFACE target twinkle_torch_NAME_all, aliased twinkle::torch_NAME.
+function(twinkle_import_torch_libs name)
+  foreach(_lib IN LISTS ARGN)
+    if(NOT EXISTS "${_torch_lib}/lib${_lib}.so")
+      message(FATAL_ERROR "LibTorch library lib${_lib}.so not found in ${_torch_lib}")
+    endif()
+    add_library(twinkle_torch_${_lib} SHARED IMPORTED GLOBAL)
+    set_target_properties(twinkle_torch_${_lib} PROPERTIES IMPORTED_LOCATION "${_torch_lib}/lib${_lib}.so")
+    list(APPEND _targets twinkle_torch_${_lib})
+  endforeach()
+  add_library(twinkle_torch_${name}_all INTERFACE)
+  add_library(twinkle::torch_${name} ALIAS twinkle_torch_${name}_all)
+  target_link_libraries(twinkle_torch_${name}_all INTERFACE ${_targets})
+endfunction()
+
+twinkle_import_torch_libs(cpu torch_cpu c10)
 # The torch headers are third-party: include them as SYSTEM so our warnings stay ours.
 target_include_directories(twinkle_torch_cpu_all SYSTEM INTERFACE
   "${TWINKLE_TORCH_DIR}/include"

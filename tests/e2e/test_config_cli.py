@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -136,6 +137,21 @@ def test_launch_fails_on_missing_model_dir(launch_server: LaunchServer, tmp_path
     server = launch_server({"model": {"path": str(missing)}}, wait=False)
     _, stderr = wait_startup_failure(server)
     assert lines_with_all(stderr, str(missing)), f"stderr does not name {missing}\n{server.logs()}"
+
+
+def test_launch_fails_when_the_worker_cannot_load_the_model(
+    launch_server: LaunchServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A model whose weights file is truncated: the engine worker refuses it, and launch exits
+    non-zero naming the rank and the file instead of restarting the worker forever."""
+    broken = tmp_path / "models" / "truncated"
+    shutil.copytree(tiny_model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    server = launch_server({"model": {"path": str(broken)}}, wait=False)
+    code, stderr = wait_startup_failure(server)
+    assert code == 1, server.logs()
+    assert lines_with_all(stderr, "engine rank 0", "model.safetensors"), server.logs()
 
 
 @pytest.fixture

@@ -251,3 +251,24 @@ def test_killed_worker_is_restarted(launch_server: LaunchServer) -> None:
         info = client.get_server_info()
     assert info.serving and info.devices[0].ready and info.devices[0].restarts == 1
     assert get(server, "/readyz").status_code == 200
+
+
+def test_silent_worker_is_killed_and_restarted(launch_server: LaunchServer) -> None:
+    """A worker that stops answering (SIGSTOP: alive but silent) is detected by the missed
+    heartbeats, killed, and replaced."""
+    heartbeat_timeout_ms = 1000
+    server = launch_server(
+        {"engine": {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": heartbeat_timeout_ms,
+                    "restart_backoff_initial_ms": 200}}
+    )
+    [worker] = server.engine_workers()
+    stopped_at = time.monotonic()
+    worker.send_signal(signal.SIGSTOP)
+    poll_until_not_serving(server, scaled(heartbeat_timeout_ms / 1000 + 3))
+    # Not before the timeout: a stopped process still exists, only its heartbeats are gone.
+    assert time.monotonic() - stopped_at >= heartbeat_timeout_ms / 1000 * 0.9
+    server.wait_health("SERVING", scaled(60))
+    [new_worker] = server.engine_workers()
+    assert new_worker.pid != worker.pid
+    assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+    assert "silent for" in server.stderr_text(), server.logs()
