@@ -54,7 +54,9 @@ else
 fi
 if [ "$(readlink .venv 2>/dev/null)" != "$VENV" ]; then ln -sfn "$VENV" .venv; fi
 PY="$ROOT/.venv/bin/python"
-TORCH_DIR="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+# Where the wheel's LibTorch lives, without importing torch (that alone takes seconds).
+TORCH_DIR="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch"
+[ -f "$TORCH_DIR/lib/libtorch_cpu.so" ] || { echo "no LibTorch in $TORCH_DIR"; exit 1; }
 phase_done
 
 # ---- 3. Python client ----------------------------------------------------------------------
@@ -75,7 +77,16 @@ phase_done
 
 # ---- 4. Tiny model -------------------------------------------------------------------------
 phase "tiny model (models/tiny-qwen3)"
-"$PY" scripts/make_tiny_model.py models/tiny-qwen3
+# Made once per version of the script and the pinned packages, in the cache; the checkout
+# links to it, so a fresh clone does not rebuild it.
+model_key=$( (cat scripts/make_tiny_model.py; echo "$key") | sha256sum | cut -c1-16)
+MODEL="$CACHE/models/tiny-qwen3-$model_key"
+"$PY" scripts/make_tiny_model.py "$MODEL"
+mkdir -p models
+if [ "$(readlink models/tiny-qwen3 2>/dev/null)" != "$MODEL" ]; then
+  rm -rf models/tiny-qwen3
+  ln -sfn "$MODEL" models/tiny-qwen3
+fi
 phase_done
 
 # ---- 5. Build ------------------------------------------------------------------------------
@@ -89,6 +100,7 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" \
   -DTWINKLE_TORCH_DIR="$TORCH_DIR" -DTWINKLE_WITH_CUDA="$cuda_flag" \
   -DPython3_EXECUTABLE="$PY" > build/cmake-configure.log 2>&1 || { cat build/cmake-configure.log; exit 1; }
 # Two jobs: this machine class has 2 cores and the torch TUs are memory-hungry.
+command -v ccache >/dev/null && ccache -z >/dev/null 2>&1 || true  # count this build's hits only
 cmake --build build -j "${TWINKLE_JOBS:-2}"
 command -v ccache >/dev/null && ccache -s 2>/dev/null | grep -E 'Hits|hit rate' | head -2 | sed 's/^/   ccache: /' || true
 phase_done
