@@ -6,7 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/engine/loss/loss_probe.h"
+#include "core/engine/loss/loss.h"
 #include "core/engine/model/loader.h"
+#include "core/engine/optim/optim_probe.h"
+#include "core/engine/trainer.h"
+#include "core/ipc/training_messages.h"
 #include "core/ipc/messages.h"
 
 namespace twinkle::engine {
@@ -30,21 +35,38 @@ absl::StatusOr<c10::Device> ParseDevice(const std::string& name) {
 
 }  // namespace
 
-RequestHandler::RequestHandler(std::string device) : device_(std::move(device)) {}
+RequestHandler::RequestHandler(std::string device) : device_(std::move(device)) {
+  // Training methods answer FailedPrecondition until a model is loaded; LoadModel replaces
+  // these entries with the trainer's.
+  for (const char* name : {ipc::kMethodCreateAdapter, ipc::kMethodRemoveAdapter, ipc::kMethodForward,
+                           ipc::kMethodForwardBackward, ipc::kMethodOptimStep, ipc::kMethodZeroGrad,
+                           ipc::kMethodGetAdapterState, ipc::kMethodSetAdapterState}) {
+    methods_[name] = [name](const ipc::Message&) -> absl::StatusOr<MethodReply> {
+      return absl::FailedPreconditionError(absl::StrCat(name, ": no model loaded (load_model first)"));
+    };
+  }
+  methods_[ipc::kMethodLoadModel] = [this](const ipc::Message& m) { return LoadModel(m); };
+  methods_[kMethodLossProbe] = [](const ipc::Message& m) { return RunLossProbe(m); };
+  methods_["optim_probe"] = [](const ipc::Message& m) { return RunOptimProbe(m); };
+}
 RequestHandler::~RequestHandler() = default;
 
-absl::StatusOr<std::string> RequestHandler::Handle(const ipc::Message& request) {
+absl::StatusOr<MethodReply> RequestHandler::Handle(const ipc::Message& request) {
   const std::string& method = request.envelope.method;
+  auto it = methods_.find(method);
+  if (it == methods_.end()) {
+    return absl::UnimplementedError(absl::StrCat("engine has no method '", method, "'"));
+  }
   try {
-    if (method == ipc::kMethodLoadModel) return LoadModel(request.envelope.body);
+    return it->second(request);
   } catch (const std::exception& e) {  // the engine's exception boundary
     return absl::InternalError(absl::StrCat(method, ": ", e.what()));
   }
-  return absl::UnimplementedError(absl::StrCat("engine has no method '", method, "'"));
 }
 
-absl::StatusOr<std::string> RequestHandler::LoadModel(const std::string& body) {
-  absl::StatusOr<ipc::LoadModelRequest> req = ipc::Unpack<ipc::LoadModelRequest>(body, "load_model");
+absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& request) {
+  absl::StatusOr<ipc::LoadModelRequest> req =
+      ipc::Unpack<ipc::LoadModelRequest>(request.envelope.body, "load_model");
   if (!req.ok()) return req.status();
   absl::StatusOr<c10::ScalarType> dtype = ParseDtype(req->dtype);
   if (!dtype.ok()) return dtype.status();
@@ -54,21 +76,24 @@ absl::StatusOr<std::string> RequestHandler::LoadModel(const std::string& body) {
   const absl::Time start = absl::Now();
   absl::StatusOr<engine::LoadedModel> loaded = engine::LoadModel(req->model_dir, *dtype, *device);
   if (!loaded.ok()) return loaded.status();
-  model_ = std::make_unique<engine::LoadedModel>(*std::move(loaded));
-
+  const ModelConfig& config = loaded->config;
   ipc::LoadModelReply reply;
-  reply.architecture = model_->config.architecture;
-  reply.model_type = model_->config.model_type;
-  reply.parameter_count = model_->parameter_count;
+  reply.architecture = config.architecture;
+  reply.model_type = config.model_type;
+  reply.parameter_count = loaded->parameter_count;
   reply.dtype = req->dtype;
   reply.device = device->str();
-  reply.num_layers = static_cast<int32_t>(model_->config.num_hidden_layers);
-  reply.vocab_size = model_->config.vocab_size;
-  reply.hidden_size = model_->config.hidden_size;
-  // Losses arrive with the training engine; until then this worker trains nothing and says so.
-  reply.supported_losses = {};
+  reply.num_layers = static_cast<int32_t>(config.num_hidden_layers);
+  reply.vocab_size = config.vocab_size;
+  reply.hidden_size = config.hidden_size;
+  reply.supported_losses = SupportedLossNames();
+  trainer_ = std::make_unique<Trainer>(
+      std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device);
+  trainer_->RegisterMethods(methods_);
   reply.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  return ipc::Pack(reply);
+  MethodReply out;
+  out.envelope.body = ipc::Pack(reply);
+  return out;
 }
 
 }  // namespace twinkle::engine

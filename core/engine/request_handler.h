@@ -1,31 +1,38 @@
 #pragma once
-// Executes the coordinator's requests on this worker's device. Holds the loaded base model.
-// This is the engine's exception boundary: LibTorch throws, we return absl::Status.
+// Executes the coordinator's requests on this worker's device. Holds the loaded base model
+// (and, with the training engine, the adapters). This is the engine's exception boundary:
+// LibTorch throws, we return absl::Status.
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/ipc/envelope.h"
 
 namespace twinkle::engine {
 
-struct LoadedModel;
+class Trainer;
+
+// A method's reply: its msgpack body and the tensor frames the body refers to.
+using MethodReply = ipc::Message;
+using Method = std::function<absl::StatusOr<MethodReply>(const ipc::Message& request)>;
 
 class RequestHandler {
  public:
   explicit RequestHandler(std::string device);
   ~RequestHandler();
 
-  // Runs one request and returns its reply body (msgpack bytes) or the error to send back.
-  absl::StatusOr<std::string> Handle(const ipc::Message& request);
+  // Runs one request; the reply carries the method's body and tensor frames.
+  absl::StatusOr<MethodReply> Handle(const ipc::Message& request);
 
  private:
-  absl::StatusOr<std::string> LoadModel(const std::string& body);
+  absl::StatusOr<MethodReply> LoadModel(const ipc::Message& request);
 
   std::string device_;
-  std::unique_ptr<LoadedModel> model_;
+  std::map<std::string, Method> methods_;
+  std::unique_ptr<Trainer> trainer_;
 };
 
 }  // namespace twinkle::engine

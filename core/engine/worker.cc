@@ -67,10 +67,12 @@ class ComputeThread {
         pending_.pop_front();
       }
       busy_.store(request.envelope.request_id);
-      absl::StatusOr<std::string> body = handler_.Handle(request);
+      absl::StatusOr<MethodReply> result = handler_.Handle(request);
       busy_.store(0);
-      ipc::Message reply = body.ok() ? ipc::MakeReply(request.envelope, absl::OkStatus(), *body)
-                                     : ipc::MakeReply(request.envelope, body.status());
+      ipc::Message reply =
+          result.ok() ? ipc::MakeReply(request.envelope, absl::OkStatus(), std::move(result->envelope.body))
+                      : ipc::MakeReply(request.envelope, result.status());
+      if (result.ok()) reply.buffers = std::move(result->buffers);
       {
         std::lock_guard lock(mu_);
         done_.push_back(std::move(reply));

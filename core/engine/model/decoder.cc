@@ -1,0 +1,166 @@
+#include "core/engine/model/decoder.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace twinkle::engine {
+namespace {
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+}  // namespace
+
+const char* LinearKindName(LinearKind kind) {
+  switch (kind) {
+    case LinearKind::kQ: return "q_proj";
+    case LinearKind::kK: return "k_proj";
+    case LinearKind::kV: return "v_proj";
+    case LinearKind::kO: return "o_proj";
+    case LinearKind::kGate: return "gate_proj";
+    case LinearKind::kUp: return "up_proj";
+    case LinearKind::kDown: return "down_proj";
+  }
+  return "?";
+}
+
+at::Tensor RopeInverseFrequencies(const ModelConfig& c) {
+  const int64_t dim = c.head_dim;
+  // transformers: 1 / base ** (arange(0, dim, 2, int64).float() / dim), in float32.
+  at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<float>(dim);
+  at::Tensor inv_freq = 1.0 / at::pow(static_cast<float>(c.rope_theta), exponents);
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScalingType::kLinear) {
+    inv_freq = inv_freq / static_cast<float>(s.factor);
+  } else if (s.type == RopeScalingType::kLlama3) {
+    // transformers' _compute_llama3_parameters, step by step.
+    const double low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+    const double high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+    at::Tensor smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) /
+                        (s.high_freq_factor - s.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+    at::Tensor is_medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq = at::where(is_medium, smoothed, scaled);
+  }
+  return inv_freq.to(at::kFloat);
+}
+
+DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor> w)
+    : config_(std::move(config)) {
+  embed_ = w.at("model.embed_tokens.weight");
+  final_norm_ = w.at("model.norm.weight");
+  lm_head_ = config_.tie_word_embeddings ? embed_ : w.at("lm_head.weight");
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer layer;
+    layer.input_norm = w.at(p + "input_layernorm.weight");
+    layer.post_norm = w.at(p + "post_attention_layernorm.weight");
+    if (config_.qk_norm) {
+      layer.q_norm = w.at(p + "self_attn.q_norm.weight");
+      layer.k_norm = w.at(p + "self_attn.k_norm.weight");
+    }
+    for (LinearKind kind : kAllLinearKinds) {
+      const bool attn = kind == LinearKind::kQ || kind == LinearKind::kK ||
+                        kind == LinearKind::kV || kind == LinearKind::kO;
+      const std::string name = p + (attn ? "self_attn." : "mlp.") + LinearKindName(kind);
+      layer.weight[kind] = w.at(name + ".weight");
+      auto bias = w.find(name + ".bias");
+      if (bias != w.end()) layer.bias[kind] = bias->second;
+    }
+    layers_.push_back(std::move(layer));
+  }
+  inv_freq_ = RopeInverseFrequencies(config_).to(embed_.device());
+}
+
+std::pair<int64_t, int64_t> DecoderModel::LinearShape(LinearKind kind) const {
+  const at::Tensor& w = layers_.front().weight.at(kind);
+  return {w.size(1), w.size(0)};
+}
+
+at::Tensor DecoderModel::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
+  // As transformers: normalise in float32, cast back, then scale.
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (xf * at::rsqrt(variance + config_.rms_norm_eps)).to(x.scalar_type());
+}
+
+at::Tensor DecoderModel::Linear(const Layer& layer, int64_t index, LinearKind kind,
+                                const at::Tensor& x, const LoraSegmentsFn& lora) const {
+  auto bias = layer.bias.find(kind);
+  at::Tensor y = at::linear(x, layer.weight.at(kind),
+                            bias == layer.bias.end() ? at::Tensor() : bias->second);
+  if (lora) {
+    std::vector<kernels::LoraSegment> segments = lora(index, kind, x);
+    if (!segments.empty()) y = y + kernels::LoraDelta(x, y.size(-1), segments);
+  }
+  return y;
+}
+
+at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                   const std::vector<int64_t>& seq_lens, const at::Tensor& cos,
+                                   const at::Tensor& sin, const LoraSegmentsFn& lora) const {
+  const int64_t n = h.size(0);
+  const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+  const int64_t d = config_.head_dim;
+  at::Tensor q = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, d});
+  at::Tensor k = Linear(layer, index, LinearKind::kK, h, lora).view({n, kv_heads, d});
+  at::Tensor v = Linear(layer, index, LinearKind::kV, h, lora).view({n, kv_heads, d});
+  if (config_.qk_norm) {
+    q = RmsNorm(q, layer.q_norm);
+    k = RmsNorm(k, layer.k_norm);
+  }
+  // cos/sin: [N, d] -> broadcast over heads.
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  q = q * c + RotateHalf(q) * s;
+  k = k * c + RotateHalf(k) * s;
+  if (kv_heads != heads) {
+    k = k.repeat_interleave(heads / kv_heads, 1);
+    v = v.repeat_interleave(heads / kv_heads, 1);
+  }
+  // Attention within each sequence: [1, heads, L, d] blocks, causal.
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(seq_lens.size());
+  int64_t start = 0;
+  for (int64_t len : seq_lens) {
+    auto block = [&](const at::Tensor& t) { return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0); };
+    at::Tensor o = at::scaled_dot_product_attention(block(q), block(k), block(v), {}, 0.0,
+                                                    /*is_causal=*/true);
+    outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({len, heads * d}));
+    start += len;
+  }
+  const at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  return Linear(layer, index, LinearKind::kO, attn, lora);
+}
+
+at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                                 const LoraSegmentsFn& lora) const {
+  // Positions restart at 0 in every sequence; angles in float32 as transformers computes them.
+  std::vector<at::Tensor> positions;
+  for (int64_t len : seq_lens) positions.push_back(at::arange(len, at::kLong));
+  const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
+  const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(embed_.scalar_type());
+  const at::Tensor sin = emb.sin().to(embed_.scalar_type());
+
+  at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    const int64_t index = static_cast<int64_t>(i);
+    x = x + Attention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, cos, sin, lora);
+    const at::Tensor h = RmsNorm(x, layer.post_norm);
+    const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
+                             Linear(layer, index, LinearKind::kUp, h, lora);
+    x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
+  }
+  return at::linear(RmsNorm(x, final_norm_), lm_head_).to(at::kFloat);
+}
+
+}  // namespace twinkle::engine

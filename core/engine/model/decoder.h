@@ -1,0 +1,69 @@
+#pragma once
+// The dense decoder family (Llama, Qwen2, Qwen3) over a packed batch: the tokens of every
+// sequence are concatenated into one [N] row dimension, so every linear layer runs once over
+// all rows of all tenants, and attention runs within each sequence only (no padding, no
+// cross-sequence mixing). LoRA terms are added per row segment by a callback, so the model
+// knows nothing about adapters.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/engine/model/hf_config.h"
+#include "kernels/lora_ops.h"
+
+namespace twinkle::engine {
+
+// The linear layers LoRA can target, in HF/PEFT names.
+enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr LinearKind kAllLinearKinds[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
+                                                 LinearKind::kO,    LinearKind::kGate,
+                                                 LinearKind::kUp,   LinearKind::kDown};
+const char* LinearKindName(LinearKind kind);  // "q_proj", ...
+
+// Returns the LoRA segments to add to layer `layer`'s linear `kind`, whose input is `x`.
+using LoraSegmentsFn =
+    std::function<std::vector<kernels::LoraSegment>(int64_t layer, LinearKind kind, const at::Tensor& x)>;
+
+class DecoderModel {
+ public:
+  // Takes the weights as loaded (HF names); they never require grad.
+  DecoderModel(ModelConfig config, std::map<std::string, at::Tensor> weights);
+
+  const ModelConfig& config() const { return config_; }
+
+  // tokens: int64 [N], the concatenation of sequences of lengths `seq_lens` (sum = N).
+  // Returns logits [N, vocab] in float32. `lora` may be empty (base model only).
+  at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                     const LoraSegmentsFn& lora) const;
+
+  // Input and output width of a targetable linear.
+  std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm, q_norm, k_norm;
+    std::map<LinearKind, at::Tensor> weight, bias;
+  };
+  at::Tensor Linear(const Layer& layer, int64_t index, LinearKind kind, const at::Tensor& x,
+                    const LoraSegmentsFn& lora) const;
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  at::Tensor Attention(const Layer& layer, int64_t index, const at::Tensor& h,
+                       const std::vector<int64_t>& seq_lens, const at::Tensor& cos,
+                       const at::Tensor& sin, const LoraSegmentsFn& lora) const;
+
+  ModelConfig config_;
+  at::Tensor embed_, final_norm_, lm_head_;
+  std::vector<Layer> layers_;
+  at::Tensor inv_freq_;  // [head_dim / 2], float32, RoPE scaling applied
+};
+
+// RoPE inverse frequencies exactly as transformers computes them (fp32), with linear or
+// llama3 scaling.
+at::Tensor RopeInverseFrequencies(const ModelConfig& config);
+
+}  // namespace twinkle::engine

@@ -1,0 +1,333 @@
+#include "core/engine/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/engine/loss/loss.h"
+#include "core/engine/tensor_io.h"
+#include "core/ipc/training_messages.h"
+
+namespace twinkle::engine {
+namespace {
+
+template <typename T>
+MethodReply Reply(const T& body, MethodReply reply = {}) {
+  reply.envelope.body = ipc::Pack(body);
+  return reply;
+}
+
+// splitmix64: decorrelates the seeds of neighbouring (adapter, step, layer, module) tuples.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+absl::Status ApplyHyper(const std::map<std::string, double>& in, OptimizerHyper& out) {
+  for (const auto& [key, value] : in) {
+    if (key == "learning_rate") out.learning_rate = value;
+    else if (key == "beta1") out.beta1 = value;
+    else if (key == "beta2") out.beta2 = value;
+    else if (key == "eps") out.eps = value;
+    else if (key == "weight_decay") out.weight_decay = value;
+    else if (key == "grad_clip_norm") out.grad_clip_norm = value;
+    else if (key == "momentum") out.momentum = value;
+    else if (key == "dampening") out.dampening = value;
+    else if (key == "nesterov") out.nesterov = value != 0;
+    else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown optimizer parameter '", key,
+          "' (accepted: learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm, momentum, "
+          "dampening, nesterov)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One op's rows in the packed batch.
+struct OpRows {
+  int64_t begin = 0, end = 0;
+  Adapter* adapter = nullptr;  // null: base model rows
+  std::vector<int64_t> datum_lens;
+};
+
+}  // namespace
+
+Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device)
+    : model_(std::move(model)), device_(device) {}
+
+void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
+  m[ipc::kMethodCreateAdapter] = [this](const ipc::Message& r) { return CreateAdapter(r); };
+  m[ipc::kMethodRemoveAdapter] = [this](const ipc::Message& r) { return RemoveAdapter(r); };
+  m[ipc::kMethodForward] = [this](const ipc::Message& r) { return Forward(r, false); };
+  m[ipc::kMethodForwardBackward] = [this](const ipc::Message& r) { return Forward(r, true); };
+  m[ipc::kMethodOptimStep] = [this](const ipc::Message& r) { return OptimStep(r); };
+  m[ipc::kMethodZeroGrad] = [this](const ipc::Message& r) { return ZeroGrad(r); };
+  m[ipc::kMethodGetAdapterState] = [this](const ipc::Message& r) { return GetAdapterState(r); };
+  m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
+}
+
+absl::StatusOr<Adapter*> Trainer::FindAdapter(const std::string& id) {
+  auto it = adapters_.find(id);
+  if (it == adapters_.end()) return absl::NotFoundError(absl::StrCat("no adapter '", id, "'"));
+  return it->second.get();
+}
+
+absl::StatusOr<MethodReply> Trainer::CreateAdapter(const ipc::Message& request) {
+  absl::StatusOr<ipc::CreateAdapterRequest> req =
+      ipc::Unpack<ipc::CreateAdapterRequest>(request.envelope.body, ipc::kMethodCreateAdapter);
+  if (!req.ok()) return req.status();
+  if (req->adapter_id.empty()) return absl::InvalidArgumentError("adapter_id must not be empty");
+  if (adapters_.count(req->adapter_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("adapter '", req->adapter_id, "' already exists"));
+  }
+  absl::StatusOr<std::vector<LinearKind>> targets = ParseTargets(req->targets);
+  if (!targets.ok()) return targets.status();
+  AdapterConfig config{req->adapter_id, req->rank, req->alpha, req->dropout, req->use_rslora,
+                       *targets, req->seed, req->optimizer};
+  absl::StatusOr<std::unique_ptr<Adapter>> adapter = Adapter::Create(config, *model_, device_);
+  if (!adapter.ok()) return adapter.status();
+  ipc::CreateAdapterReply reply;
+  for (const auto& [name, t] : (*adapter)->named_parameters()) reply.num_parameters += t.numel();
+  reply.scale = (*adapter)->scale();
+  adapters_[req->adapter_id] = *std::move(adapter);
+  return Reply(reply);
+}
+
+absl::StatusOr<MethodReply> Trainer::RemoveAdapter(const ipc::Message& request) {
+  absl::StatusOr<ipc::AdapterRequest> req =
+      ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodRemoveAdapter);
+  if (!req.ok()) return req.status();
+  if (adapters_.erase(req->adapter_id) == 0) {
+    return absl::NotFoundError(absl::StrCat("no adapter '", req->adapter_id, "'"));
+  }
+  return MethodReply{};
+}
+
+absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool backward) {
+  const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
+  absl::StatusOr<ipc::ForwardRequest> req = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, method);
+  if (!req.ok()) return req.status();
+  if (req->ops.empty()) return absl::InvalidArgumentError(absl::StrCat(method, ": no ops"));
+  const int64_t vocab = model_->config().vocab_size;
+
+  // Pack every datum of every op into one row batch, op after op.
+  std::vector<OpRows> rows;
+  std::vector<at::Tensor> tokens, targets;
+  std::vector<int64_t> seq_lens;
+  int64_t n = 0;
+  for (size_t o = 0; o < req->ops.size(); ++o) {
+    const ipc::TrainOpMsg& op = req->ops[o];
+    OpRows r;
+    r.begin = n;
+    if (!op.adapter_id.empty() && !op.disable_adapter) {
+      absl::StatusOr<Adapter*> adapter = FindAdapter(op.adapter_id);
+      if (!adapter.ok()) return adapter.status();
+      r.adapter = *adapter;
+    }
+    if (op.datums.empty()) return absl::InvalidArgumentError(absl::StrCat("op ", o, " has no datums"));
+    for (size_t d = 0; d < op.datums.size(); ++d) {
+      const std::string where = absl::StrCat("op ", o, " datum ", d);
+      absl::StatusOr<at::Tensor> in = ReadTensor(op.datums[d].input_tokens, request);
+      if (!in.ok()) return absl::InvalidArgumentError(absl::StrCat(where, " input_tokens: ", in.status().message()));
+      if (in->dim() != 1 || in->numel() == 0 || in->scalar_type() != at::kLong) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": input_tokens must be a non-empty int64 [L]"));
+      }
+      if (in->min().item<int64_t>() < 0 || in->max().item<int64_t>() >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": token id outside [0, ", vocab, ")"));
+      }
+      at::Tensor target;
+      if (!op.datums[d].target_tokens.dtype.empty()) {
+        absl::StatusOr<at::Tensor> t = ReadTensor(op.datums[d].target_tokens, request);
+        if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(where, " target_tokens: ", t.status().message()));
+        if (t->scalar_type() != at::kLong || !t->sizes().equals(in->sizes())) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": target_tokens must be int64 [L] like input_tokens"));
+        }
+        if (t->min().item<int64_t>() < 0 || t->max().item<int64_t>() >= vocab) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": target token outside [0, ", vocab, ")"));
+        }
+        target = *t;
+      } else {
+        if (!op.loss.name.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": the loss needs target_tokens"));
+        }
+        target = at::zeros_like(*in);
+      }
+      tokens.push_back(*in);
+      targets.push_back(target);
+      seq_lens.push_back(in->numel());
+      r.datum_lens.push_back(in->numel());
+      n += in->numel();
+    }
+    r.end = n;
+    rows.push_back(std::move(r));
+  }
+
+  // LoRA segments per (layer, linear): every op with an adapter that targets the linear.
+  const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor& x) {
+    std::vector<kernels::LoraSegment> segments;
+    for (const OpRows& r : rows) {
+      if (r.adapter == nullptr || !r.adapter->targets(kind)) continue;
+      kernels::LoraSegment s{r.begin, r.end, r.adapter->a(layer, kind), r.adapter->b(layer, kind),
+                             r.adapter->scale(), {}};
+      const double p = r.adapter->config().dropout;
+      if (backward && p > 0) {
+        // The mask depends only on this adapter's seed, step, micro-batch, layer and linear,
+        // so a fused step draws exactly what a solo step would.
+        uint64_t seed = Mix(r.adapter->config().seed);
+        for (uint64_t v : {static_cast<uint64_t>(r.adapter->optimizer().step()),
+                           static_cast<uint64_t>(r.adapter->micro_batches_since_step),
+                           static_cast<uint64_t>(layer), static_cast<uint64_t>(kind)}) {
+          seed = Mix(seed ^ v);
+        }
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+        const at::Tensor xs = x.narrow(0, r.begin, r.end - r.begin);
+        const at::Tensor keep = at::empty(xs.sizes(), at::TensorOptions().dtype(at::kFloat))
+                                    .bernoulli_(1 - p, gen).to(xs.device()).to(xs.scalar_type());
+        s.x = xs * keep / (1 - p);
+      }
+      segments.push_back(std::move(s));
+    }
+    return segments;
+  };
+
+  std::optional<c10::NoGradGuard> no_grad;
+  if (!backward) no_grad.emplace();
+  const at::Tensor input = at::cat(tokens).to(device_);
+  const at::Tensor target = at::cat(targets).to(device_);
+  const at::Tensor logits = model_->Forward(input, seq_lens, lora);
+  const at::Tensor logprobs = at::log_softmax(logits, -1).gather(1, target.unsqueeze(1)).squeeze(1);
+
+  MethodReply reply;
+  ipc::ForwardReply body;
+  at::Tensor total;
+  for (size_t o = 0; o < rows.size(); ++o) {
+    const ipc::TrainOpMsg& op = req->ops[o];
+    const OpRows& r = rows[o];
+    ipc::OpResultMsg result;
+    std::vector<LossDatum> datums;
+    int64_t start = r.begin;
+    for (size_t d = 0; d < r.datum_lens.size(); ++d) {
+      const int64_t len = r.datum_lens[d];
+      LossDatum datum;
+      datum.logprobs = logprobs.narrow(0, start, len);
+      for (const auto& [name, desc] : op.datums[d].inputs) {
+        absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
+        if (!t.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("op ", o, " datum ", d, " input '", name, "': ", t.status().message()));
+        }
+        datum.inputs[name] = t->to(device_);
+      }
+      absl::StatusOr<ipc::TensorDesc> lp = AppendTensor(datum.logprobs.detach(), reply);
+      if (!lp.ok()) return lp.status();
+      result.logprobs.push_back(*lp);
+      if (req->return_logits) {
+        absl::StatusOr<ipc::TensorDesc> lg = AppendTensor(logits.narrow(0, start, len), reply);
+        if (!lg.ok()) return lg.status();
+        result.logits.push_back(*lg);
+      }
+      datums.push_back(std::move(datum));
+      start += len;
+    }
+    if (!op.loss.name.empty()) {
+      const LossSpec spec{op.loss.name, op.loss.config, op.loss.string_config};
+      if (absl::Status s = ValidateLossSpec(spec); !s.ok()) return s;
+      absl::StatusOr<LossResult> loss =
+          ComputeLoss(spec, datums, LossContext{op.window_tokens, op.window_sequences});
+      if (!loss.ok()) return absl::Status(loss.status().code(), absl::StrCat("op ", o, ": ", loss.status().message()));
+      for (const at::Tensor& e : loss->elementwise) {
+        absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(e.to(at::kFloat), reply);
+        if (!desc.ok()) return desc.status();
+        result.elementwise.push_back(*desc);
+      }
+      result.metrics = loss->metrics;
+      // Base-only rows ride along in the fused pass forward-only: nothing of theirs trains.
+      if (backward && r.adapter != nullptr) total = total.defined() ? total + loss->total : loss->total;
+    } else if (backward && r.adapter != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("forward_backward: op ", o, " trains adapter '",
+                                                     op.adapter_id, "' but names no loss"));
+    }
+    body.ops.push_back(std::move(result));
+  }
+  if (backward && total.defined()) {
+    total.backward();
+    for (const OpRows& r : rows) {
+      if (r.adapter != nullptr) ++r.adapter->micro_batches_since_step;
+    }
+  }
+  return Reply(body, std::move(reply));
+}
+
+absl::StatusOr<MethodReply> Trainer::OptimStep(const ipc::Message& request) {
+  absl::StatusOr<ipc::OptimStepRequest> req =
+      ipc::Unpack<ipc::OptimStepRequest>(request.envelope.body, ipc::kMethodOptimStep);
+  if (!req.ok()) return req.status();
+  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
+  if (!adapter.ok()) return adapter.status();
+  OptimizerHyper hyper;
+  if (absl::Status s = ApplyHyper(req->hyper, hyper); !s.ok()) return s;
+  absl::StatusOr<StepResult> step = (*adapter)->optimizer().Step(hyper);
+  if (!step.ok()) return step.status();
+  (*adapter)->optimizer().ZeroGrad();  // Tinker: optim_step applies and clears gradients
+  (*adapter)->micro_batches_since_step = 0;
+  return Reply(ipc::OptimStepReply{step->grad_norm, step->learning_rate, step->step});
+}
+
+absl::StatusOr<MethodReply> Trainer::ZeroGrad(const ipc::Message& request) {
+  absl::StatusOr<ipc::AdapterRequest> req =
+      ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodZeroGrad);
+  if (!req.ok()) return req.status();
+  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
+  if (!adapter.ok()) return adapter.status();
+  (*adapter)->optimizer().ZeroGrad();
+  (*adapter)->micro_batches_since_step = 0;
+  return MethodReply{};
+}
+
+absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request) {
+  absl::StatusOr<ipc::AdapterRequest> req =
+      ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodGetAdapterState);
+  if (!req.ok()) return req.status();
+  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
+  if (!adapter.ok()) return adapter.status();
+  MethodReply reply;
+  ipc::AdapterStateReply body;
+  for (const auto& [name, t] : (*adapter)->named_parameters()) {
+    absl::StatusOr<ipc::TensorDesc> w = AppendTensor(t, reply);
+    if (!w.ok()) return w.status();
+    body.weights[name] = *w;
+    if (t.grad().defined()) {
+      absl::StatusOr<ipc::TensorDesc> g = AppendTensor(t.grad(), reply);
+      if (!g.ok()) return g.status();
+      body.grads[name] = *g;
+    }
+  }
+  for (const auto& [name, t] : (*adapter)->optimizer().StateTensors()) {
+    absl::StatusOr<ipc::TensorDesc> s = AppendTensor(t, reply);
+    if (!s.ok()) return s.status();
+    body.optimizer[name] = *s;
+  }
+  body.step = (*adapter)->optimizer().step();
+  return Reply(body, std::move(reply));
+}
+
+absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request) {
+  absl::StatusOr<ipc::SetAdapterStateRequest> req =
+      ipc::Unpack<ipc::SetAdapterStateRequest>(request.envelope.body, ipc::kMethodSetAdapterState);
+  if (!req.ok()) return req.status();
+  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
+  if (!adapter.ok()) return adapter.status();
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& [name, desc] : req->weights) {
+    absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("weight '", name, "': ", t.status().message()));
+    weights[name] = t->to(at::kFloat).to(device_);
+  }
+  if (absl::Status s = (*adapter)->SetWeights(weights); !s.ok()) return s;
+  return MethodReply{};
+}
+
+}  // namespace twinkle::engine

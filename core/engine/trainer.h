@@ -1,0 +1,48 @@
+#pragma once
+// The training engine of one worker: the base model, the resident adapters, and the IPC
+// methods that drive them (create/remove adapter, forward, forward_backward over a fused
+// plan, optim_step, zero_grad, get/set adapter state).
+//
+// A forward or forward_backward request carries several ops, one per adapter (or base-only).
+// Their datums are packed into one row batch: the base model runs ONCE over all rows, each
+// op's rows get their adapter's LoRA terms, and each op's loss is computed over its own
+// datums only. Adapters' parameters are disjoint, so the single backward over the summed
+// losses gives every adapter exactly the gradient it would get alone.
+
+#include <c10/core/Device.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/engine/lora/adapter.h"
+#include "core/engine/model/decoder.h"
+#include "core/engine/request_handler.h"
+
+namespace twinkle::engine {
+
+class Trainer {
+ public:
+  Trainer(std::unique_ptr<DecoderModel> model, c10::Device device);
+
+  // Adds this trainer's methods to the worker's method table.
+  void RegisterMethods(std::map<std::string, Method>& methods);
+
+ private:
+  absl::StatusOr<MethodReply> CreateAdapter(const ipc::Message& request);
+  absl::StatusOr<MethodReply> RemoveAdapter(const ipc::Message& request);
+  absl::StatusOr<MethodReply> Forward(const ipc::Message& request, bool backward);
+  absl::StatusOr<MethodReply> OptimStep(const ipc::Message& request);
+  absl::StatusOr<MethodReply> ZeroGrad(const ipc::Message& request);
+  absl::StatusOr<MethodReply> GetAdapterState(const ipc::Message& request);
+  absl::StatusOr<MethodReply> SetAdapterState(const ipc::Message& request);
+
+  absl::StatusOr<Adapter*> FindAdapter(const std::string& id);
+
+  std::unique_ptr<DecoderModel> model_;
+  c10::Device device_;
+  std::map<std::string, std::unique_ptr<Adapter>> adapters_;
+};
+
+}  // namespace twinkle::engine

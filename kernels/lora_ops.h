@@ -1,0 +1,30 @@
+#pragma once
+// Multi-LoRA ops over a packed batch whose rows belong to different adapters (SGMV style):
+// rows are grouped in contiguous segments, each with its own (A, B, scale); rows outside any
+// segment get no LoRA term. For segment s:
+//   delta[rows_s] = scale_s * (x[rows_s] · A_sᵀ) · B_sᵀ      (shrink to rank r, then expand)
+// This CPU version composes ATen ops, so autograd derives the backward; the CUDA SGMV
+// kernels (TWINKLE_WITH_CUDA) will be tested against it.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace twinkle::kernels {
+
+struct LoraSegment {
+  int64_t row_begin = 0;
+  int64_t row_end = 0;  // exclusive
+  at::Tensor a;         // [r, in]  (fp32 master weight, may require grad)
+  at::Tensor b;         // [out, r]
+  double scale = 1.0;   // lora_alpha / r (or / sqrt(r) with rsLoRA)
+  at::Tensor x;         // optional: the segment's input after LoRA dropout; undefined = x rows
+};
+
+// Returns delta [N, out] in x's dtype (rows without a segment are zero). Segments must be
+// sorted, non-overlapping and inside [0, N).
+at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
+                     const std::vector<LoraSegment>& segments);
+
+}  // namespace twinkle::kernels

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Builds tiny random HF models, one per supported decoder variant, for numerical tests.
+
+Every variant the engine implements is covered: Llama (untied, llama3 RoPE scaling; tied,
+linear scaling), Qwen2 (q/k/v bias), Qwen3 (q/k norm; tied and untied, the transformers-5
+`rope_parameters` layout that save_pretrained writes). Weights are drawn with a fixed seed and
+every parameter (norms and biases included, which transformers initialises to constants) is
+perturbed, so a weight the engine ignored would show in the logits.
+
+Usage: make_reference_models.py OUT_DIR  -> OUT_DIR/<variant>/ (HF directory each)
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
+    "llama-llama3-rope": (
+        LlamaForCausalLM,
+        lambda: LlamaConfig(**COMMON, rope_theta=500000.0, tie_word_embeddings=False,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    ),
+    "llama-tied-linear-rope": (
+        LlamaForCausalLM,
+        lambda: LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=True,
+                            rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        lambda: Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=True),
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        lambda: Qwen3Config(**COMMON, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False),
+    ),
+    "qwen3-tied": (
+        Qwen3ForCausalLM,
+        lambda: Qwen3Config(**COMMON, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True),
+    ),
+}
+
+
+def make(variant: str, out: Path, seed: int = 0) -> Path:
+    model_cls, config_fn = VARIANTS[variant]
+    torch.manual_seed(seed)
+    config = config_fn()
+    config.torch_dtype = torch.float32
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    target = out / variant
+    model.save_pretrained(target, safe_serialization=True)
+    return target
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), action="append")
+    args = parser.parse_args(argv)
+    for variant in args.variant or sorted(VARIANTS):
+        print(make(variant, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
