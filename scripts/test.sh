@@ -16,7 +16,12 @@ ctest --test-dir build --output-on-failure -j 2
 echo "== test: ctest took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
-echo "== test: pytest"
+echo "== test: pytest tests/e2e (the server as a whole)"
 "$ROOT/.venv/bin/python" -m pytest tests/e2e -q "$@"
-echo "== test: pytest took $(( $(date +%s) - t )) s"
+echo "== test: pytest tests/e2e took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
+echo "== test: pytest tests/engine (numerics vs transformers, PEFT, torch.optim)"
+"$ROOT/.venv/bin/python" -m pytest tests/engine -q "$@"
+echo "== test: pytest tests/engine took $(( $(date +%s) - t )) s"
 echo "== test: all passed in $(( $(date +%s) - start )) s"

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Engine benchmark: prints a table, then `BENCH {json}` as the last line.
+
+Figures (all on this machine, in one run, same thread count):
+  gemm_gflops           measured fp32 matmul rate (LibTorch via torch, 2048^3)
+  train_tokens_per_s    single-tenant LoRA training (forward_backward + optim_step), ~50M model
+  mfu                   train_tokens_per_s * 4*P / gemm rate (frozen-base LoRA: ~4 P FLOPs/token)
+  fused_vs_sequential   8 tenants x 1 seq x 128 tokens: one fused step vs one tenant at a time
+  vs_peft               our single-tenant tokens/s / transformers+PEFT's, same model and batch
+The engine is the real twinkle-engine process driven over its IPC (tests/engine/engine_harness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests/engine"))
+from engine_harness import Engine  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+RANK, ALPHA = 16, 32.0
+HYPER = {"learning_rate": 1e-4, "weight_decay": 0.0}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_model(out: Path, layers: int) -> tuple[Path, int]:
+    config = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                         max_position_embeddings=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    return out, sum(p.numel() for p in model.parameters())
+
+
+def timed(fn: Callable[[], None], warmup: int, repeats: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
+def gemm_gflops() -> float:
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / timed(lambda: torch.mm(a, b), 2, 5) / 1e9
+
+
+def batch(seqs: int, length: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(seqs):
+        t = torch.randint(0, 8192, (length,), generator=g)
+        out.append({"input_tokens": t, "target_tokens": torch.roll(t, -1)})
+    return out
+
+
+def engine_train_step(engine: Engine, ops: list[dict[str, object]]) -> None:
+    engine.call("forward_backward", {"ops": ops})
+    for op in ops:
+        engine.call("optim_step", {"adapter_id": op["adapter_id"], "hyper": HYPER})
+
+
+def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, object]:
+    return {"adapter_id": adapter, "datums": datums, "loss": {"name": "cross_entropy"}}
+
+
+def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int) -> float:
+    base = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    data = batch(seqs, length, seed=1)
+    inputs = torch.stack([d["input_tokens"] for d in data])
+    targets = torch.stack([d["target_tokens"] for d in data])
+
+    def step() -> None:
+        logits = model(input_ids=inputs).logits
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        (-lp.sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return seqs * length / timed(step, 1, repeats)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=14, help="14 layers = ~48M parameters")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+
+    with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:
+        model_dir, params = make_model(Path(tmp) / "model", args.layers)
+        gflops = gemm_gflops()
+        with Engine() as engine:
+            engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
+            for i in range(8):
+                engine.call("create_adapter", {"adapter_id": f"t{i}", "rank": RANK, "alpha": ALPHA, "seed": i})
+            # Single tenant: 4 sequences x 128 tokens per step.
+            single = [op("t0", batch(4, 128, seed=1))]
+            t_single = timed(lambda: engine_train_step(engine, single), 1, args.repeats)
+            train_tps = 4 * 128 / t_single
+            # 8 tenants, 1 x 128 tokens each: fused in one pass vs one tenant at a time.
+            tenants = [op(f"t{i}", batch(1, 128, seed=10 + i)) for i in range(8)]
+            t_fused = timed(lambda: engine_train_step(engine, tenants), 1, args.repeats)
+            t_seq = timed(lambda: [engine_train_step(engine, [o]) for o in tenants], 1, args.repeats)
+        peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats)
+
+    mfu = train_tps * 4 * params / (gflops * 1e9)
+    result = {
+        "gemm_gflops": round(gflops, 2),
+        "train_tokens_per_s": round(train_tps, 1),
+        "mfu": round(mfu, 3),
+        "fused_vs_sequential": round(t_seq / t_fused, 3),
+        "vs_peft": round(train_tps / peft_tps, 3),
+        "peft_tokens_per_s": round(peft_tps, 1),
+        "params": params,
+        "threads": threads,
+    }
+    rows = [
+        ("model parameters", f"{params / 1e6:.1f} M (Qwen3, {args.layers} layers, LoRA r={RANK} all-linear)"),
+        ("threads", str(threads)),
+        ("fp32 GEMM (2048^3)", f"{gflops:.1f} GFLOP/s"),
+        ("train tokens/s, 1 tenant 4x128", f"{train_tps:.1f}  (goal: 1.3x PEFT)"),
+        ("transformers+PEFT tokens/s", f"{peft_tps:.1f}"),
+        ("ours / PEFT", f"{train_tps / peft_tps:.2f}x"),
+        ("MFU (4P FLOPs/token vs GEMM)", f"{mfu * 100:.1f}%  (goal >= 50%)"),
+        ("8 tenants 1x128: fused step", f"{t_fused * 1000:.0f} ms"),
+        ("8 tenants 1x128: one at a time", f"{t_seq * 1000:.0f} ms"),
+        ("fused vs sequential", f"{t_seq / t_fused:.2f}x  (goal >= 2.0x)"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print("BENCH " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The engine's losses (core/engine/loss) against the published formulas, through loss_probe.
+
+Every loss is computed by the C++ engine on random inputs (several datums of different lengths,
+advantages of both signs, sampler log-probs near the current ones so that ratios straddle the
+clip thresholds) and compared with a direct float64 PyTorch computation of the formula from
+tinker-protocol.md §9 / twinkle-api.md §6, written out below; gradients come from autograd on
+both sides. "elementwise" is each token's contribution to the total (normalisers included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from engine_harness import Engine, EngineError
+from numerics import assert_close
+
+INVALID_ARGUMENT = 3
+
+
+@pytest.fixture(scope="module")
+def loss_engine() -> Iterator[Engine]:
+    # loss_probe needs no model, so one worker serves the whole module.
+    with Engine() as e:
+        yield e
+
+
+# ---------------------------------------------------------------- reference formulas (float64)
+
+
+def reference(name: str, config: dict[str, Any], datums: list[dict[str, Any]],
+              context: dict[str, int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Returns (total, per-token contributions, d total / d logprobs) per datum."""
+    lps = [d["logprobs"].to(torch.float64).clone().requires_grad_(True) for d in datums]
+    ins = [{k: v.to(torch.float64) for k, v in d["inputs"].items()} for d in datums]
+    if name.startswith("twinkle:"):
+        terms = twinkle_terms(name, config, lps, ins, context)
+    else:
+        terms = [tinker_term(name, config, lp, x) for lp, x in zip(lps, ins)]
+    total = sum(t.sum() for t in terms)
+    total.backward()
+    return total.detach(), [t.detach() for t in terms], [lp.grad for lp in lps]
+
+
+def tinker_term(name: str, config: dict[str, Any], lp: torch.Tensor, x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """tinker-protocol.md §9.2: per-token term of the plain-sum losses (weights multiply)."""
+    w = x.get("weights", torch.ones_like(lp))
+    if name == "cross_entropy":
+        return -w * lp
+    q, a = x["logprobs"], x["advantages"]
+    r = torch.exp(lp - q)
+    if name == "importance_sampling":
+        return -(r * a) * w
+    if name in ("ppo", "cispo"):
+        lo_default, hi_default = (0.8, 1.2) if name == "ppo" else (0.0, 4.0)
+        lo = x.get("clip_low_threshold", torch.full_like(lp, config.get("clip_low_threshold", lo_default)))
+        hi = x.get("clip_high_threshold", torch.full_like(lp, config.get("clip_high_threshold", hi_default)))
+        clipped = torch.clamp(r, lo, hi)
+        if name == "ppo":
+            return -torch.minimum(r * a, clipped * a) * w
+        return -(clipped.detach() * lp * a) * w
+    if name == "dro":
+        beta = config.get("beta", 0.05)
+        return -(lp * a - 0.5 * beta * (lp - q) ** 2) * w
+    raise AssertionError(name)
+
+
+def twinkle_terms(name: str, config: dict[str, Any], lps: list[torch.Tensor],
+                  ins: list[dict[str, torch.Tensor]], context: dict[str, int]) -> list[torch.Tensor]:
+    """twinkle-api.md §6: masked means; normalisers may span the accumulation window."""
+    masks = [x.get("mask", torch.ones_like(lp)) * x.get("weights", torch.ones_like(lp)) for lp, x in zip(lps, ins)]
+    if name == "twinkle:cross_entropy":
+        terms = [-lp * m for lp, m in zip(lps, masks)]
+        if config.get("reduction", "mean") == "sum":
+            return terms
+        denom = context.get("window_tokens") or max(float(sum(m.sum() for m in masks)), 1.0)
+        return [t / denom for t in terms]
+    assert name == "twinkle:grpo"
+    eps = config.get("epsilon", 0.2)
+    eps_high = config.get("epsilon_high", eps)
+    beta = config.get("beta", 0.0)
+    num_seqs = context.get("window_sequences") or len(lps)
+    terms = []
+    for lp, x, m in zip(lps, ins, masks):
+        old = x.get("logprobs", lp.detach())
+        r = torch.exp(torch.clamp(lp - old, -20, 20))
+        a = x["advantages"]
+        per_token = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps_high) * a)
+        if beta > 0 and "ref_logprobs" in x:
+            d = x["ref_logprobs"] - lp
+            per_token = per_token + beta * (torch.exp(d) - d - 1)
+        terms.append(per_token * m / (m.sum().clamp(min=1) * num_seqs))
+    return terms
+
+
+# ---------------------------------------------------------------- random inputs
+
+
+def make_datums(case: dict[str, Any], dtype: torch.dtype, seed: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    spread = case.get("spread", 0.3)
+    datums = []
+    for i, n in enumerate(case.get("lengths", [1, 5, 17, 0, 64, 3])):
+        lp = -3 * torch.rand(n, generator=g, dtype=torch.float64)
+        x: dict[str, torch.Tensor] = {}
+        for key in case["inputs"]:
+            if key == "logprobs":  # sampler / old policy near the current one
+                x[key] = lp + spread * torch.randn(n, generator=g, dtype=torch.float64)
+            elif key == "logprobs_far":  # beyond GRPO's ±20 clamp on some tokens
+                x["logprobs"] = lp + 25 * torch.randn(n, generator=g, dtype=torch.float64)
+            elif key == "advantages":
+                x[key] = torch.randn(n, generator=g, dtype=torch.float64)
+            elif key == "ref_logprobs":
+                x[key] = lp + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+            elif key == "weights":  # arbitrary reals, negative included
+                x[key] = torch.randn(n, generator=g, dtype=torch.float64)
+            elif key in ("mask", "mask_weights"):  # 0/1
+                x["mask" if key == "mask" else "weights"] = (
+                    torch.rand(n, generator=g) < 0.7).to(torch.float64)
+            elif key == "clip_low_threshold":  # per token, on every other datum only
+                if i % 2 == 0:
+                    x[key] = 0.7 + 0.25 * torch.rand(n, generator=g, dtype=torch.float64)
+            elif key == "clip_high_threshold":
+                if i % 2 == 0:
+                    x[key] = 1.05 + 0.25 * torch.rand(n, generator=g, dtype=torch.float64)
+            else:
+                raise AssertionError(key)
+        datums.append({"logprobs": lp.to(dtype), "inputs": {k: v.to(dtype) for k, v in x.items()}})
+    return datums
+
+
+RL = ["logprobs", "advantages"]
+CASES: dict[str, dict[str, Any]] = {
+    "ce": {"name": "cross_entropy", "inputs": []},
+    "ce_weights": {"name": "cross_entropy", "inputs": ["weights"]},
+    "is": {"name": "importance_sampling", "inputs": RL},
+    "is_weights": {"name": "importance_sampling", "inputs": RL + ["mask_weights"]},
+    "ppo": {"name": "ppo", "inputs": RL},
+    "ppo_config_weights": {"name": "ppo", "config": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+                           "inputs": RL + ["weights"]},
+    "ppo_per_token": {"name": "ppo", "config": {"clip_high_threshold": 1.15},
+                      "inputs": RL + ["clip_low_threshold", "clip_high_threshold"]},
+    "cispo": {"name": "cispo", "inputs": RL, "spread": 1.0},  # some ratios above 4
+    "cispo_config": {"name": "cispo", "config": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                     "inputs": RL + ["weights"]},
+    "dro": {"name": "dro", "inputs": RL},
+    "dro_beta_weights": {"name": "dro", "config": {"beta": 0.3}, "inputs": RL + ["weights"]},
+    "twinkle_ce_mean": {"name": "twinkle:cross_entropy", "inputs": ["mask"]},
+    "twinkle_ce_sum": {"name": "twinkle:cross_entropy", "config": {"reduction": "sum"},
+                       "inputs": ["mask", "mask_weights"]},
+    "twinkle_ce_window": {"name": "twinkle:cross_entropy", "inputs": ["mask"],
+                          "context": {"window_tokens": 300, "window_sequences": 0}},
+    "grpo": {"name": "twinkle:grpo", "inputs": RL + ["mask"]},
+    "grpo_on_policy": {"name": "twinkle:grpo", "inputs": ["advantages", "mask"]},
+    "grpo_kl_window": {"name": "twinkle:grpo", "config": {"epsilon": 0.1, "epsilon_high": 0.3, "beta": 0.04},
+                       "inputs": RL + ["ref_logprobs", "mask"],
+                       "context": {"window_tokens": 0, "window_sequences": 16}},
+    "grpo_clamp20": {"name": "twinkle:grpo", "inputs": ["logprobs_far", "advantages"]},
+}
+
+
+def probe(engine: Engine, case: dict[str, Any], datums: list[dict[str, Any]]) -> dict[str, Any]:
+    context = case.get("context", {"window_tokens": 0, "window_sequences": 0})
+    return engine.call("loss_probe", {"loss": {"name": case["name"], "config": case.get("config", {})},
+                                      "datums": datums, "context": context})
+
+
+def check(engine: Engine, label: str, case: dict[str, Any], dtype: torch.dtype, tol: float,
+          absolute: bool, seed: int) -> None:
+    datums = make_datums(case, dtype, seed)
+    got = probe(engine, case, datums)
+    context = case.get("context", {})
+    total, terms, grads = reference(case["name"], case.get("config", {}), datums, context)
+    got_total = torch.tensor([got["total"]], dtype=torch.float64)
+    largest = [assert_close(f"{label} total", got_total, total.reshape(1), tol, absolute)]
+    assert len(got["elementwise"]) == len(got["grad_logprobs"]) == len(datums)
+    for i, (e, g) in enumerate(zip(got["elementwise"], got["grad_logprobs"])):
+        assert e.dtype == g.dtype == dtype
+        largest.append(assert_close(f"{label} datum{i} elementwise", e, terms[i], tol, absolute))
+        largest.append(assert_close(f"{label} datum{i} grad", g, grads[i], tol, absolute))
+    loss_key = "loss:sum" if "loss:sum" in got["metrics"] else "loss:mean"
+    assert got["metrics"][loss_key] == pytest.approx(got["total"], rel=1e-12, abs=1e-300)
+    assert got["metrics"]["num_sequences:sum"] == len(datums)
+    print(f"{label}: largest difference {max(largest):.3e}")
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_float64_matches_formula(loss_engine: Engine, case_id: str) -> None:
+    case = CASES[case_id]
+    # The ±20 clamp case reaches ratios of e^20; compare relative to the largest value there.
+    check(loss_engine, case_id, case, torch.float64, 1e-10, absolute=case_id != "grpo_clamp20", seed=7)
+
+
+@pytest.mark.parametrize("case_id", ["ce_weights", "is", "ppo", "cispo", "dro", "twinkle_ce_mean", "grpo_kl_window"])
+def test_float32_matches_formula(loss_engine: Engine, case_id: str) -> None:
+    check(loss_engine, f"{case_id} fp32", CASES[case_id], torch.float32, 1e-5, absolute=False, seed=11)
+
+
+def test_ratios_straddle_the_clip_thresholds() -> None:
+    # Guards the inputs themselves: a test whose ratios never clip would not test clipping.
+    for case_id, lo, hi in [("ppo", 0.8, 1.2), ("cispo", 0.0, 4.0), ("grpo", 0.8, 1.2)]:
+        r = torch.cat([torch.exp(d["logprobs"] - d["inputs"]["logprobs"])
+                       for d in make_datums(CASES[case_id], torch.float64, 7)])
+        assert (r > hi).any() and ((r < lo).any() or lo == 0.0) and ((r > lo) & (r < hi)).any(), case_id
+
+
+def test_num_tokens_counts_nonzero_weights(loss_engine: Engine) -> None:
+    datums = [{"logprobs": torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64),
+               "inputs": {"weights": torch.tensor([1.0, 0.0, -0.5], dtype=torch.float64)}}]
+    got = probe(loss_engine, {"name": "cross_entropy"}, datums)
+    assert got["metrics"]["num_tokens:sum"] == 2
+    assert got["metrics"]["loss:sum"] == pytest.approx(1.0 - 1.5)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def expect_error(engine: Engine, body: dict[str, Any], *needles: str) -> None:
+    with pytest.raises(EngineError) as err:
+        engine.call("loss_probe", body)
+    print(f"error: {err.value.message}")
+    assert err.value.code == INVALID_ARGUMENT, err.value
+    for needle in needles:
+        assert needle in err.value.message
+
+
+def one_datum(**inputs: torch.Tensor) -> list[dict[str, Any]]:
+    return [{"logprobs": torch.tensor([-1.0, -2.0], dtype=torch.float64), "inputs": inputs}]
+
+
+def test_unknown_loss_name(loss_engine: Engine) -> None:
+    expect_error(loss_engine, {"loss": {"name": "grpo2"}, "datums": one_datum()},
+                 "unknown loss 'grpo2'", "'cross_entropy'", "'ppo'", "'twinkle:grpo'")
+
+
+def test_unknown_config_key(loss_engine: Engine) -> None:
+    expect_error(loss_engine, {"loss": {"name": "ppo", "config": {"clip_ratio": 0.2}}, "datums": one_datum()},
+                 "loss 'ppo'", "unknown config key 'clip_ratio'", "'clip_low_threshold', 'clip_high_threshold'")
+
+
+def test_out_of_range_config(loss_engine: Engine) -> None:
+    expect_error(loss_engine, {"loss": {"name": "dro", "config": {"beta": -0.1}}, "datums": one_datum()},
+                 "beta must be >= 0")
+    expect_error(loss_engine, {"loss": {"name": "cispo", "config": {"clip_low_threshold": 5}},
+                               "datums": one_datum()}, "clip_low_threshold <= clip_high_threshold")
+    expect_error(loss_engine, {"loss": {"name": "twinkle:cross_entropy", "config": {"reduction": "avg"}},
+                               "datums": one_datum()}, "reduction must be 'mean' or 'sum'")
+
+
+def test_missing_and_malformed_inputs(loss_engine: Engine) -> None:
+    good = {"logprobs": torch.zeros(2, dtype=torch.float64), "advantages": torch.ones(2, dtype=torch.float64)}
+    datums = one_datum(**good) + one_datum(logprobs=good["logprobs"])
+    expect_error(loss_engine, {"loss": {"name": "importance_sampling"}, "datums": datums},
+                 "datum 1", "missing required input 'advantages'")
+    expect_error(loss_engine, {"loss": {"name": "cross_entropy"},
+                               "datums": one_datum(weights=torch.ones(3, dtype=torch.float64))},
+                 "datum 0", "'weights' has shape [3], expected [2]")
+    expect_error(loss_engine, {"loss": {"name": "cross_entropy"},
+                               "datums": one_datum(weights=torch.tensor([1.0, float("nan")], dtype=torch.float64))},
+                 "non-finite")
+    expect_error(loss_engine, {"loss": {"name": "cross_entropy"}, "datums": one_datum(mask=torch.ones(2))},
+                 "unknown input 'mask'")
+    expect_error(loss_engine, {"loss": {"name": "cross_entropy"}, "datums": []}, "at least one datum")
+    expect_error(loss_engine, {"loss": {"name": "cross_entropy"}, "datums": "nope"}, "malformed loss_probe body")
