@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import load
 from engine_harness import Engine
@@ -31,22 +32,25 @@ def base_rows(round_: int) -> dict[str, object]:
     return {"adapter_id": "", "datums": [{"input_tokens": tokens, "target_tokens": tokens}]}
 
 
-def create(engine: Engine, adapter: str) -> None:
+def create(engine: Engine, adapter: str, dropout: float = 0.0) -> None:
     engine.call("create_adapter", {"adapter_id": adapter, "rank": ADAPTERS[adapter], "alpha": 16.0,
-                                   "seed": ord(adapter)})
+                                   "seed": ord(adapter), "dropout": dropout})
 
 
 def op(adapter: str, round_: int) -> dict[str, object]:
     return {"adapter_id": adapter, "datums": data(adapter, round_), "loss": {"name": "cross_entropy"}}
 
 
-def test_fused_training_equals_solo_training(reference_models: Path) -> None:
+@pytest.mark.parametrize("dropout,rounds", [(0.0, ROUNDS), (0.1, 5)], ids=["no-dropout", "dropout"])
+def test_fused_training_equals_solo_training(reference_models: Path, dropout: float, rounds: int) -> None:
+    """With dropout the masks come from each adapter's own seeded stream, so fused and solo
+    draw the same masks and still end identical."""
     model_dir = reference_models / "qwen3"
     with Engine() as fused:
         load(fused, model_dir)
         for a in ADAPTERS:
-            create(fused, a)
-        for r in range(ROUNDS):
+            create(fused, a, dropout)
+        for r in range(rounds):
             # One request: three adapters' ops plus base-only rows, one base-model pass.
             ops = [op(a, r) for a in ADAPTERS]
             ops.insert(1, base_rows(r))
@@ -60,12 +64,12 @@ def test_fused_training_equals_solo_training(reference_models: Path) -> None:
     for a in ADAPTERS:
         with Engine() as solo:
             load(solo, model_dir)
-            create(solo, a)
-            for r in range(ROUNDS):
+            create(solo, a, dropout)
+            for r in range(rounds):
                 solo.call("forward_backward", {"ops": [op(a, r)]})
                 solo.call("optim_step", {"adapter_id": a, "hyper": HYPER})
             solo_state = solo.call("get_adapter_state", {"adapter_id": a})
-        assert fused_state[a]["step"] == solo_state["step"] == ROUNDS
+        assert fused_state[a]["step"] == solo_state["step"] == rounds
         # Training moved every B away from its zero init, so equality is not trivially true.
         assert all(float(w.abs().max()) > 0 for n, w in solo_state["weights"].items() if "lora_B" in n)
         for name, w in solo_state["weights"].items():
@@ -73,3 +77,39 @@ def test_fused_training_equals_solo_training(reference_models: Path) -> None:
         for name, m in solo_state["optimizer"].items():
             if m.is_floating_point():
                 assert_close(f"{a} optimizer {name}", fused_state[a]["optimizer"][name], m, 1e-5)
+
+
+def test_dropout_changes_the_gradient(reference_models: Path) -> None:
+    """Guards the test above: with dropout on, the gradient differs from the dropout-free one
+    (so equal fused/solo results are not an artefact of dropout being ignored)."""
+    with Engine() as engine:
+        load(engine, reference_models / "qwen3")
+        create(engine, "a", 0.0)
+        engine.call("create_adapter", {"adapter_id": "d", "rank": ADAPTERS["a"], "alpha": 16.0,
+                                       "seed": ord("a"), "dropout": 0.5})
+        grads = {}
+        for adapter in ("a", "d"):
+            engine.call("forward_backward", {"ops": [{**op("a", 0), "adapter_id": adapter}]})
+            grads[adapter] = engine.call("get_adapter_state", {"adapter_id": adapter})["grads"]
+    name = next(n for n in grads["a"] if "lora_B" in n)  # lora_A grads are 0 while B = 0
+    assert float(grads["a"][name].abs().max()) > 0
+    assert not torch.allclose(grads["a"][name], grads["d"][name])
+
+
+def test_gradient_accumulation_equals_one_big_batch(reference_models: Path) -> None:
+    """Tinker losses are plain sums: two forward_backward calls before optim_step give the same
+    step as one call with all the datums."""
+    model_dir = reference_models / "qwen3"
+    d0, d1 = data("b", 0), data("b", 1)
+    states = []
+    for calls in ([d0, d1], [d0 + d1]):
+        with Engine() as engine:
+            load(engine, model_dir)
+            create(engine, "b")
+            for datums in calls:
+                engine.call("forward_backward", {"ops": [{"adapter_id": "b", "datums": datums,
+                                                          "loss": {"name": "cross_entropy"}}]})
+            engine.call("optim_step", {"adapter_id": "b", "hyper": HYPER})
+            states.append(engine.call("get_adapter_state", {"adapter_id": "b"}))
+    for name, w in states[1]["weights"].items():
+        assert_close(f"accumulated {name}", states[0]["weights"][name], w, 1e-6, absolute=True)
