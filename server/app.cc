@@ -103,6 +103,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.model_dir = c.model.path;
   o.dtype = c.model.dtype;
   o.log_level = c.logging.level;
+  o.max_lora_rank = c.limits.max_lora_rank;
   o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
   o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
   o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);

@@ -88,7 +88,8 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   reply.hidden_size = config.hidden_size;
   reply.supported_losses = SupportedLossNames();
   trainer_ = std::make_unique<Trainer>(
-      std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device);
+      std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device,
+      req->max_lora_rank);
   trainer_->RegisterMethods(methods_);
   reply.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   MethodReply out;

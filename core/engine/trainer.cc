@@ -56,8 +56,8 @@ struct OpRows {
 
 }  // namespace
 
-Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device)
-    : model_(std::move(model)), device_(device) {}
+Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank)
+    : model_(std::move(model)), device_(device), max_lora_rank_(max_lora_rank) {}
 
 void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodCreateAdapter] = [this](const ipc::Message& r) { return CreateAdapter(r); };
@@ -83,6 +83,10 @@ absl::StatusOr<MethodReply> Trainer::CreateAdapter(const ipc::Message& request) 
   if (req->adapter_id.empty()) return absl::InvalidArgumentError("adapter_id must not be empty");
   if (adapters_.count(req->adapter_id)) {
     return absl::AlreadyExistsError(absl::StrCat("adapter '", req->adapter_id, "' already exists"));
+  }
+  if (max_lora_rank_ > 0 && req->rank > max_lora_rank_) {
+    return absl::FailedPreconditionError(absl::StrCat("LoRA rank ", req->rank,
+                                                      " exceeds this server's max_lora_rank of ", max_lora_rank_));
   }
   absl::StatusOr<std::vector<LinearKind>> targets = ParseTargets(req->targets);
   if (!targets.ok()) return targets.status();
@@ -325,6 +329,17 @@ absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request
     absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("weight '", name, "': ", t.status().message()));
     weights[name] = t->to(at::kFloat).to(device_);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
+  for (const auto& [name, desc] : req->optimizer) {
+    absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "': ", t.status().message()));
+    optimizer_state.emplace_back(name, *t);
+  }
+  // Optimizer state first: LoadState validates everything before changing anything, and so
+  // does SetWeights, so a bad request leaves the adapter as it was.
+  if (!optimizer_state.empty()) {
+    if (absl::Status s = (*adapter)->optimizer().LoadState(optimizer_state); !s.ok()) return s;
   }
   if (absl::Status s = (*adapter)->SetWeights(weights); !s.ok()) return s;
   return MethodReply{};

@@ -24,7 +24,8 @@ namespace twinkle::engine {
 
 class Trainer {
  public:
-  Trainer(std::unique_ptr<DecoderModel> model, c10::Device device);
+  // max_lora_rank: create_adapter refuses larger ranks (0 = no limit).
+  Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank = 0);
 
   // Adds this trainer's methods to the worker's method table.
   void RegisterMethods(std::map<std::string, Method>& methods);
@@ -42,6 +43,7 @@ class Trainer {
 
   std::unique_ptr<DecoderModel> model_;
   c10::Device device_;
+  int64_t max_lora_rank_ = 0;
   std::map<std::string, std::unique_ptr<Adapter>> adapters_;
 };
 

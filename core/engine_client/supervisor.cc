@@ -203,7 +203,8 @@ void Supervisor::HandleMessages(absl::Time now) {
         load.envelope.request_id = w.load_request_id = next_request_id_++;
         load.envelope.method = ipc::kMethodLoadModel;
         load.envelope.body =
-            ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device});
+            ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device,
+                                                options_.max_lora_rank});
         absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
         if (s.ok()) s = ipc::SendMessage(zmq_->router, load, w.identity);
         if (!s.ok()) {

@@ -29,6 +29,7 @@ struct SupervisorOptions {
   std::string model_dir;
   std::string dtype;
   std::string log_level = "info";
+  int64_t max_lora_rank = 0;          // passed to the workers, which refuse larger adapters
   absl::Duration heartbeat_interval = absl::Milliseconds(200);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
   absl::Duration startup_timeout = absl::Seconds(120);

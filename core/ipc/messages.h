@@ -37,7 +37,8 @@ struct LoadModelRequest {
   std::string model_dir;
   std::string dtype;   // float32 | bfloat16 | float16
   std::string device;  // cpu | cuda:N
-  MSGPACK_DEFINE_MAP(model_dir, dtype, device);
+  int64_t max_lora_rank = 0;  // create_adapter refuses larger ranks; 0 = no limit
+  MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank);
 };
 struct LoadModelReply {
   std::string architecture;

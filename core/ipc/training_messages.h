@@ -109,10 +109,13 @@ struct AdapterStateReply {
   int64_t step = 0;
   MSGPACK_DEFINE_MAP(weights, grads, optimizer, step);
 };
+// Restores what get_adapter_state returned. Weights may be a subset (by PEFT key); the
+// optimizer state, when given, is replaced whole (validated first: nothing changes on error).
 struct SetAdapterStateRequest {
   std::string adapter_id;
   std::map<std::string, TensorDesc> weights;
-  MSGPACK_DEFINE_MAP(adapter_id, weights);
+  std::map<std::string, TensorDesc> optimizer;
+  MSGPACK_DEFINE_MAP(adapter_id, weights, optimizer);
 };
 
 }  // namespace twinkle::ipc
