@@ -5,6 +5,7 @@ advantages of both signs, sampler log-probs near the current ones so that ratios
 clip thresholds) and compared with a direct float64 PyTorch computation of the formula from
 tinker-protocol.md §9 / twinkle-api.md §6, written out below; gradients come from autograd on
 both sides. "elementwise" is each token's contribution to the total (normalisers included).
+Twinkle's DPO (sequence-level, paired datums) is in test_losses_dpo.py.
 """
 
 from __future__ import annotations
@@ -77,22 +78,36 @@ def twinkle_terms(name: str, config: dict[str, Any], lps: list[torch.Tensor],
             return terms
         denom = context.get("window_tokens") or max(float(sum(m.sum() for m in masks)), 1.0)
         return [t / denom for t in terms]
-    assert name == "twinkle:grpo"
+    assert name in GRPO_FAMILY, name
     eps = config.get("epsilon", 0.2)
     eps_high = config.get("epsilon_high", eps)
     beta = config.get("beta", 0.0)
-    num_seqs = context.get("window_sequences") or len(lps)
     terms = []
     for lp, x, m in zip(lps, ins, masks):
         old = x.get("logprobs", lp.detach())
-        r = torch.exp(torch.clamp(lp - old, -20, 20))
+        log_ratio = torch.clamp(lp - old, -20, 20)
+        if name == "twinkle:gspo":  # one weight per sequence: the masked mean log-ratio
+            log_ratio = (log_ratio * m).sum() / m.sum().clamp(min=1)
+        r = torch.exp(log_ratio)
         a = x["advantages"]
-        per_token = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps_high) * a)
+        if name == "twinkle:cispo":
+            per_token = -torch.clamp(r, max=1 + eps).detach() * a * lp
+        else:
+            per_token = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps_high) * a)
         if beta > 0 and "ref_logprobs" in x:
             d = x["ref_logprobs"] - lp
             per_token = per_token + beta * (torch.exp(d) - d - 1)
-        terms.append(per_token * m / (m.sum().clamp(min=1) * num_seqs))
-    return terms
+        terms.append(per_token * m)
+    num_seqs = context.get("window_sequences") or len(lps)
+    num_tokens = context.get("window_tokens") or max(float(sum(m.sum() for m in masks)), 1.0)
+    if name in ("twinkle:grpo", "twinkle:gspo"):  # mean over sequences of sequence means
+        return [t / (m.sum().clamp(min=1) * num_seqs) for t, m in zip(terms, masks)]
+    if name in ("twinkle:cispo", "twinkle:bnpo"):  # all masked tokens / token count
+        return [t / num_tokens for t in terms]
+    return [t / (num_seqs * config.get("max_completion_length", 1024)) for t in terms]  # dr_grpo
+
+
+GRPO_FAMILY = ("twinkle:grpo", "twinkle:gspo", "twinkle:cispo", "twinkle:bnpo", "twinkle:dr_grpo")
 
 
 # ---------------------------------------------------------------- random inputs
@@ -132,6 +147,7 @@ def make_datums(case: dict[str, Any], dtype: torch.dtype, seed: int) -> list[dic
 
 
 RL = ["logprobs", "advantages"]
+GSPO_LENGTHS = [1, 2, 5, 17, 0, 3, 64, 2, 1, 9, 4, 1]
 CASES: dict[str, dict[str, Any]] = {
     "ce": {"name": "cross_entropy", "inputs": []},
     "ce_weights": {"name": "cross_entropy", "inputs": ["weights"]},
@@ -158,6 +174,26 @@ CASES: dict[str, dict[str, Any]] = {
                        "inputs": RL + ["ref_logprobs", "mask"],
                        "context": {"window_tokens": 0, "window_sequences": 16}},
     "grpo_clamp20": {"name": "twinkle:grpo", "inputs": ["logprobs_far", "advantages"]},
+    # GSPO: one ratio per sequence; more sequences and a wider spread so that sequence ratios clip.
+    "gspo": {"name": "twinkle:gspo", "inputs": RL + ["mask"], "spread": 0.6, "lengths": GSPO_LENGTHS},
+    "gspo_on_policy": {"name": "twinkle:gspo", "inputs": ["advantages", "mask_weights"]},
+    "gspo_kl_window": {"name": "twinkle:gspo", "config": {"epsilon": 0.1, "epsilon_high": 0.3, "beta": 0.04},
+                       "inputs": RL + ["ref_logprobs", "mask"], "spread": 0.8, "lengths": GSPO_LENGTHS,
+                       "context": {"window_tokens": 0, "window_sequences": 16}},
+    "gspo_clamp20": {"name": "twinkle:gspo", "inputs": ["logprobs_far", "advantages"]},
+    "twinkle_cispo": {"name": "twinkle:cispo", "inputs": RL + ["mask"]},
+    "twinkle_cispo_kl_window": {"name": "twinkle:cispo", "config": {"epsilon": 0.5, "beta": 0.04},
+                                "inputs": RL + ["ref_logprobs", "mask", "mask_weights"], "spread": 1.0,
+                                "context": {"window_tokens": 300, "window_sequences": 0}},
+    "bnpo": {"name": "twinkle:bnpo", "inputs": RL + ["mask", "mask_weights"]},
+    "bnpo_kl_window": {"name": "twinkle:bnpo", "config": {"epsilon_high": 0.28, "beta": 0.1},
+                       "inputs": RL + ["ref_logprobs", "mask"],
+                       "context": {"window_tokens": 300, "window_sequences": 0}},
+    "dr_grpo": {"name": "twinkle:dr_grpo", "inputs": RL + ["mask"]},
+    "dr_grpo_kl_window": {"name": "twinkle:dr_grpo",
+                          "config": {"max_completion_length": 64, "epsilon": 0.1, "beta": 0.04},
+                          "inputs": RL + ["ref_logprobs", "mask"],
+                          "context": {"window_tokens": 0, "window_sequences": 16}},
 }
 
 
@@ -189,21 +225,29 @@ def check(engine: Engine, label: str, case: dict[str, Any], dtype: torch.dtype, 
 @pytest.mark.parametrize("case_id", sorted(CASES))
 def test_float64_matches_formula(loss_engine: Engine, case_id: str) -> None:
     case = CASES[case_id]
-    # The ±20 clamp case reaches ratios of e^20; compare relative to the largest value there.
-    check(loss_engine, case_id, case, torch.float64, 1e-10, absolute=case_id != "grpo_clamp20", seed=7)
+    # The ±20 clamp cases reach ratios of e^20; compare relative to the largest value there.
+    check(loss_engine, case_id, case, torch.float64, 1e-10, absolute=not case_id.endswith("clamp20"), seed=7)
 
 
-@pytest.mark.parametrize("case_id", ["ce_weights", "is", "ppo", "cispo", "dro", "twinkle_ce_mean", "grpo_kl_window"])
+@pytest.mark.parametrize("case_id", ["ce_weights", "is", "ppo", "cispo", "dro", "twinkle_ce_mean", "grpo_kl_window",
+                                     "gspo", "twinkle_cispo", "bnpo", "dr_grpo_kl_window"])
 def test_float32_matches_formula(loss_engine: Engine, case_id: str) -> None:
     check(loss_engine, f"{case_id} fp32", CASES[case_id], torch.float32, 1e-5, absolute=False, seed=11)
 
 
 def test_ratios_straddle_the_clip_thresholds() -> None:
     # Guards the inputs themselves: a test whose ratios never clip would not test clipping.
-    for case_id, lo, hi in [("ppo", 0.8, 1.2), ("cispo", 0.0, 4.0), ("grpo", 0.8, 1.2)]:
+    for case_id, lo, hi in [("ppo", 0.8, 1.2), ("cispo", 0.0, 4.0), ("grpo", 0.8, 1.2),
+                            ("twinkle_cispo", 0.0, 1.2), ("bnpo", 0.8, 1.2)]:
         r = torch.cat([torch.exp(d["logprobs"] - d["inputs"]["logprobs"])
                        for d in make_datums(CASES[case_id], torch.float64, 7)])
         assert (r > hi).any() and ((r < lo).any() or lo == 0.0) and ((r > lo) & (r < hi)).any(), case_id
+    # GSPO clips whole sequences: their masked mean log-ratios must fall on both sides too.
+    for case_id, lo, hi in [("gspo", 0.8, 1.2), ("gspo_kl_window", 0.9, 1.3)]:
+        r = torch.stack([torch.exp(((d["logprobs"] - d["inputs"]["logprobs"]) * d["inputs"]["mask"]).sum()
+                                   / d["inputs"]["mask"].sum().clamp(min=1))
+                         for d in make_datums(CASES[case_id], torch.float64, 7)])
+        assert (r > hi).any() and (r < lo).any() and ((r > lo) & (r < hi)).any(), (case_id, r)
 
 
 def test_num_tokens_counts_nonzero_weights(loss_engine: Engine) -> None:
@@ -232,7 +276,8 @@ def one_datum(**inputs: torch.Tensor) -> list[dict[str, Any]]:
 
 def test_unknown_loss_name(loss_engine: Engine) -> None:
     expect_error(loss_engine, {"loss": {"name": "grpo2"}, "datums": one_datum()},
-                 "unknown loss 'grpo2'", "'cross_entropy'", "'ppo'", "'twinkle:grpo'")
+                 "unknown loss 'grpo2'", "'cross_entropy'", "'ppo'", "'twinkle:grpo'", "'twinkle:gspo'",
+                 "'twinkle:cispo'", "'twinkle:bnpo'", "'twinkle:dr_grpo'", "'twinkle:dpo'")
 
 
 def test_unknown_config_key(loss_engine: Engine) -> None:

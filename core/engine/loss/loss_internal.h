@@ -49,7 +49,7 @@ bool IsGrpoFamily(Kind kind);
 struct LossDef {
   const char* name;
   Kind kind;
-  std::vector<std::pair<std::string, double>> numeric;  // accepted numeric keys, defaults
+  std::vector<std::pair<std::string, double>> numeric;       // accepted numeric keys, defaults
   std::vector<std::pair<std::string, std::string>> strings;  // accepted string keys, defaults
   std::vector<std::string> required;                         // required inputs
   std::vector<std::string> optional;                         // optional inputs

@@ -60,12 +60,15 @@ absl::StatusOr<LossSpec> ToSpec(const ProbeLoss& loss) {
       case msgpack::type::FLOAT64:
         spec.config[key] = value.as<double>();
         break;
+      case msgpack::type::BOOLEAN:  // e.g. DPO's reference_free
+        spec.config[key] = value.as<bool>() ? 1.0 : 0.0;
+        break;
       case msgpack::type::STR:
         spec.string_config[key] = value.as<std::string>();
         break;
       default:
         return absl::InvalidArgumentError(
-            absl::StrCat("loss_probe: config '", key, "' must be a number or a string"));
+            absl::StrCat("loss_probe: config '", key, "' must be a number, a boolean or a string"));
     }
   }
   return spec;

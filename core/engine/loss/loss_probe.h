@@ -4,7 +4,7 @@
 // C++ loss code against reference formulas without a model.
 //
 // Request body (msgpack map):
-//   {"loss": {"name": str, "config": {str: number | str}},
+//   {"loss": {"name": str, "config": {str: number | bool | str}},
 //    "datums": [{"logprobs": TensorDesc, "inputs": {name: TensorDesc}}],
 //    "context": {"window_tokens": int, "window_sequences": int}}
 // Reply body:

@@ -9,57 +9,27 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/engine/loss/loss_test_util.h"
 
 namespace twinkle::engine {
 namespace {
 
+using loss_test::Datum;
+using loss_test::Error;
+using loss_test::ExpectValues;
+using loss_test::kLn2;
+using loss_test::RunLoss;
+using loss_test::Spec;
+using loss_test::T;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-const double kLn2 = std::log(2.0);
-
-at::Tensor T(std::vector<double> values, c10::ScalarType dtype = at::kDouble) {
-  return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(dtype);
-}
-
-// A datum whose logprobs is a grad-requiring leaf, so tests can check gradients.
-LossDatum Datum(std::vector<double> lp, std::map<std::string, at::Tensor> inputs = {}) {
-  return LossDatum{T(std::move(lp)).requires_grad_(true), std::move(inputs)};
-}
-
-LossSpec Spec(std::string name, std::map<std::string, double> config = {}) {
-  return LossSpec{std::move(name), std::move(config), {}};
-}
-
-LossResult RunLoss(const LossSpec& spec, std::vector<LossDatum>& datums, LossContext context = {}) {
-  absl::StatusOr<LossResult> r = ComputeLoss(spec, datums, context);
-  EXPECT_TRUE(r.ok()) << r.status();
-  if (!r.ok()) return {};
-  r->total.backward();
-  return *std::move(r);
-}
-
-void ExpectValues(const at::Tensor& t, std::vector<double> want) {
-  ASSERT_EQ(t.numel(), static_cast<int64_t>(want.size()));
-  const at::Tensor d = t.to(at::kDouble).contiguous();
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_NEAR(d[i].item<double>(), want[i], 1e-12) << "element " << i;
-  }
-}
-
-std::string Error(const LossSpec& spec, const std::vector<LossDatum>& datums,
-                  LossContext context = {}) {
-  absl::StatusOr<LossResult> r = ComputeLoss(spec, datums, context);
-  EXPECT_FALSE(r.ok());
-  if (r.ok()) return "";
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
-  return std::string(r.status().message());
-}
-
 TEST(LossTest, SupportedNames) {
-  EXPECT_THAT(SupportedLossNames(),
-              ::testing::ElementsAre("cross_entropy", "importance_sampling", "ppo", "cispo", "dro",
-                                     "twinkle:cross_entropy", "twinkle:grpo"));
+  EXPECT_THAT(
+      SupportedLossNames(),
+      ::testing::ElementsAre("cross_entropy", "importance_sampling", "ppo", "cispo", "dro",
+                             "twinkle:cross_entropy", "twinkle:grpo", "twinkle:gspo",
+                             "twinkle:cispo", "twinkle:bnpo", "twinkle:dr_grpo", "twinkle:dpo"));
 }
 
 TEST(LossTest, CrossEntropyAppliesArbitraryWeights) {
