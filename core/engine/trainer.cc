@@ -121,7 +121,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   // Pack every datum of every op into one row batch, op after op.
   std::vector<OpRows> rows;
   std::vector<at::Tensor> tokens, targets;
-  std::vector<int64_t> seq_lens;
+  std::vector<int64_t> seq_lens, seq_groups;
   int64_t n = 0;
   for (size_t o = 0; o < req->ops.size(); ++o) {
     const ipc::TrainOpMsg& op = req->ops[o];
@@ -163,6 +163,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
       tokens.push_back(*in);
       targets.push_back(target);
       seq_lens.push_back(in->numel());
+      seq_groups.push_back(static_cast<int64_t>(o));
       r.datum_lens.push_back(in->numel());
       n += in->numel();
     }
@@ -202,8 +203,11 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   if (!backward) no_grad.emplace();
   const at::Tensor input = at::cat(tokens).to(device_);
   const at::Tensor target = at::cat(targets).to(device_);
-  const at::Tensor logits = model_->Forward(input, seq_lens, lora);
-  const at::Tensor logprobs = at::log_softmax(logits, -1).gather(1, target.unsqueeze(1)).squeeze(1);
+  const at::Tensor logits = model_->Forward(input, seq_lens, seq_groups, lora);
+  // log p(target) = logit[target] - logsumexp(logits): never materialises the [N, vocab]
+  // log-softmax in the forward pass.
+  const at::Tensor logprobs =
+      logits.gather(1, target.unsqueeze(1)).squeeze(1) - at::logsumexp(logits, {-1});
 
   MethodReply reply;
   ipc::ForwardReply body;

@@ -104,7 +104,8 @@ at::Tensor DecoderModel::Linear(const Layer& layer, int64_t index, LinearKind ki
 }
 
 at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::Tensor& h,
-                                   const std::vector<int64_t>& seq_lens, const at::Tensor& cos,
+                                   const std::vector<int64_t>& seq_lens,
+                                   const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
                                    const at::Tensor& sin, const LoraSegmentsFn& lora) const {
   const int64_t n = h.size(0);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
@@ -120,26 +121,37 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = q * c + RotateHalf(q) * s;
   k = k * c + RotateHalf(k) * s;
-  if (kv_heads != heads) {
-    k = k.repeat_interleave(heads / kv_heads, 1);
-    v = v.repeat_interleave(heads / kv_heads, 1);
-  }
-  // Attention within each sequence: [1, heads, L, d] blocks, causal.
+  // Attention within each sequence, causal. Runs of consecutive sequences of equal length in
+  // the same group share one SDPA call as a [B, heads, L, d] batch (a padded batch would not
+  // be exact). Runs never cross groups (ops): the kernel's blocking may depend on the batch,
+  // and a tenant's numbers must not depend on who else is in the fused pass.
+  // GQA is handled by SDPA itself, without copying k/v per head group.
   std::vector<at::Tensor> outputs;
-  outputs.reserve(seq_lens.size());
   int64_t start = 0;
-  for (int64_t len : seq_lens) {
-    auto block = [&](const at::Tensor& t) { return t.narrow(0, start, len).transpose(0, 1).unsqueeze(0); };
+  for (size_t i = 0; i < seq_lens.size();) {
+    const int64_t len = seq_lens[i];
+    size_t j = i;
+    while (j < seq_lens.size() && seq_lens[j] == len &&
+           (seq_groups.empty() || seq_groups[j] == seq_groups[i])) {
+      ++j;
+    }
+    const int64_t count = static_cast<int64_t>(j - i);
+    auto block = [&](const at::Tensor& t) {
+      return t.narrow(0, start, count * len).view({count, len, t.size(1), d}).transpose(1, 2);
+    };
     at::Tensor o = at::scaled_dot_product_attention(block(q), block(k), block(v), {}, 0.0,
-                                                    /*is_causal=*/true);
-    outputs.push_back(o.squeeze(0).transpose(0, 1).reshape({len, heads * d}));
-    start += len;
+                                                    /*is_causal=*/true, /*scale=*/std::nullopt,
+                                                    /*enable_gqa=*/kv_heads != heads);
+    outputs.push_back(o.transpose(1, 2).reshape({count * len, heads * d}));
+    start += count * len;
+    i = j;
   }
   const at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
 at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                                 const std::vector<int64_t>& seq_groups,
                                  const LoraSegmentsFn& lora) const {
   // Positions restart at 0 in every sequence; angles in float32 as transformers computes them.
   std::vector<at::Tensor> positions;
@@ -154,7 +166,8 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     const int64_t index = static_cast<int64_t>(i);
-    x = x + Attention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, cos, sin, lora);
+    x = x + Attention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, seq_groups, cos, sin,
+                      lora);
     const at::Tensor h = RmsNorm(x, layer.post_norm);
     const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
                              Linear(layer, index, LinearKind::kUp, h, lora);

@@ -37,9 +37,11 @@ class DecoderModel {
   const ModelConfig& config() const { return config_; }
 
   // tokens: int64 [N], the concatenation of sequences of lengths `seq_lens` (sum = N).
+  // seq_groups: per sequence, the op (tenant) it belongs to, or empty for one group; work is
+  // never batched across groups, so a group's numbers do not depend on the others.
   // Returns logits [N, vocab] in float32. `lora` may be empty (base model only).
   at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
-                     const LoraSegmentsFn& lora) const;
+                     const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
 
   // Input and output width of a targetable linear.
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
@@ -53,7 +55,8 @@ class DecoderModel {
                     const LoraSegmentsFn& lora) const;
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
   at::Tensor Attention(const Layer& layer, int64_t index, const at::Tensor& h,
-                       const std::vector<int64_t>& seq_lens, const at::Tensor& cos,
+                       const std::vector<int64_t>& seq_lens,
+                       const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
                        const at::Tensor& sin, const LoraSegmentsFn& lora) const;
 
   ModelConfig config_;
