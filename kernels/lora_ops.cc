@@ -1,30 +1,206 @@
 #include "kernels/lora_ops.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <utility>
+
+#include "kernels/sgmv.h"
 
 namespace twinkle::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Everything about the segments that is not a tensor. It is passed to forward as a
+// non-tensor argument (so autograd gives it no gradient slot) and kept in the context as
+// IValue lists for backward.
+struct Plan {
+  std::vector<int64_t> begin, end;
+  std::vector<int64_t> own;  // index into own_x of the segment's own input, or -1: x's rows
+  std::vector<double> scale;
+  int64_t out_features = 0;
+};
+
+// Offsets of each segment's [n_s, r_s] block in the flat shrink buffer: ranks differ per
+// segment, so a padded [N, r_max] buffer would waste memory and hide shape errors. Blocks
+// start 64-byte aligned, like a fresh allocation: CPU BLAS may round differently for
+// differently aligned operands, and a tenant's numbers must not depend on which other
+// segments precede it in a fused pass (tests/engine/test_fused.py checks bit-equality).
+std::vector<int64_t> ShrinkOffsets(const Plan& plan, at::TensorList a, int64_t* total) {
+  const int64_t align = 64 / static_cast<int64_t>(a[0].element_size());
+  std::vector<int64_t> offsets(plan.begin.size());
+  int64_t off = 0;
+  for (size_t s = 0; s < offsets.size(); ++s) {
+    offsets[s] = off;
+    off += ((plan.end[s] - plan.begin[s]) * a[s].size(0) + align - 1) / align * align;
+  }
+  *total = off;
+  return offsets;
+}
+
+at::Tensor Block(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols) {
+  return flat.narrow(0, offset, rows * cols).view({rows, cols});
+}
+
+// The multi-LoRA node. Inputs (in autograd's order): x [N, in], A_0..A_{S-1}, B_0..B_{S-1},
+// the segments' own (dropout-applied) inputs, then the plan. All tensors are already in the
+// compute dtype and row-major, so the kernels see dense rows.
+class SgmvLora : public torch::autograd::Function<SgmvLora> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList a,
+                            at::TensorList b, at::TensorList own_x, const Plan& plan) {
+    const size_t num_segments = plan.begin.size();
+    auto segment_x = [&](size_t s) {
+      return plan.own[s] >= 0 ? own_x[plan.own[s]]
+                              : x.narrow(0, plan.begin[s], plan.end[s] - plan.begin[s]);
+    };
+    int64_t y_total = 0;
+    const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
+    const at::Tensor y = at::empty({y_total}, x.options());
+    const at::Tensor delta = at::zeros({x.size(0), plan.out_features}, x.options());
+    std::vector<MatmulTask> shrink, expand;
+    for (size_t s = 0; s < num_segments; ++s) {
+      const int64_t n = plan.end[s] - plan.begin[s];
+      const at::Tensor ys = Block(y, y_off[s], n, a[s].size(0));
+      shrink.push_back({segment_x(s), a[s], ys, 1.0});
+      expand.push_back({ys, b[s], delta.narrow(0, plan.begin[s], n), plan.scale[s]});
+    }
+    SegmentedMatmul(shrink);  // y_s = x_s · A_sᵀ
+    SegmentedMatmul(expand);  // delta_s = scale_s · y_s · B_sᵀ
+
+    // y is kept rather than recomputed: it is only N × r, and grad_B needs it.
+    variable_list saved{x};
+    saved.insert(saved.end(), a.begin(), a.end());
+    saved.insert(saved.end(), b.begin(), b.end());
+    saved.insert(saved.end(), own_x.begin(), own_x.end());
+    saved.push_back(y);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["begin"] = plan.begin;
+    ctx->saved_data["end"] = plan.end;
+    ctx->saved_data["own"] = plan.own;
+    ctx->saved_data["scale"] = plan.scale;
+    return delta;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The steps below are plain kernels, not autograd ops: the node is differentiable once.
+    const c10::NoGradGuard no_grad;
+    Plan plan;
+    plan.begin = ctx->saved_data["begin"].toIntVector();
+    plan.end = ctx->saved_data["end"].toIntVector();
+    plan.own = ctx->saved_data["own"].toIntVector();
+    plan.scale = ctx->saved_data["scale"].toDoubleVector();
+    const size_t num_segments = plan.begin.size();
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::TensorList a(saved.data() + 1, num_segments);
+    const at::TensorList b(saved.data() + 1 + num_segments, num_segments);
+    const size_t num_own = saved.size() - 2 - 2 * num_segments;
+    const at::TensorList own_x(saved.data() + 1 + 2 * num_segments, num_own);
+    const at::Tensor& y = saved.back();
+    // Indices of the inputs in autograd's order, for needs_input_grad.
+    const size_t a_in = 1, b_in = 1 + num_segments, own_in = 1 + 2 * num_segments;
+
+    // Materialised by autograd when undefined; any layout may arrive, the kernels need rows.
+    const at::Tensor g = grads[0].contiguous();
+    int64_t y_total = 0;
+    const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
+    const at::Tensor gy = at::empty({y_total}, y.options());
+
+    at::Tensor grad_x;
+    if (ctx->needs_input_grad(0)) grad_x = at::zeros_like(x);  // rows no segment reads: 0
+    variable_list grad_a(num_segments), grad_b(num_segments), grad_own(num_own);
+    std::vector<MatmulTask> to_gy, to_gx;
+    std::vector<OuterTask> to_weights;
+    for (size_t s = 0; s < num_segments; ++s) {
+      const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
+      const at::Tensor gs = g.narrow(0, plan.begin[s], n);
+      const at::Tensor ys = Block(y, y_off[s], n, r);
+      const at::Tensor gys = Block(gy, y_off[s], n, r);
+      const int64_t own = plan.own[s];
+      const at::Tensor xs = own >= 0 ? own_x[own] : x.narrow(0, plan.begin[s], n);
+      // grad_y_s = scale_s · g_s · B_s: the expand kernel with B's roles transposed.
+      to_gy.push_back({gs, b[s].t(), gys, plan.scale[s]});
+      // grad_B_s = scale_s · g_sᵀ · y_s and grad_A_s = grad_y_sᵀ · x_s: row reductions.
+      if (ctx->needs_input_grad(b_in + s)) {
+        grad_b[s] = at::empty(b[s].sizes(), b[s].options());
+        to_weights.push_back({gs, ys, grad_b[s], plan.scale[s]});
+      }
+      if (ctx->needs_input_grad(a_in + s)) {
+        grad_a[s] = at::empty(a[s].sizes(), a[s].options());
+        to_weights.push_back({gys, xs, grad_a[s], 1.0});
+      }
+      // grad_x_s = grad_y_s · A_s: the shrink kernel with A's roles transposed, written into
+      // x's rows or into the segment's own input's gradient.
+      at::Tensor gx_dest;
+      if (own >= 0 && ctx->needs_input_grad(own_in + own)) {
+        gx_dest = grad_own[own] = at::empty(own_x[own].sizes(), own_x[own].options());
+      } else if (own < 0 && grad_x.defined()) {
+        gx_dest = grad_x.narrow(0, plan.begin[s], n);
+      }
+      if (gx_dest.defined()) to_gx.push_back({gys, a[s].t(), gx_dest, 1.0});
+    }
+    SegmentedMatmul(to_gy);
+    SegmentedOuter(to_weights);
+    SegmentedMatmul(to_gx);
+
+    variable_list result{grad_x};
+    result.insert(result.end(), grad_a.begin(), grad_a.end());
+    result.insert(result.end(), grad_b.begin(), grad_b.end());
+    result.insert(result.end(), grad_own.begin(), grad_own.end());
+    result.emplace_back();  // the plan
+    return result;
+  }
+};
+
+}  // namespace
 
 at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
                      const std::vector<LoraSegment>& segments) {
-  const int64_t n = x.size(0);
-  // Concatenate per-segment results with zero blocks for rows no adapter owns; each row's
-  // result depends only on its own segment's weights, so fusing never mixes tenants.
-  std::vector<at::Tensor> pieces;
-  pieces.reserve(2 * segments.size() + 1);
-  int64_t row = 0;
-  auto zeros = [&](int64_t rows) {
-    pieces.push_back(at::zeros({rows, out_features}, x.options()));
-  };
+  TORCH_CHECK(x.dim() == 2, "LoraDelta: x must be [N, in], got ", x.sizes());
+  const int64_t n = x.size(0), in = x.size(1);
+  if (segments.empty()) return at::zeros({n, out_features}, x.options());
+
+  const at::ScalarType compute = segments[0].a.scalar_type();
+  Plan plan;
+  plan.out_features = out_features;
+  std::vector<at::Tensor> a, b, own_x;
+  int64_t prev_end = 0;
   for (const LoraSegment& s : segments) {
-    if (s.row_begin > row) zeros(s.row_begin - row);
-    const at::Tensor xs = s.x.defined() ? s.x : x.narrow(0, s.row_begin, s.row_end - s.row_begin);
-    // Compute in the master weights' dtype (fp32), then return to the activations' dtype.
-    const at::Tensor shrunk = at::matmul(xs.to(s.a.scalar_type()), s.a.t());
-    pieces.push_back((at::matmul(shrunk, s.b.t()) * s.scale).to(x.scalar_type()));
-    row = s.row_end;
+    TORCH_CHECK(s.row_begin >= prev_end && s.row_begin <= s.row_end && s.row_end <= n,
+                "LoraDelta: segments must be sorted, disjoint and inside [0, ", n, "); got [",
+                s.row_begin, ", ", s.row_end, ")");
+    prev_end = s.row_end;
+    TORCH_CHECK(s.a.dim() == 2 && s.a.size(1) == in && s.b.dim() == 2 &&
+                    s.b.size(0) == out_features && s.b.size(1) == s.a.size(0),
+                "LoraDelta: want A [r, ", in, "] and B [", out_features, ", r], got A ",
+                s.a.sizes(), " and B ", s.b.sizes());
+    TORCH_CHECK(s.a.scalar_type() == compute && s.b.scalar_type() == compute,
+                "LoraDelta: every A and B must share one dtype (", compute, ")");
+    TORCH_CHECK(s.a.device() == x.device() && s.b.device() == x.device(),
+                "LoraDelta: weights on ", s.a.device(), "/", s.b.device(), ", x on ", x.device());
+    plan.begin.push_back(s.row_begin);
+    plan.end.push_back(s.row_end);
+    plan.scale.push_back(s.scale);
+    a.push_back(s.a);
+    b.push_back(s.b);
+    if (s.x.defined()) {
+      TORCH_CHECK(s.x.dim() == 2 && s.x.size(0) == s.row_end - s.row_begin && s.x.size(1) == in,
+                  "LoraDelta: a segment's own x must be [", s.row_end - s.row_begin, ", ", in,
+                  "], got ", s.x.sizes());
+      plan.own.push_back(static_cast<int64_t>(own_x.size()));
+      own_x.push_back(s.x.to(compute).contiguous());
+    } else {
+      plan.own.push_back(-1);
+    }
   }
-  if (row < n) zeros(n - row);
-  return at::cat(pieces, 0);
+  // The casts stay outside the node, so autograd casts the gradients back for us.
+  const at::Tensor delta = SgmvLora::apply(x.to(compute).contiguous(), at::TensorList(a),
+                                           at::TensorList(b), at::TensorList(own_x), plan);
+  return delta.to(x.scalar_type());
 }
 
 }  // namespace twinkle::kernels

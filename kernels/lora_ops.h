@@ -3,8 +3,10 @@
 // rows are grouped in contiguous segments, each with its own (A, B, scale); rows outside any
 // segment get no LoRA term. For segment s:
 //   delta[rows_s] = scale_s * (x[rows_s] · A_sᵀ) · B_sᵀ      (shrink to rank r, then expand)
-// This CPU version composes ATen ops, so autograd derives the backward; the CUDA SGMV
-// kernels (TWINKLE_WITH_CUDA) will be tested against it.
+// Forward and backward are written out by hand as SGMV shrink/expand steps (kernels/sgmv.h)
+// inside one autograd node: on CPU each step is a BLAS call per segment, on CUDA
+// (TWINKLE_WITH_CUDA) one kernel launch over all segments; kernels/tests holds the two
+// backends against each other and against a plain ATen composition.
 
 #include <ATen/core/Tensor.h>
 
@@ -23,7 +25,9 @@ struct LoraSegment {
 };
 
 // Returns delta [N, out] in x's dtype (rows without a segment are zero). Segments must be
-// sorted, non-overlapping and inside [0, N).
+// sorted, non-overlapping and inside [0, N); ranks may differ. The arithmetic runs in the
+// weights' dtype (float32 or float64; every segment's A and B must share it). Runs on x's
+// device; differentiable once w.r.t. x, every segment's x, A and B.
 at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
                      const std::vector<LoraSegment>& segments);
 
