@@ -1,6 +1,10 @@
 # TWINKLE_WITH_CUDA: adds LibTorch's CUDA libraries (torch_cuda, c10_cuda) on top of
 # TorchCpu.cmake and enables nvcc for kernels/. The wheel's CUDA major version must equal
 # nvcc's, or kernels built here would not run against the wheel's CUDA runtime.
+# The reference GPU is an H100/H200 (sm_90); CMake would otherwise pick the toolkit's default.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+  set(CMAKE_CUDA_ARCHITECTURES 90 CACHE STRING "CUDA architectures to build for")
+endif()
 enable_language(CUDA)
 file(STRINGS "${TWINKLE_TORCH_DIR}/version.py" _torch_cuda_line REGEX "^cuda")
 string(REGEX MATCH "'([0-9]+)\\.([0-9]+)'" _m "${_torch_cuda_line}")
@@ -20,7 +24,3 @@ message(STATUS "CUDA: nvcc ${CMAKE_CUDA_COMPILER_VERSION} matches the torch whee
 twinkle_import_torch_libs(cuda torch_cuda c10_cuda)
 target_link_libraries(twinkle_torch_cuda_all INTERFACE twinkle::torch_cpu)
 target_compile_definitions(twinkle_torch_cuda_all INTERFACE TWINKLE_WITH_CUDA=1)
-if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
-  # H100/H200 (sm_90) is the reference GPU; override with -DCMAKE_CUDA_ARCHITECTURES.
-  set(CMAKE_CUDA_ARCHITECTURES 90)
-endif()

@@ -62,7 +62,7 @@ torch_dir="$("${python}" -c 'import importlib.util as u; print(u.find_spec("torc
 phase configure 60 cmake -S "${here}" -B "${build}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DTWINKLE_WITH_CUDA=ON -DTWINKLE_TORCH_DIR="${torch_dir}" \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}"
-phase build 900 ninja -C "${build}" -j "${jobs}"
+phase build 210 ninja -C "${build}" -j "${jobs}"
 phase test 30 "${build}/bin/lora_ops_test" --require-cuda
 phase emulation 30 "${build}/bin/sgmv_emulation_test"
 phase bench 30 bash -c 'bench "$0"' "${build}"

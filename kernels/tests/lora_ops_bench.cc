@@ -4,9 +4,9 @@
 // Prints a table, then one line `BENCH {json}` for scripts.
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <chrono>

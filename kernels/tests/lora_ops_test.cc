@@ -5,8 +5,8 @@
 // only PyTorch) needs nothing else. Exit status 0 = pass.
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <ATen/Context.h>
+#include <c10/core/GradMode.h>
 
 #include <cstdio>
 #include <exception>

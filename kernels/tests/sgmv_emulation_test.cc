@@ -47,31 +47,35 @@ void Expect(bool ok, const std::string& what) {
   }
 }
 
-// Launches `kernel` over `blocks` blocks of kSgmvTile² threads, one block at a time. The
-// per-thread __syncthreads counts must agree, or the kernel relied on a divergent barrier
-// (undefined on a GPU); a thread that returns drops out of the barrier so none can hang.
+// Launches `kernel` over `blocks` blocks of kSgmvTile² threads: one std::thread per CUDA
+// thread, reused for every block, and one barrier serving both __syncthreads and the end of
+// each block (so blocks run one at a time). The per-thread __syncthreads counts must agree
+// in every block, or the kernel relied on a divergent barrier (undefined on a GPU; here it
+// would hang, and ctest's timeout would report it).
 template <typename Kernel>
 void Emulate(int64_t blocks, const Kernel& kernel, const std::string& what) {
   constexpr unsigned kThreads = cuda::kSgmvTile * cuda::kSgmvTile;
   Expect(blocks <= cuda::kMaxTiles, what + ": grid does not fit");
-  for (int64_t b = 0; b < blocks; ++b) {
-    std::barrier<> barrier(kThreads);
-    g_block_barrier = &barrier;
-    std::vector<int> syncs(kThreads);
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < kThreads; ++t) {
-      threads.emplace_back([&, t] {
+  std::barrier<> barrier(kThreads);
+  g_block_barrier = &barrier;
+  std::vector<std::vector<int>> syncs(blocks, std::vector<int>(kThreads));
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      threadIdx = {t % cuda::kSgmvTile, t / cuda::kSgmvTile, 0};
+      for (int64_t b = 0; b < blocks; ++b) {
         blockIdx = {static_cast<unsigned>(b), 0, 0};
-        threadIdx = {t % cuda::kSgmvTile, t / cuda::kSgmvTile, 0};
         g_syncs = 0;
         kernel();
-        syncs[t] = g_syncs;
-        barrier.arrive_and_drop();
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (int s : syncs) {
-      Expect(s == syncs[0], what + ": divergent __syncthreads in block " + std::to_string(b));
+        syncs[b][t] = g_syncs;
+        barrier.arrive_and_wait();  // the block's end: shared memory is reused by the next
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int n : syncs[b]) {
+      Expect(n == syncs[b][0], what + ": divergent __syncthreads in block " + std::to_string(b));
     }
   }
 }
