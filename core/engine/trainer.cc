@@ -76,6 +76,16 @@ absl::StatusOr<Adapter*> Trainer::FindAdapter(const std::string& id) {
   return it->second.get();
 }
 
+template <typename Request>
+absl::StatusOr<Trainer::AdapterCall<Request>> Trainer::ParseAdapterCall(const ipc::Message& request,
+                                                                        const char* method) {
+  absl::StatusOr<Request> req = ipc::Unpack<Request>(request.envelope.body, method);
+  if (!req.ok()) return req.status();
+  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
+  if (!adapter.ok()) return adapter.status();
+  return AdapterCall<Request>{*std::move(req), *adapter};
+}
+
 absl::StatusOr<MethodReply> Trainer::CreateAdapter(const ipc::Message& request) {
   absl::StatusOr<ipc::CreateAdapterRequest> req =
       ipc::Unpack<ipc::CreateAdapterRequest>(request.envelope.body, ipc::kMethodCreateAdapter);
@@ -270,40 +280,40 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
 }
 
 absl::StatusOr<MethodReply> Trainer::OptimStep(const ipc::Message& request) {
-  absl::StatusOr<ipc::OptimStepRequest> req =
-      ipc::Unpack<ipc::OptimStepRequest>(request.envelope.body, ipc::kMethodOptimStep);
-  if (!req.ok()) return req.status();
-  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
-  if (!adapter.ok()) return adapter.status();
+  absl::StatusOr<AdapterCall<ipc::OptimStepRequest>> call =
+      ParseAdapterCall<ipc::OptimStepRequest>(request, ipc::kMethodOptimStep);
+  if (!call.ok()) return call.status();
+  const ipc::OptimStepRequest& req = call->request;
+  Adapter* adapter = call->adapter;
   OptimizerHyper hyper;
-  if (absl::Status s = ApplyHyper(req->hyper, hyper); !s.ok()) return s;
-  absl::StatusOr<StepResult> step = (*adapter)->optimizer().Step(hyper);
+  if (absl::Status s = ApplyHyper(req.hyper, hyper); !s.ok()) return s;
+  absl::StatusOr<StepResult> step = adapter->optimizer().Step(hyper);
   if (!step.ok()) return step.status();
-  (*adapter)->optimizer().ZeroGrad();  // Tinker: optim_step applies and clears gradients
-  (*adapter)->micro_batches_since_step = 0;
+  adapter->optimizer().ZeroGrad();  // Tinker: optim_step applies and clears gradients
+  adapter->micro_batches_since_step = 0;
   return Reply(ipc::OptimStepReply{step->grad_norm, step->learning_rate, step->step});
 }
 
 absl::StatusOr<MethodReply> Trainer::ZeroGrad(const ipc::Message& request) {
-  absl::StatusOr<ipc::AdapterRequest> req =
-      ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodZeroGrad);
-  if (!req.ok()) return req.status();
-  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
-  if (!adapter.ok()) return adapter.status();
-  (*adapter)->optimizer().ZeroGrad();
-  (*adapter)->micro_batches_since_step = 0;
+  absl::StatusOr<AdapterCall<ipc::AdapterRequest>> call =
+      ParseAdapterCall<ipc::AdapterRequest>(request, ipc::kMethodZeroGrad);
+  if (!call.ok()) return call.status();
+  const ipc::AdapterRequest& req = call->request;
+  Adapter* adapter = call->adapter;
+  adapter->optimizer().ZeroGrad();
+  adapter->micro_batches_since_step = 0;
   return MethodReply{};
 }
 
 absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request) {
-  absl::StatusOr<ipc::AdapterRequest> req =
-      ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodGetAdapterState);
-  if (!req.ok()) return req.status();
-  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
-  if (!adapter.ok()) return adapter.status();
+  absl::StatusOr<AdapterCall<ipc::AdapterRequest>> call =
+      ParseAdapterCall<ipc::AdapterRequest>(request, ipc::kMethodGetAdapterState);
+  if (!call.ok()) return call.status();
+  const ipc::AdapterRequest& req = call->request;
+  Adapter* adapter = call->adapter;
   MethodReply reply;
   ipc::AdapterStateReply body;
-  for (const auto& [name, t] : (*adapter)->named_parameters()) {
+  for (const auto& [name, t] : adapter->named_parameters()) {
     absl::StatusOr<ipc::TensorDesc> w = AppendTensor(t, reply);
     if (!w.ok()) return w.status();
     body.weights[name] = *w;
@@ -313,29 +323,29 @@ absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request
       body.grads[name] = *g;
     }
   }
-  for (const auto& [name, t] : (*adapter)->optimizer().StateTensors()) {
+  for (const auto& [name, t] : adapter->optimizer().StateTensors()) {
     absl::StatusOr<ipc::TensorDesc> s = AppendTensor(t, reply);
     if (!s.ok()) return s.status();
     body.optimizer[name] = *s;
   }
-  body.step = (*adapter)->optimizer().step();
+  body.step = adapter->optimizer().step();
   return Reply(body, std::move(reply));
 }
 
 absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request) {
-  absl::StatusOr<ipc::SetAdapterStateRequest> req =
-      ipc::Unpack<ipc::SetAdapterStateRequest>(request.envelope.body, ipc::kMethodSetAdapterState);
-  if (!req.ok()) return req.status();
-  absl::StatusOr<Adapter*> adapter = FindAdapter(req->adapter_id);
-  if (!adapter.ok()) return adapter.status();
+  absl::StatusOr<AdapterCall<ipc::SetAdapterStateRequest>> call =
+      ParseAdapterCall<ipc::SetAdapterStateRequest>(request, ipc::kMethodSetAdapterState);
+  if (!call.ok()) return call.status();
+  const ipc::SetAdapterStateRequest& req = call->request;
+  Adapter* adapter = call->adapter;
   std::map<std::string, at::Tensor> weights;
-  for (const auto& [name, desc] : req->weights) {
+  for (const auto& [name, desc] : req.weights) {
     absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("weight '", name, "': ", t.status().message()));
     weights[name] = t->to(at::kFloat).to(device_);
   }
   std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
-  for (const auto& [name, desc] : req->optimizer) {
+  for (const auto& [name, desc] : req.optimizer) {
     absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "': ", t.status().message()));
     optimizer_state.emplace_back(name, *t);
@@ -343,9 +353,9 @@ absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request
   // Optimizer state first: LoadState validates everything before changing anything, and so
   // does SetWeights, so a bad request leaves the adapter as it was.
   if (!optimizer_state.empty()) {
-    if (absl::Status s = (*adapter)->optimizer().LoadState(optimizer_state); !s.ok()) return s;
+    if (absl::Status s = adapter->optimizer().LoadState(optimizer_state); !s.ok()) return s;
   }
-  if (absl::Status s = (*adapter)->SetWeights(weights); !s.ok()) return s;
+  if (absl::Status s = adapter->SetWeights(weights); !s.ok()) return s;
   return MethodReply{};
 }
 

@@ -41,6 +41,16 @@ class Trainer {
 
   absl::StatusOr<Adapter*> FindAdapter(const std::string& id);
 
+  // A method body that names an adapter, decoded, with the adapter it names (NotFound else).
+  template <typename Request>
+  struct AdapterCall {
+    Request request;
+    Adapter* adapter;
+  };
+  template <typename Request>
+  absl::StatusOr<AdapterCall<Request>> ParseAdapterCall(const ipc::Message& request,
+                                                        const char* method);
+
   std::unique_ptr<DecoderModel> model_;
   c10::Device device_;
   int64_t max_lora_rank_ = 0;
