@@ -1,0 +1,65 @@
+#pragma once
+// Results of queued ops, by future id, until a client collects them or they expire.
+//
+// Every op gets its future id when it is queued; the scheduler Completes it; clients Wait
+// for it with a timeout (the gRPC blocking calls and the HTTP long-poll both sit on Wait).
+// A future belongs to a tenant: another tenant's id is NotFound, exactly like an unknown id.
+
+#include <any>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/common/clock.h"
+
+namespace twinkle {
+
+using FutureResult = absl::StatusOr<std::any>;
+
+class FutureStore {
+ public:
+  // retention: how long a completed future stays fetchable after it completed.
+  explicit FutureStore(absl::Duration retention = absl::Hours(24), const Clock& clock = RealClock());
+
+  // Registers a pending future for `tenant`. Ids are unique for the process lifetime.
+  void Create(uint64_t id, const std::string& tenant);
+
+  // Sets the result (first completion wins; later ones are ignored) and wakes waiters and
+  // the callbacks registered with OnComplete.
+  void Complete(uint64_t id, FutureResult result);
+
+  // Blocks until the future completes or `timeout` passes. NotFound for an unknown id or
+  // another tenant's; DeadlineExceeded-free: on timeout returns std::nullopt-like
+  // Unavailable("still pending") so callers can tell "not yet" from a failed op:
+  //   ok(result)                 the op finished; `result` itself may hold the op's error
+  //   NotFound                   no such future for this tenant
+  //   Unavailable                still pending after `timeout`
+  absl::StatusOr<FutureResult> Wait(uint64_t id, const std::string& tenant, absl::Duration timeout);
+
+  // Calls `done` once the future completes (at once, on this thread, if it already has);
+  // otherwise on the completing thread. For the gRPC callback API, which must not block.
+  // NotFound as for Wait.
+  absl::Status OnComplete(uint64_t id, const std::string& tenant,
+                          std::function<void(const FutureResult&)> done);
+
+  // Drops completed futures older than the retention. Returns how many were dropped.
+  int64_t Expire();
+
+  int64_t pending() const;
+
+ private:
+  struct Entry;
+  const absl::Duration retention_;
+  const Clock& clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace twinkle

@@ -1,0 +1,131 @@
+#pragma once
+// The fair, fusing scheduler: per-adapter FIFO queues, one loop thread that picks work across
+// tenants fairly and fuses the head forward / forward_backward ops of many adapters into one
+// engine step under a token budget.
+//
+// Fairness: virtual token counters (VTC, Sheng et al. 2024). Each tenant has a counter of
+// the tokens served to it; the loop always serves the backlogged tenant with the smallest
+// counter first. A tenant that becomes backlogged after idling has its counter lifted to
+// the smallest counter among the backlogged tenants, so idling earns no credit to burst with.
+// Within a tenant, its adapters take turns (round robin). See docs/architecture.md.
+//
+// Ordering: only the head of an adapter's queue can run, so an adapter's ops run strictly in
+// submission order (or seq_id order when given): an optim_step runs after the backward
+// queued before it. A fused step holds at most one op per adapter.
+//
+// Deadlines: a queued op whose deadline has passed is completed with DEADLINE_EXCEEDED and
+// never runs. Cancel removes a queued op (CANCELLED). Results go to the FutureStore.
+
+#include <any>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/common/clock.h"
+#include "core/futures/future_store.h"
+#include "core/scheduler/op.h"
+
+namespace twinkle::sched {
+
+// Runs what the scheduler picked. Called on the scheduler thread only, one batch at a time.
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // `batch` holds one op, or several ops of the same fusable kind for distinct adapters.
+  // Returns one result per op, in order. An error in one op's result must not be caused by
+  // another op of the batch (the executor retries ops alone when a fused step fails).
+  virtual std::vector<FutureResult> Execute(const std::vector<const Op*>& batch) = 0;
+};
+
+struct SchedulerOptions {
+  int64_t max_tokens_per_step = 8192;  // token budget of one fused step
+  int32_t max_ops_per_step = 64;       // adapters fused into one step at most
+  bool fuse = true;                    // false: every op runs alone (benchmarks compare)
+  int32_t queue_cap = 64;              // queued ops per adapter; more → RESOURCE_EXHAUSTED
+  int32_t max_pending_per_tenant = 256;  // queued ops per tenant over all its adapters
+};
+
+// What a step looked like, for metrics.
+struct StepStats {
+  OpKind kind = OpKind::kOther;
+  int32_t ops = 0;       // ops (= adapters) in the step
+  int64_t tokens = 0;
+  int32_t tenants = 0;
+  absl::Duration duration;
+  std::vector<std::pair<std::string, absl::Duration>> waits;  // (tenant, queue wait) per op
+};
+
+class Scheduler {
+ public:
+  using StepListener = std::function<void(const StepStats&)>;
+
+  Scheduler(SchedulerOptions options, Executor& executor, FutureStore& futures,
+            const Clock& clock = RealClock());
+  ~Scheduler();  // Stop()s
+
+  void Start();
+  // Stops the loop after the step in progress; queued ops complete with UNAVAILABLE.
+  void Stop();
+
+  // Queues `op` (its id is assigned here) and creates its future. Returns the future id.
+  // RESOURCE_EXHAUSTED when the adapter's queue or the tenant's pending quota is full;
+  // DEADLINE_EXCEEDED when the deadline has already passed; UNAVAILABLE after Stop. With an
+  // idempotency key already seen for this adapter, returns the earlier op's id and queues
+  // nothing.
+  absl::StatusOr<uint64_t> Submit(Op op);
+
+  // Removes a queued op: its future completes with CANCELLED. NotFound when the id is not
+  // queued for this tenant (unknown, another tenant's, already running or done).
+  absl::Status Cancel(uint64_t id, const std::string& tenant);
+
+  // Completes every queued op of `adapter` with `status` and forgets the queue (the adapter
+  // is being removed or expired). Returns how many ops were dropped.
+  int64_t DropAdapter(const std::string& adapter, const absl::Status& status);
+
+  // Test hooks (exposed only when the config enables them): while paused the loop runs
+  // nothing except what Step() allows; deadlines still expire queued ops.
+  void Pause();
+  void Resume();
+  void Step(int32_t steps = 1);  // while paused: run this many more steps
+
+  int64_t queued(const std::string& adapter) const;
+  int64_t queued_for_tenant(const std::string& tenant) const;
+  // Served-token counters per tenant (VTC), for tests and metrics.
+  absl::flat_hash_map<std::string, int64_t> served_tokens() const;
+
+  void SetStepListener(StepListener listener);
+
+ private:
+  struct Queue;
+  struct TenantState;
+  void Loop();
+  std::vector<std::shared_ptr<Op>> PickLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SchedulerOptions options_;
+  Executor& executor_;
+  FutureStore& futures_;
+  const Clock& clock_;
+  StepListener listener_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  int32_t steps_allowed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<std::string, std::unique_ptr<Queue>> queues_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<TenantState>> tenants_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace twinkle::sched
