@@ -28,11 +28,13 @@ class FutureStore {
   // retention: how long a completed future stays fetchable after it completed.
   explicit FutureStore(absl::Duration retention = absl::Hours(24), const Clock& clock = RealClock());
 
-  // Registers a pending future for `tenant`. Ids are unique for the process lifetime.
+  // Registers a pending future for `tenant`. Ids are unique for the process lifetime (a
+  // repeated Create of a known id is ignored).
   void Create(uint64_t id, const std::string& tenant);
 
-  // Sets the result (first completion wins; later ones are ignored) and wakes waiters and
-  // the callbacks registered with OnComplete.
+  // Sets the result (first completion wins; later ones and unknown ids are ignored) and
+  // wakes waiters and the callbacks registered with OnComplete. Callbacks run on this thread
+  // after the store's lock is released, each exactly once.
   void Complete(uint64_t id, FutureResult result);
 
   // Blocks until the future completes or `timeout` passes. NotFound for an unknown id or
@@ -50,8 +52,10 @@ class FutureStore {
                           std::function<void(const FutureResult&)> done);
 
   // Drops completed futures older than the retention. Returns how many were dropped.
+  // Pending futures never expire (the scheduler always completes what it queued).
   int64_t Expire();
 
+  // Futures created and not yet completed.
   int64_t pending() const;
 
  private:
@@ -60,6 +64,7 @@ class FutureStore {
   const Clock& clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // entries not yet completed
 };
 
 }  // namespace twinkle

@@ -4,10 +4,19 @@
 // engine step under a token budget.
 //
 // Fairness: virtual token counters (VTC, Sheng et al. 2024). Each tenant has a counter of
-// the tokens served to it; the loop always serves the backlogged tenant with the smallest
-// counter first. A tenant that becomes backlogged after idling has its counter lifted to
-// the smallest counter among the backlogged tenants, so idling earns no credit to burst with.
-// Within a tenant, its adapters take turns (round robin). See docs/architecture.md.
+// the tokens served to it (an op is charged max(tokens, 1) when it is picked); the loop
+// always serves the backlogged tenant (one with queued ops) with the smallest counter first,
+// ties to the tenant served longest ago. A tenant that becomes backlogged after idling has
+// its counter lifted to the smallest counter among the backlogged tenants (when none is
+// backlogged: to the counter of the tenant that went idle last), so idling earns no credit
+// to burst with. Within a tenant, its adapters take turns (round robin).
+//
+// Fusion: a step starts with the fairest head op. A kForward / kForwardBackward head (with
+// options.fuse) is joined by the heads of the same kind of other adapters, picked on in the
+// same fairness order (re-evaluated after each op is charged), at most one op per adapter,
+// while the step's tokens stay within max_tokens_per_step and its ops within
+// max_ops_per_step; the first op runs even if it alone exceeds the budget. Heads of another
+// kind wait at their queue's head for a later step. A kOther op runs alone.
 //
 // Ordering: only the head of an adapter's queue can run, so an adapter's ops run strictly in
 // submission order (or seq_id order when given): an optim_step runs after the backward
@@ -20,12 +29,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -52,6 +63,9 @@ struct SchedulerOptions {
   bool fuse = true;                    // false: every op runs alone (benchmarks compare)
   int32_t queue_cap = 64;              // queued ops per adapter; more → RESOURCE_EXHAUSTED
   int32_t max_pending_per_tenant = 256;  // queued ops per tenant over all its adapters
+  // Idempotency keys remembered per adapter (oldest forgotten first), so that a retry of an
+  // op that already completed still gets the earlier id.
+  int32_t idempotency_keys_per_adapter = 1024;
 };
 
 // What a step looked like, for metrics.
@@ -74,9 +88,13 @@ class Scheduler {
 
   void Start();
   // Stops the loop after the step in progress; queued ops complete with UNAVAILABLE.
+  // Idempotent. From the loop thread (a listener or a completion callback) it does not wait
+  // for the loop, which then exits once that callback returns.
   void Stop();
 
-  // Queues `op` (its id is assigned here) and creates its future. Returns the future id.
+  // Queues `op` (its id is assigned here, unique in the process) and creates its future.
+  // Returns the future id. INVALID_ARGUMENT without a tenant or adapter, or when the adapter
+  // is queued under another tenant.
   // RESOURCE_EXHAUSTED when the adapter's queue or the tenant's pending quota is full;
   // DEADLINE_EXCEEDED when the deadline has already passed; UNAVAILABLE after Stop. With an
   // idempotency key already seen for this adapter, returns the earlier op's id and queues
@@ -87,15 +105,19 @@ class Scheduler {
   // queued for this tenant (unknown, another tenant's, already running or done).
   absl::Status Cancel(uint64_t id, const std::string& tenant);
 
-  // Completes every queued op of `adapter` with `status` and forgets the queue (the adapter
-  // is being removed or expired). Returns how many ops were dropped.
+  // Completes every queued op of `adapter` with `status` (ABORTED when `status` is OK) and
+  // forgets the queue, its idempotency keys included (the adapter is being removed or
+  // expired). An op of it already running completes normally. Returns how many ops were
+  // dropped.
   int64_t DropAdapter(const std::string& adapter, const absl::Status& status);
 
   // Test hooks (exposed only when the config enables them): while paused the loop runs
   // nothing except what Step() allows; deadlines still expire queued ops.
   void Pause();
   void Resume();
-  void Step(int32_t steps = 1);  // while paused: run this many more steps
+  // While paused: allow this many more steps, run as soon as there are ops to run (steps
+  // allowed while the queues are empty wait for ops). Ignored when not paused.
+  void Step(int32_t steps = 1);
 
   int64_t queued(const std::string& adapter) const;
   int64_t queued_for_tenant(const std::string& tenant) const;
@@ -105,27 +127,44 @@ class Scheduler {
   void SetStepListener(StepListener listener);
 
  private:
+  struct Queued;
   struct Queue;
   struct TenantState;
+  using Completions = std::vector<std::pair<uint64_t, absl::Status>>;
+
   void Loop();
-  std::vector<std::shared_ptr<Op>> PickLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs one picked step: Execute without mu_, then completes the futures and tells the
+  // listener.
+  void RunStep(std::vector<Queued>& batch, absl::Time picked_at, const StepListener& listener);
+  std::vector<Queued> PickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireLocked(absl::Time now, Completions* done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes one queued op from its queue and every index; keeps the counters true.
+  Queued TakeLocked(Queue* queue, size_t position) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteAll(Completions& done);  // without mu_
 
   const SchedulerOptions options_;
   Executor& executor_;
   FutureStore& futures_;
   const Clock& clock_;
-  StepListener listener_;
 
   mutable absl::Mutex mu_;
   absl::CondVar wake_;
+  StepListener listener_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
   int32_t steps_allowed_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<std::string, std::unique_ptr<Queue>> queues_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<TenantState>> tenants_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
+  // Tenants with queued ops (VTC's "backlogged" set).
+  absl::flat_hash_set<TenantState*> backlogged_ ABSL_GUARDED_BY(mu_);
+  // Queued op id → its queue (Cancel, expiry).
+  absl::flat_hash_map<uint64_t, Queue*> where_ ABSL_GUARDED_BY(mu_);
+  // (deadline, id) of queued ops with a finite deadline, earliest first.
+  std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
+  int64_t total_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_left_served_ ABSL_GUARDED_BY(mu_) = 0;  // counter of the last tenant to idle
+  uint64_t pick_seq_ ABSL_GUARDED_BY(mu_) = 0;         // orders ties between equal counters
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace twinkle::sched
