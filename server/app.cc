@@ -16,6 +16,7 @@
 #include <grpcpp/server_builder.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
@@ -157,7 +158,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   const bool tls = !config.server.tls.cert_file.empty();
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (tls) {
-    grpc::SslServerCredentialsOptions ssl;
+    // With a client CA: mTLS, a client must present a certificate that CA signed.
+    const std::string& client_ca = config.server.tls.client_ca_file;
+    grpc::SslServerCredentialsOptions ssl(
+        client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    if (!client_ca.empty()) ssl.pem_root_certs = ReadFile(client_ca);
     ssl.pem_key_cert_pairs.push_back(
         {ReadFile(config.server.tls.key_file), ReadFile(config.server.tls.cert_file)});
     credentials = grpc::SslServerCredentials(ssl);
@@ -181,13 +187,16 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
   health->SetServingStatus(false);
 
-  HttpServer http(metrics);
+  HttpServer http(metrics, HttpTlsOptions{config.server.tls.cert_file, config.server.tls.key_file,
+                                          config.server.tls.client_ca_file});
   const std::string grpc_address = HostPort(config.server.host, grpc_port);
   AddHttpRoutes(http, state, grpc_address, tls);
   absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);
   if (!http_port.ok()) {
     grpc_server->Shutdown();
-    return fail(absl::StrCat(where, ": server.http_port: ", http_port.status().message()));
+    const bool names_key = absl::StartsWith(http_port.status().message(), "server.");  // TLS files
+    return fail(absl::StrCat(where, names_key ? ": " : ": server.http_port: ",
+                             http_port.status().message()));
   }
   LogInfo(kLog, absl::StrCat("twinkle-server ", kTwinkleVersion, " listening: gRPC ", grpc_address,
                              tls ? " (TLS)" : "", ", HTTP ", HostPort(config.server.host, *http_port)));

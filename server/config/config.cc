@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -18,6 +19,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include <cstring>
+
+#include "core/tenancy/sha256.h"
+#include "core/tenancy/tenant_registry.h"
 
 namespace twinkle {
 namespace {
@@ -37,12 +41,15 @@ Spec OneOf(std::vector<std::string> values) { return Spec{.one_of = std::move(va
 Spec Path() { return Spec{.path = true}; }
 Spec RequiredPath() { return Spec{.path = true, .required = true}; }
 Spec SecretPath() { return Spec{.secret = true, .path = true}; }
+Spec Secret() { return Spec{.secret = true}; }
+Spec Required() { return Spec{.required = true}; }
 
 // ---- The field lists: the one place that names every key. -------------------------------
 
 template <typename V> void VisitFields(V& v, TlsConfig& c) {
   v.Field("cert_file", c.cert_file, Path());
   v.Field("key_file", c.key_file, SecretPath());
+  v.Field("client_ca_file", c.client_ca_file, Path());
 }
 template <typename V> void VisitFields(V& v, ServerSection& c) {
   v.Field("host", c.host, Spec{});
@@ -65,21 +72,61 @@ template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("restart_backoff_initial_ms", c.restart_backoff_initial_ms, Range(1, 3600000));
   v.Field("restart_backoff_max_ms", c.restart_backoff_max_ms, Range(1, 3600000));
 }
+// Also the shape of a tenant's `quotas` (same keys, same ranges).
 template <typename V> void VisitFields(V& v, LimitsSection& c) {
   v.Field("max_adapters", c.max_adapters, Range(1, 100000));
   v.Field("max_lora_rank", c.max_lora_rank, Range(1, 1024));
   v.Field("max_tokens_per_request", c.max_tokens_per_request, Range(1, 1e9));
+  v.Field("max_pending_ops", c.max_pending_ops, Range(1, 1e6));
+  v.Field("tokens_per_s", c.tokens_per_s, Range(0, 1e12));
+  v.Field("burst_tokens", c.burst_tokens, Range(1, 1e12));
+}
+template <typename V> void VisitFields(V& v, TenantConfig& c) {
+  v.Field("id", c.id, Required());
+  v.Field("key_sha256", c.key_sha256, Secret());
+  v.Section("quotas", c.quotas);
+}
+template <typename V> void VisitFields(V& v, AuthSection& c) {
+  v.Field("enabled", c.enabled, Spec{});
+  v.Field("tenants_file", c.tenants_file, Path());
+  v.List("tenants", c.tenants);
+}
+template <typename V> void VisitFields(V& v, SchedulerSection& c) {
+  v.Field("max_tokens_per_step", c.max_tokens_per_step, Range(1, 1e9));
+  v.Field("max_ops_per_step", c.max_ops_per_step, Range(1, 4096));
+  v.Field("fuse", c.fuse, Spec{});
+  v.Field("queue_cap", c.queue_cap, Range(1, 1e6));
+  v.Field("max_loras", c.max_loras, Range(1, 4096));
+}
+template <typename V> void VisitFields(V& v, SessionsSection& c) {
+  v.Field("adapter_timeout_s", c.adapter_timeout_s, Range(1, 1e8));
+  v.Field("adapter_max_lifetime_s", c.adapter_max_lifetime_s, Range(1, 1e8));
+  v.Field("future_retention_s", c.future_retention_s, Range(1, 1e8));
+}
+template <typename V> void VisitFields(V& v, TestingSection& c) {
+  v.Field("hooks", c.hooks, Spec{});
 }
 template <typename V> void VisitFields(V& v, LoggingSection& c) {
   v.Field("level", c.level, OneOf({"debug", "info", "warning", "error"}));
 }
+// `limits` comes before `auth`: a tenant's quotas start from the limits already read.
 template <typename V> void VisitFields(V& v, Config& c) {
   v.Section("server", c.server);
   v.Section("model", c.model);
   v.Section("engine", c.engine);
   v.Section("limits", c.limits);
+  v.Section("auth", c.auth);
+  v.Section("scheduler", c.scheduler);
+  v.Section("sessions", c.sessions);
+  v.Section("testing", c.testing);
   v.Section("logging", c.logging);
 }
+
+// The top level of auth.tenants_file.
+struct TenantsFile {
+  std::vector<TenantConfig> tenants;
+};
+template <typename V> void VisitFields(V& v, TenantsFile& c) { v.List("tenants", c.tenants); }
 
 // ---- Reading YAML. -----------------------------------------------------------------------
 
@@ -183,6 +230,49 @@ class YamlReader {
     value = parsed;
   }
 
+  void Field(const char* name, bool& value, const Spec&) {
+    known_.insert(name);
+    const YAML::Node n = Child(name);
+    if (!n || n.IsNull()) return;
+    bool parsed = false;
+    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, parsed)) {
+      return Error(n, Join(name), absl::StrCat("expected true or false, got '", Describe(n), "'"));
+    }
+    value = parsed;
+  }
+
+  // A list of mappings, each read like a section into a fresh item (see NewItem).
+  template <typename T> void List(const char* name, std::vector<T>& value) {
+    known_.insert(name);
+    const YAML::Node n = Child(name);
+    if (!n || n.IsNull()) return;
+    if (!n.IsSequence()) return Error(n, Join(name), "expected a list of mappings");
+    const std::string list_path = Join(name);
+    std::vector<T> out;
+    int index = 0;
+    for (const YAML::Node& item : n) {
+      const std::string item_path = absl::StrCat(list_path, "[", index++, "]");
+      T t = NewItem<T>();
+      ReadMap(item, item_path, t);
+      AfterItem(item, item_path, t);
+      out.push_back(std::move(t));
+    }
+    value = std::move(out);
+  }
+
+  // Where each tenant read by this reader was defined, in reading order.
+  struct Location {
+    std::string where;  // "FILE:LINE"
+    std::string key;    // "auth.tenants[1]"
+  };
+  const std::vector<Location>& tenant_locations() const { return tenant_locations_; }
+
+  // A tenant's quotas start from these (the `limits` section, read before `auth`).
+  void set_tenant_defaults(const LimitsSection* limits) { tenant_defaults_ = limits; }
+  void AddErrors(const std::vector<std::string>& errors) {
+    errors_.insert(errors_.end(), errors.begin(), errors.end());
+  }
+
   void Error(const YAML::Node& at, const std::string& key, const std::string& message) {
     const int line = at.IsDefined() && at.Mark().line >= 0 ? at.Mark().line + 1 : 1;
     errors_.push_back(absl::StrCat(file_, ":", line, ": ", key, ": ", message));
@@ -227,6 +317,65 @@ class YamlReader {
     return line;
   }
 
+  template <typename T> T NewItem() const {
+    T item;
+    if constexpr (std::is_same_v<T, TenantConfig>) {
+      if (tenant_defaults_ != nullptr) item.quotas = *tenant_defaults_;
+    }
+    return item;
+  }
+
+  // Checks of one tenant that need its YAML node (for line numbers).
+  void AfterItem(const YAML::Node& item, const std::string& path, TenantConfig& t) {
+    const int line = item.IsDefined() && item.Mark().line >= 0 ? item.Mark().line + 1 : 1;
+    tenant_locations_.push_back({absl::StrCat(file_, ":", line), path});
+    if (!item.IsMap()) return;
+    if (!t.id.empty() && !tenancy::IsValidTenantId(t.id)) {
+      Error(item["id"], absl::StrCat(path, ".id"),
+            absl::StrCat("'", t.id.substr(0, 80), "' is not a tenant id (1 to 64 of a-z, 0-9, _ and -)"));
+    }
+    const YAML::Node keys = item["key_sha256"];
+    if (t.key_sha256.empty() &&
+        (!keys.IsDefined() || keys.IsNull() || (keys.IsSequence() && keys.size() == 0))) {
+      Error(keys.IsDefined() ? keys : item, absl::StrCat(path, ".key_sha256"),
+            "needs at least one digest (the SHA-256 of an API key: printf %s \"$KEY\" | sha256sum)");
+    }
+    int entry = 0;
+    for (std::string& digest : t.key_sha256) {
+      ++entry;
+      // Never echo the value: an operator may have pasted the key itself here.
+      if (!tenancy::ParseSha256Hex(digest)) {
+        Error(keys, absl::StrCat(path, ".key_sha256"),
+              absl::StrCat("entry ", entry, " is not 64 hex digits (the SHA-256 of an API key: ",
+                           "printf %s \"$KEY\" | sha256sum)"));
+      }
+      for (char& c : digest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    if (tenant_defaults_ == nullptr) return;
+    const YAML::Node quotas = item["quotas"];
+    if (!quotas.IsDefined() || !quotas.IsMap()) return;
+    const LimitsSection& limits = *tenant_defaults_;
+    const LimitsSection& q = t.quotas;
+    auto check = [&](const char* key, double value, double limit, bool zero_is_unlimited) {
+      const YAML::Node n = quotas[key];
+      if (!n.IsDefined()) return;
+      const bool exceeds = zero_is_unlimited ? limit > 0 && (value == 0 || value > limit)
+                                             : value > limit;
+      if (!exceeds) return;
+      Error(n, absl::StrCat(path, ".quotas.", key),
+            absl::StrCat(n.Scalar(), zero_is_unlimited && value == 0 ? " (unlimited)" : "",
+                         " exceeds the server limit limits.", key, " (", limit, ")"));
+    };
+    check("max_adapters", q.max_adapters, limits.max_adapters, false);
+    check("max_lora_rank", q.max_lora_rank, limits.max_lora_rank, false);
+    check("max_tokens_per_request", static_cast<double>(q.max_tokens_per_request),
+          static_cast<double>(limits.max_tokens_per_request), false);
+    check("max_pending_ops", q.max_pending_ops, limits.max_pending_ops, false);
+    check("tokens_per_s", q.tokens_per_s, limits.tokens_per_s, true);
+    check("burst_tokens", static_cast<double>(q.burst_tokens),
+          static_cast<double>(limits.burst_tokens), false);
+  }
+
   const std::string file_;
   const std::filesystem::path base_dir_;
   const YAML::Node* root_ = nullptr;
@@ -234,14 +383,30 @@ class YamlReader {
   std::string path_;
   std::set<std::string> known_;
   std::vector<std::string> errors_;
+  const LimitsSection* tenant_defaults_ = nullptr;
+  std::vector<Location> tenant_locations_;
 };
 
 // Checks that involve more than one field or more than a range.
 void CheckSemantics(const Config& c, YamlReader& r) {
-  if (!IsLoopbackHost(c.server.host)) {
-    // Authentication is not configurable yet, so every non-loopback bind is refused.
+  const bool loopback = IsLoopbackHost(c.server.host);
+  if (!loopback && !c.auth.enabled) {
     r.ErrorAtKey("server.host", absl::StrCat("refusing to bind non-loopback address '", c.server.host,
-                                             "' without authentication; bind 127.0.0.1 or ::1"));
+                                             "' without authentication; bind 127.0.0.1 or ::1, "
+                                             "or set auth.enabled with tenants"));
+  }
+  if (c.auth.enabled && c.auth.tenants.empty()) {
+    r.ErrorAtKey("auth.enabled",
+                 "authentication is enabled but no tenant is configured (auth.tenants or "
+                 "auth.tenants_file)");
+  }
+  if (c.testing.hooks && c.auth.enabled && !loopback) {
+    r.ErrorAtKey("testing.hooks",
+                 absl::StrCat("refusing test hooks (they let a client pause the scheduler) on "
+                              "non-loopback address '", c.server.host, "'; tests bind 127.0.0.1"));
+  }
+  if (!c.server.tls.client_ca_file.empty() && c.server.tls.cert_file.empty()) {
+    r.ErrorAtKey("server.tls.client_ca_file", "needs server.tls.cert_file and key_file (mTLS is TLS)");
   }
   if (c.server.tls.cert_file.empty() != c.server.tls.key_file.empty()) {
     r.ErrorAtKey("server.tls", "set both cert_file and key_file, or neither");
@@ -267,6 +432,73 @@ void CheckSemantics(const Config& c, YamlReader& r) {
   }
 }
 
+// Tenant ids and key digests are unique over auth.tenants and auth.tenants_file together.
+// Messages name where both definitions are, never a digest.
+void CheckTenantsUnique(const std::vector<TenantConfig>& tenants,
+                        const std::vector<YamlReader::Location>& where,
+                        std::vector<std::string>& errors) {
+  if (tenants.size() != where.size()) return;
+  std::map<std::string, size_t> ids, digests;
+  for (size_t i = 0; i < tenants.size(); ++i) {
+    const TenantConfig& t = tenants[i];
+    if (!t.id.empty()) {
+      auto [it, inserted] = ids.emplace(t.id, i);
+      if (!inserted) {
+        errors.push_back(absl::StrCat(where[i].where, ": ", where[i].key, ".id: tenant '", t.id,
+                                      "' is already defined at ", where[it->second].where));
+      }
+    }
+    for (const std::string& digest : t.key_sha256) {
+      auto [it, inserted] = digests.emplace(digest, i);
+      if (!inserted) {
+        const std::string other = tenants[it->second].id;
+        errors.push_back(absl::StrCat(
+            where[i].where, ": ", where[i].key, ".key_sha256: a digest is listed twice",
+            it->second == i ? "" : absl::StrCat(" (also by tenant '", other, "' at ",
+                                                where[it->second].where, ")"),
+            "; every API key must belong to one tenant"));
+      }
+    }
+  }
+}
+
+// Reads auth.tenants_file (already resolved against the config's folder) and appends its
+// tenants to config.auth.tenants.
+void ReadTenantsFile(Config& config, YamlReader& main_reader,
+                     std::vector<YamlReader::Location>& locations) {
+  const std::string file = config.auth.tenants_file;
+  std::ifstream in(file);
+  if (!in) {
+    main_reader.ErrorAtKey("auth.tenants_file",
+                           absl::StrCat("cannot read ", file, ": ", std::strerror(errno)));
+    return;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  YAML::Node root;
+  try {
+    root = YAML::Load(text.str());
+  } catch (const YAML::Exception& e) {
+    main_reader.AddErrors({absl::StrCat(file, ":", e.mark.line + 1, ": invalid YAML: ", e.msg)});
+    return;
+  }
+  if (root.IsDefined() && !root.IsNull() && !root.IsMap()) {
+    const int line = root.Mark().line >= 0 ? root.Mark().line + 1 : 1;
+    main_reader.AddErrors({absl::StrCat(file, ":", line,
+                                        ": tenants: expected a mapping with a `tenants:` list")});
+    return;
+  }
+  TenantsFile tenants_file;
+  YamlReader reader(file, std::filesystem::path(file).parent_path());
+  reader.set_root(&root);
+  reader.set_tenant_defaults(&config.limits);
+  reader.ReadMap(root, "", tenants_file);
+  main_reader.AddErrors(reader.errors());
+  for (TenantConfig& t : tenants_file.tenants) config.auth.tenants.push_back(std::move(t));
+  locations.insert(locations.end(), reader.tenant_locations().begin(),
+                   reader.tenant_locations().end());
+}
+
 // ---- Rendering. --------------------------------------------------------------------------
 
 class JsonRenderer {
@@ -279,9 +511,20 @@ class JsonRenderer {
   template <typename T> void Field(const char* name, T& value, const Spec& spec) {
     if constexpr (std::is_same_v<T, std::string>) {
       out_[name] = spec.secret && !value.empty() ? "***" : value;
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      out_[name] = spec.secret ? std::vector<std::string>(value.size(), "***") : value;
     } else {
       out_[name] = value;
     }
+  }
+  template <typename T> void List(const char* name, std::vector<T>& items) {
+    nlohmann::ordered_json list = nlohmann::ordered_json::array();
+    for (T& item : items) {
+      JsonRenderer child;
+      VisitFields(child, item);
+      list.push_back(std::move(child.out_));
+    }
+    out_[name] = std::move(list);
   }
   nlohmann::ordered_json out_ = nlohmann::ordered_json::object();
 };
@@ -295,7 +538,9 @@ void EmitYaml(YAML::Emitter& e, const nlohmann::ordered_json& j) {
     }
     e << YAML::EndMap;
   } else if (j.is_array()) {
-    e << YAML::Flow << YAML::BeginSeq;
+    // Lists of scalars on one line; lists of mappings (tenants) one item per block.
+    const bool block = !j.empty() && j.front().is_object();
+    e << (block ? YAML::Block : YAML::Flow) << YAML::BeginSeq;
     for (const auto& v : j) EmitYaml(e, v);
     e << YAML::EndSeq;
   } else if (j.is_string()) {
@@ -331,7 +576,13 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
   config.source_file = file_name;
   YamlReader reader(file_name.string(), file_name.parent_path());
   reader.set_root(&root);
+  reader.set_tenant_defaults(&config.limits);
   reader.ReadMap(root, "", config);
+  std::vector<YamlReader::Location> tenant_locations = reader.tenant_locations();
+  if (!config.auth.tenants_file.empty()) ReadTenantsFile(config, reader, tenant_locations);
+  std::vector<std::string> unique_errors;
+  CheckTenantsUnique(config.auth.tenants, tenant_locations, unique_errors);
+  reader.AddErrors(unique_errors);
   if (reader.errors().empty()) CheckSemantics(config, reader);
   if (!reader.errors().empty()) {
     return absl::InvalidArgumentError(absl::StrJoin(reader.errors(), "\n"));
@@ -365,8 +616,10 @@ absl::Status CheckEnvironment(const Config& config) {
     return absl::NotFoundError(absl::StrCat(where, ": model.path: ", config.model.path,
                                             " has no config.json (not an HF model directory)"));
   }
-  for (const auto& [key, file] : {std::pair{"server.tls.cert_file", config.server.tls.cert_file},
-                                  std::pair{"server.tls.key_file", config.server.tls.key_file}}) {
+  for (const auto& [key, file] :
+       {std::pair{"server.tls.cert_file", config.server.tls.cert_file},
+        std::pair{"server.tls.key_file", config.server.tls.key_file},
+        std::pair{"server.tls.client_ca_file", config.server.tls.client_ca_file}}) {
     if (!file.empty() && !std::ifstream(file)) {
       return absl::NotFoundError(absl::StrCat(where, ": ", key, ": cannot read ", file));
     }

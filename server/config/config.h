@@ -14,8 +14,9 @@
 namespace twinkle {
 
 struct TlsConfig {
-  std::string cert_file;  // PEM; both set = TLS on the gRPC port
-  std::string key_file;   // secret: masked by print-config
+  std::string cert_file;       // PEM; both set = TLS on the gRPC and HTTP ports
+  std::string key_file;        // secret: masked by print-config
+  std::string client_ca_file;  // PEM; set = mTLS: clients must present a cert signed by it
 };
 
 struct ServerSection {
@@ -42,10 +43,47 @@ struct EngineSection {
   int32_t restart_backoff_max_ms = 30000;
 };
 
+// Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may
+// lower any of them, never raise one).
 struct LimitsSection {
-  int32_t max_adapters = 64;
+  int32_t max_adapters = 64;               // per tenant; also the server's resident maximum
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;
+  int32_t max_pending_ops = 256;           // queued ops per tenant over all its adapters
+  double tokens_per_s = 0;                 // per-tenant token rate; 0 = unlimited
+  int64_t burst_tokens = 65536;            // per-tenant token bucket size
+};
+
+struct TenantConfig {
+  std::string id;                       // [a-z0-9_-]{1,64}, unique
+  std::vector<std::string> key_sha256;  // hex SHA-256 of each API key (lower-cased); secret
+  LimitsSection quotas;                 // keys left out take the value from `limits`
+};
+
+struct AuthSection {
+  bool enabled = false;               // true: every RPC except health needs an API key
+  std::string tenants_file;           // optional YAML file with a top-level `tenants:` list
+  // Inline tenants followed by those of tenants_file (after parsing, both are here).
+  std::vector<TenantConfig> tenants;
+};
+
+// The fair fusing scheduler (core/scheduler).
+struct SchedulerSection {
+  int64_t max_tokens_per_step = 8192;  // token budget of one fused engine step
+  int32_t max_ops_per_step = 64;       // adapters fused into one step at most
+  bool fuse = true;                    // false: every op runs alone
+  int32_t queue_cap = 64;              // queued ops per adapter
+  int32_t max_loras = 16;              // adapters resident in device slots at once
+};
+
+struct SessionsSection {
+  double adapter_timeout_s = 1800;        // an adapter idle this long is unloaded
+  double adapter_max_lifetime_s = 36000;  // an adapter is unloaded this long after creation
+  double future_retention_s = 86400;      // a completed future stays fetchable this long
+};
+
+struct TestingSection {
+  bool hooks = false;  // admin RPCs that pause/step the scheduler; tests only
 };
 
 struct LoggingSection {
@@ -57,6 +95,10 @@ struct Config {
   ModelSection model;
   EngineSection engine;
   LimitsSection limits;
+  AuthSection auth;
+  SchedulerSection scheduler;
+  SessionsSection sessions;
+  TestingSection testing;
   LoggingSection logging;
 
   std::filesystem::path source_file;  // where it was read from (not a key)
@@ -65,7 +107,8 @@ struct Config {
 // Reads and validates a config file. Errors name the file, line and dotted key:
 //   "configs/x.yaml:4: server.grpc_prot: unknown key (known: host, grpc_port, ...)"
 // Several problems are reported together, one per line. Relative paths are resolved against
-// the file's folder. Checks only the file's content; see CheckEnvironment for the disk.
+// the file's folder. Reads auth.tenants_file too (its tenants are appended to auth.tenants);
+// apart from that checks only the file's content; see CheckEnvironment for the disk.
 absl::StatusOr<Config> LoadConfigFile(const std::filesystem::path& file);
 
 // Same as LoadConfigFile, on YAML text (file_name is used in messages and to resolve paths).
@@ -73,11 +116,12 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
                                    const std::filesystem::path& file_name);
 
 // Checks what the config refers to: the model directory and its config.json exist, the TLS
-// files are readable. Separate so that tests of the parser need no model on disk.
+// files (certificate, key, client CA) are readable. Separate so that tests of the parser need no model on disk.
 absl::Status CheckEnvironment(const Config& config);
 
 enum class ConfigFormat { kYaml, kJson };
-// The effective config with every default filled in and secrets masked.
+// The effective config with every default filled in and secrets masked (the TLS key file
+// and every key digest print as "***"); tenants from auth.tenants_file are listed too.
 std::string RenderConfig(const Config& config, ConfigFormat format);
 
 // True for 127.0.0.0/8, ::1 and "localhost".

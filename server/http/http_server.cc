@@ -1,14 +1,18 @@
 #include "server/http/http_server.h"
 
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "core/common/log.h"
 #include "server/metrics.h"
@@ -17,39 +21,79 @@ namespace twinkle {
 namespace asio = boost::asio;
 namespace beast = boost::beast;
 namespace http = beast::http;
+namespace ssl = asio::ssl;
 using tcp = asio::ip::tcp;
 
 namespace {
 constexpr size_t kMaxBodyBytes = 64 << 20;
 constexpr auto kIdleTimeout = std::chrono::seconds(120);
+constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
 using Routes = std::map<std::pair<std::string, std::string>, HttpHandler>;
 
-// One connection: read a request, answer it, repeat while keep-alive.
-class Session : public std::enable_shared_from_this<Session> {
+// One connection: (TLS handshake,) read a request, answer it, repeat while keep-alive.
+template <bool kTls>
+class Session : public std::enable_shared_from_this<Session<kTls>> {
+  using Stream = std::conditional_t<kTls, beast::ssl_stream<beast::tcp_stream>, beast::tcp_stream>;
+
  public:
-  Session(tcp::socket socket, const Routes& routes, Metrics& metrics)
-      : stream_(std::move(socket)), routes_(routes), metrics_(metrics) {}
+  Session(tcp::socket socket, ssl::context* tls, const Routes& routes, Metrics& metrics)
+      : stream_(MakeStream(std::move(socket), tls)), routes_(routes), metrics_(metrics) {}
 
   void Run() {
-    asio::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->Read(); });
+    asio::dispatch(stream_.get_executor(), [self = this->shared_from_this()] { self->Start(); });
   }
 
  private:
+  static Stream MakeStream(tcp::socket socket, ssl::context* tls) {
+    if constexpr (kTls) {
+      return Stream(std::move(socket), *tls);
+    } else {
+      return Stream(std::move(socket));
+    }
+  }
+
+  void Start() {
+    if constexpr (kTls) {
+      beast::get_lowest_layer(stream_).expires_after(kHandshakeTimeout);
+      stream_.async_handshake(ssl::stream_base::server,
+                              [self = this->shared_from_this()](beast::error_code ec) {
+                                if (ec) {
+                                  // Plaintext clients, unknown CAs, missing client certs.
+                                  Log(LogLevel::kDebug, "http", absl::StrCat("TLS handshake failed: ", ec.message()));
+                                  return;
+                                }
+                                self->Read();
+                              });
+    } else {
+      Read();
+    }
+  }
+
   void Read() {
     parser_.emplace();
     parser_->body_limit(kMaxBodyBytes);
-    stream_.expires_after(kIdleTimeout);
+    beast::get_lowest_layer(stream_).expires_after(kIdleTimeout);
     http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+                     [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  void Close() {
+    if constexpr (kTls) {
+      beast::get_lowest_layer(stream_).expires_after(kHandshakeTimeout);
+      stream_.async_shutdown([self = this->shared_from_this()](beast::error_code) {
+        beast::error_code ignored;
+        beast::get_lowest_layer(self->stream_).socket().shutdown(tcp::socket::shutdown_both, ignored);
+      });
+    } else {
+      beast::error_code ignored;
+      stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    }
   }
 
   void OnRead(beast::error_code ec) {
-    if (ec == http::error::end_of_stream || ec) {
-      beast::error_code ignored;
-      stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-      return;
-    }
+    if (ec == http::error::end_of_stream) return Close();
+    if (ec) return;  // timeout, reset, or a TLS error: nothing more can be said on it
     http::request<http::string_body> req = parser_->release();
     HttpRequest request;
     request.method = std::string(req.method_string());
@@ -57,6 +101,10 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t q = target.find('?');
     request.path = target.substr(0, q);
     if (q != std::string::npos) request.query = target.substr(q + 1);
+    for (const auto& field : req) {
+      request.headers.emplace(absl::AsciiStrToLower(std::string(field.name_string())),
+                              std::string(field.value()));
+    }
     request.body = std::move(req.body());
 
     HttpResponse response = Dispatch(request);
@@ -64,16 +112,14 @@ class Session : public std::enable_shared_from_this<Session> {
         static_cast<http::status>(response.status), req.version());
     res->set(http::field::server, "twinkle-server");
     res->set(http::field::content_type, response.content_type);
+    for (const auto& [name, value] : response.headers) res->set(name, value);
     res->keep_alive(req.keep_alive());
     res->body() = std::move(response.body);
     res->prepare_payload();
     http::async_write(stream_, *res,
-                      [self = shared_from_this(), res](beast::error_code ec, size_t) {
-                        if (ec || !res->keep_alive()) {
-                          beast::error_code ignored;
-                          self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-                          return;
-                        }
+                      [self = this->shared_from_this(), res](beast::error_code ec, size_t) {
+                        if (ec) return;
+                        if (!res->keep_alive()) return self->Close();
                         self->Read();
                       });
   }
@@ -96,17 +142,49 @@ class Session : public std::enable_shared_from_this<Session> {
     return response;
   }
 
-  beast::tcp_stream stream_;
+  Stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   const Routes& routes_;
   Metrics& metrics_;
 };
 
+// The server's TLS context: TLS 1.2+, the certificate chain and key, and with a client CA,
+// verification of client certificates (a client without one is refused at the handshake).
+absl::StatusOr<std::unique_ptr<ssl::context>> MakeTlsContext(const HttpTlsOptions& options) {
+  auto ctx = std::make_unique<ssl::context>(ssl::context::tls_server);
+  beast::error_code ec;
+  ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                       ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 |
+                       ssl::context::single_dh_use,
+                   ec);
+  if (ec) return absl::InternalError(absl::StrCat("TLS setup failed: ", ec.message()));
+  ctx->use_certificate_chain_file(options.cert_file, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(absl::StrCat("server.tls.cert_file: cannot load certificate ",
+                                                   options.cert_file, ": ", ec.message()));
+  }
+  ctx->use_private_key_file(options.key_file, ssl::context::pem, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(absl::StrCat("server.tls.key_file: cannot load private key ",
+                                                   options.key_file, ": ", ec.message()));
+  }
+  if (!options.client_ca_file.empty()) {
+    ctx->load_verify_file(options.client_ca_file, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(absl::StrCat("server.tls.client_ca_file: cannot load ",
+                                                     options.client_ca_file, ": ", ec.message()));
+    }
+    ctx->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert, ec);
+    if (ec) return absl::InternalError(absl::StrCat("TLS setup failed: ", ec.message()));
+  }
+  return ctx;
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
-  explicit Impl(Metrics& m) : metrics(m) {}
+  Impl(Metrics& m, HttpTlsOptions t) : metrics(m), tls_options(std::move(t)) {}
 
   void Accept() {
     acceptor->async_accept(asio::make_strand(io), [this](beast::error_code ec, tcp::socket socket) {
@@ -115,21 +193,26 @@ struct HttpServer::Impl {
           LogWarning("http", absl::StrCat("accept failed: ", ec.message()));
         }
         if (!acceptor->is_open()) return;
+      } else if (tls) {
+        std::make_shared<Session<true>>(std::move(socket), tls.get(), routes, metrics)->Run();
       } else {
-        std::make_shared<Session>(std::move(socket), routes, metrics)->Run();
+        std::make_shared<Session<false>>(std::move(socket), nullptr, routes, metrics)->Run();
       }
       Accept();
     });
   }
 
   Metrics& metrics;
+  const HttpTlsOptions tls_options;
+  std::unique_ptr<ssl::context> tls;  // set when TLS is on; outlives every session (io first)
   Routes routes;
   asio::io_context io;
   std::optional<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
 };
 
-HttpServer::HttpServer(Metrics& metrics) : impl_(std::make_unique<Impl>(metrics)) {}
+HttpServer::HttpServer(Metrics& metrics, HttpTlsOptions tls)
+    : impl_(std::make_unique<Impl>(metrics, std::move(tls))) {}
 HttpServer::~HttpServer() { Stop(); }
 
 void HttpServer::Route(const std::string& method, const std::string& path, HttpHandler handler) {
@@ -137,6 +220,11 @@ void HttpServer::Route(const std::string& method, const std::string& path, HttpH
 }
 
 absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int threads) {
+  if (impl_->tls_options.enabled()) {
+    absl::StatusOr<std::unique_ptr<ssl::context>> ctx = MakeTlsContext(impl_->tls_options);
+    if (!ctx.ok()) return ctx.status();
+    impl_->tls = std::move(*ctx);
+  }
   beast::error_code ec;
   const std::string bind_host = host == "localhost" ? "127.0.0.1" : host;
   const asio::ip::address address = asio::ip::make_address(bind_host, ec);

@@ -1,0 +1,112 @@
+#include "server/auth/authenticator.h"
+
+#include <grpcpp/server_context.h>
+
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+
+namespace twinkle {
+namespace {
+
+constexpr const char* kBearerHeaders[] = {"authorization", "twinkle-authorization"};
+
+}  // namespace
+
+tenancy::Quotas QuotasFromLimits(const LimitsSection& limits) {
+  tenancy::Quotas q;
+  q.max_adapters = limits.max_adapters;
+  q.max_lora_rank = limits.max_lora_rank;
+  q.max_tokens_per_request = limits.max_tokens_per_request;
+  q.max_pending_ops = limits.max_pending_ops;
+  q.tokens_per_s = limits.tokens_per_s;
+  q.burst_tokens = limits.burst_tokens;
+  return q;
+}
+
+absl::StatusOr<tenancy::TenantRegistry> TenantRegistryFromConfig(const Config& config) {
+  if (!config.auth.enabled) return tenancy::TenantRegistry::Open(QuotasFromLimits(config.limits));
+  std::vector<tenancy::TenantSpec> specs;
+  specs.reserve(config.auth.tenants.size());
+  for (const TenantConfig& t : config.auth.tenants) {
+    specs.push_back({t.id, t.key_sha256, QuotasFromLimits(t.quotas)});
+  }
+  return tenancy::TenantRegistry::WithKeys(std::move(specs));
+}
+
+absl::StatusOr<std::string> ExtractApiKey(
+    const std::function<const std::string*(absl::string_view name)>& lookup) {
+  if (const std::string* key = lookup("x-api-key"); key != nullptr) {
+    const absl::string_view stripped = absl::StripAsciiWhitespace(*key);
+    if (!stripped.empty()) return std::string(stripped);
+  }
+  for (const char* name : kBearerHeaders) {
+    const std::string* value = lookup(name);
+    if (value == nullptr) continue;
+    absl::string_view v = absl::StripAsciiWhitespace(*value);
+    if (v.empty()) continue;
+    constexpr absl::string_view kBearer = "bearer ";
+    if (v.size() <= kBearer.size() || !absl::StartsWithIgnoreCase(v, kBearer)) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("malformed ", name, " value: expected 'Bearer <key>'"));
+    }
+    v.remove_prefix(kBearer.size());
+    v = absl::StripAsciiWhitespace(v);
+    if (!v.empty()) return std::string(v);
+  }
+  return std::string();
+}
+
+Authenticator::Authenticator(tenancy::TenantRegistry registry) : registry_(std::move(registry)) {}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromConfig(const Config& config) {
+  absl::StatusOr<tenancy::TenantRegistry> registry = TenantRegistryFromConfig(config);
+  if (!registry.ok()) return registry.status();
+  return std::make_unique<Authenticator>(std::move(*registry));
+}
+
+absl::StatusOr<const tenancy::Tenant*> Authenticator::Finish(
+    absl::StatusOr<const tenancy::Tenant*> result) const {
+  if (!result.ok()) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    if (on_failure_) on_failure_(result.status());
+  }
+  return result;
+}
+
+absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateKey(
+    absl::string_view api_key) const {
+  return Finish(registry_.Authenticate(api_key));
+}
+
+absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateGrpc(
+    const grpc::ServerContextBase& context) const {
+  if (!enabled()) return registry_.Authenticate("");
+  const auto& metadata = context.client_metadata();
+  std::string holder;
+  absl::StatusOr<std::string> key = ExtractApiKey([&](absl::string_view name) -> const std::string* {
+    auto it = metadata.find(grpc::string_ref(name.data(), name.size()));
+    if (it == metadata.end()) return nullptr;
+    holder.assign(it->second.data(), it->second.size());
+    return &holder;
+  });
+  if (!key.ok()) return Finish(key.status());
+  return Finish(registry_.Authenticate(*key));
+}
+
+absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateHttp(
+    const std::map<std::string, std::string>& headers) const {
+  if (!enabled()) return registry_.Authenticate("");
+  absl::StatusOr<std::string> key = ExtractApiKey([&](absl::string_view name) -> const std::string* {
+    auto it = headers.find(std::string(name));
+    return it == headers.end() ? nullptr : &it->second;
+  });
+  if (!key.ok()) return Finish(key.status());
+  return Finish(registry_.Authenticate(*key));
+}
+
+}  // namespace twinkle

@@ -1,0 +1,86 @@
+#pragma once
+// Transport-side authentication: finds the API key in gRPC metadata or HTTP headers and
+// maps it to a tenant through core/tenancy's TenantRegistry.
+//
+// Where the key is looked for, first match wins (tinker-protocol.md §1.4):
+//   1. `x-api-key: KEY`                    (the tinker SDK)
+//   2. `authorization: Bearer KEY`         (twinkle_client, grpcurl -H, curl)
+//   3. `twinkle-authorization: Bearer KEY` (Twinkle-patched SDKs)
+// The same names serve gRPC metadata and HTTP headers (HTTP names are case-insensitive;
+// gRPC metadata keys are lower-case by protocol). The `Bearer` scheme is case-insensitive.
+//
+// Failures are counted (failures()) and reported to an optional listener for metrics and
+// logs. Keys are never logged and never appear in a status.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/tenancy/tenant_registry.h"
+#include "server/config/config.h"
+
+namespace grpc {
+class ServerContextBase;
+}  // namespace grpc
+
+namespace twinkle {
+
+// The quotas `limits` describes.
+tenancy::Quotas QuotasFromLimits(const LimitsSection& limits);
+
+// The registry a validated config describes: auth.enabled → its tenants (auth.tenants, which
+// includes those of auth.tenants_file); otherwise the single "default" tenant with `limits`.
+absl::StatusOr<tenancy::TenantRegistry> TenantRegistryFromConfig(const Config& config);
+
+class Authenticator {
+ public:
+  explicit Authenticator(tenancy::TenantRegistry registry);
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromConfig(const Config& config);
+
+  Authenticator(const Authenticator&) = delete;
+  Authenticator& operator=(const Authenticator&) = delete;
+
+  // The caller's tenant from the call's client metadata. Unauthenticated("missing API key" |
+  // "invalid API key" | "malformed authorization metadata: expected 'Bearer <key>'").
+  absl::StatusOr<const tenancy::Tenant*> AuthenticateGrpc(
+      const grpc::ServerContextBase& context) const;
+
+  // The same from HTTP request headers; `headers` maps LOWER-CASE names to values
+  // (HttpRequest::headers has that shape).
+  absl::StatusOr<const tenancy::Tenant*> AuthenticateHttp(
+      const std::map<std::string, std::string>& headers) const;
+
+  // The same from a bare key (empty = none presented).
+  absl::StatusOr<const tenancy::Tenant*> AuthenticateKey(absl::string_view api_key) const;
+
+  bool enabled() const { return registry_.auth_enabled(); }
+  const tenancy::TenantRegistry& registry() const { return registry_; }
+
+  // Failed authentications so far (missing, malformed or unknown keys).
+  int64_t failures() const { return failures_.load(std::memory_order_relaxed); }
+
+  // Called with each failure's status (never containing the key). Set before serving.
+  void SetFailureListener(std::function<void(const absl::Status&)> listener) {
+    on_failure_ = std::move(listener);
+  }
+
+ private:
+  absl::StatusOr<const tenancy::Tenant*> Finish(absl::StatusOr<const tenancy::Tenant*> result) const;
+
+  tenancy::TenantRegistry registry_;
+  mutable std::atomic<int64_t> failures_{0};
+  std::function<void(const absl::Status&)> on_failure_;
+};
+
+// Key extraction, shared by both transports and exposed for tests. `lookup(name)` returns the
+// value of a lower-case header/metadata name, or nullptr when absent. Returns the key ("" when
+// none was presented), or Unauthenticated for a present but malformed authorization value.
+absl::StatusOr<std::string> ExtractApiKey(
+    const std::function<const std::string*(absl::string_view name)>& lookup);
+
+}  // namespace twinkle
