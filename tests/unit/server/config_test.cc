@@ -3,10 +3,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+
 namespace twinkle {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kValid[] = R"(server:
   host: 127.0.0.1
@@ -137,6 +142,298 @@ TEST(ConfigTest, LoopbackHosts) {
   EXPECT_FALSE(IsLoopbackHost("0.0.0.0"));
   EXPECT_FALSE(IsLoopbackHost("10.0.0.1"));
   EXPECT_FALSE(IsLoopbackHost("example.com"));
+}
+
+
+// ---- auth, tenants, quotas, scheduler, sessions, testing, mTLS. ----------------------------
+
+// Two well-formed digests (64 hex digits; the second in upper case).
+constexpr char kAliceDigest[] = "7c5dc9a1ae3ab6a0dc3e8bb8a2e4d1e5c93bd7bc8b0ae2a6a38d56e32a5c23a1";
+constexpr char kBobDigest[] = "D2F3B8A8C7A1E4B6D0C9E8F7A6B5C4D3E2F1A0B9C8D7E6F5A4B3C2D1E0F9A8B7";
+
+std::string AuthYaml(const std::string& extra = "") {
+  return absl::StrCat(R"(model:
+  path: m
+limits:
+  max_lora_rank: 32
+  tokens_per_s: 1000
+auth:
+  enabled: true
+  tenants:
+    - id: alice
+      key_sha256: [)", kAliceDigest, R"(]
+      quotas:
+        max_adapters: 4
+        max_lora_rank: 16
+    - id: bob
+      key_sha256:
+        - )", kBobDigest, "\n", extra);
+}
+
+TEST(ConfigTest, NewSectionsHaveDefaults) {
+  absl::StatusOr<Config> c = Parse("model:\n  path: m\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->auth.enabled);
+  EXPECT_TRUE(c->auth.tenants.empty());
+  EXPECT_EQ(c->auth.tenants_file, "");
+  EXPECT_EQ(c->limits.max_pending_ops, 256);
+  EXPECT_EQ(c->limits.tokens_per_s, 0);
+  EXPECT_EQ(c->limits.burst_tokens, 65536);
+  EXPECT_EQ(c->scheduler.max_tokens_per_step, 8192);
+  EXPECT_EQ(c->scheduler.max_ops_per_step, 64);
+  EXPECT_TRUE(c->scheduler.fuse);
+  EXPECT_EQ(c->scheduler.queue_cap, 64);
+  EXPECT_EQ(c->scheduler.max_loras, 16);
+  EXPECT_EQ(c->sessions.adapter_timeout_s, 1800);
+  EXPECT_EQ(c->sessions.adapter_max_lifetime_s, 36000);
+  EXPECT_EQ(c->sessions.future_retention_s, 86400);
+  EXPECT_FALSE(c->testing.hooks);
+  EXPECT_EQ(c->server.tls.client_ca_file, "");
+}
+
+TEST(ConfigTest, NewKeysAreRead) {
+  absl::StatusOr<Config> c = Parse(R"(model:
+  path: m
+scheduler:
+  max_tokens_per_step: 100
+  max_ops_per_step: 3
+  fuse: false
+  queue_cap: 5
+  max_loras: 2
+sessions:
+  adapter_timeout_s: 60
+  adapter_max_lifetime_s: 120
+  future_retention_s: 30
+testing:
+  hooks: true
+limits:
+  max_pending_ops: 9
+  tokens_per_s: 12.5
+  burst_tokens: 100
+server:
+  tls:
+    cert_file: c.pem
+    key_file: k.pem
+    client_ca_file: ca.pem
+)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->scheduler.max_tokens_per_step, 100);
+  EXPECT_EQ(c->scheduler.max_ops_per_step, 3);
+  EXPECT_FALSE(c->scheduler.fuse);
+  EXPECT_EQ(c->scheduler.queue_cap, 5);
+  EXPECT_EQ(c->scheduler.max_loras, 2);
+  EXPECT_EQ(c->sessions.adapter_timeout_s, 60);
+  EXPECT_EQ(c->sessions.adapter_max_lifetime_s, 120);
+  EXPECT_EQ(c->sessions.future_retention_s, 30);
+  EXPECT_TRUE(c->testing.hooks);
+  EXPECT_EQ(c->limits.max_pending_ops, 9);
+  EXPECT_EQ(c->limits.tokens_per_s, 12.5);
+  EXPECT_EQ(c->limits.burst_tokens, 100);
+  EXPECT_EQ(c->server.tls.client_ca_file, "/etc/twinkle/ca.pem");
+}
+
+TEST(ConfigTest, BooleansAreChecked) {
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nscheduler:\n  fuse: maybe\n"),
+              HasSubstr("test.yaml:4: scheduler.fuse: expected true or false, got 'maybe'"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nauth:\n  enabled: [true]\n"),
+              HasSubstr("test.yaml:4: auth.enabled: expected true or false"));
+}
+
+TEST(ConfigTest, TenantsAndQuotaFallback) {
+  absl::StatusOr<Config> c = Parse(AuthYaml());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->auth.enabled);
+  ASSERT_EQ(c->auth.tenants.size(), 2u);
+  const TenantConfig& alice = c->auth.tenants[0];
+  EXPECT_EQ(alice.id, "alice");
+  EXPECT_EQ(alice.key_sha256, std::vector<std::string>{kAliceDigest});
+  EXPECT_EQ(alice.quotas.max_adapters, 4);
+  EXPECT_EQ(alice.quotas.max_lora_rank, 16);
+  EXPECT_EQ(alice.quotas.tokens_per_s, 1000);  // from limits
+  EXPECT_EQ(alice.quotas.max_tokens_per_request, 32768);
+  const TenantConfig& bob = c->auth.tenants[1];
+  EXPECT_EQ(bob.quotas.max_lora_rank, 32);  // all from limits
+  EXPECT_EQ(bob.quotas.max_adapters, 64);
+  // Digests are lower-cased.
+  std::string lower = kBobDigest;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(ch));
+  EXPECT_EQ(bob.key_sha256, std::vector<std::string>{lower});
+}
+
+TEST(ConfigTest, NonLoopbackNeedsAuth) {
+  EXPECT_TRUE(Parse(AuthYaml("server:\n  host: 0.0.0.0\n")).ok());
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nserver:\n  host: 10.1.2.3\nauth:\n  enabled: false\n"),
+              HasSubstr("server.host: refusing to bind non-loopback address '10.1.2.3' without authentication"));
+}
+
+TEST(ConfigTest, AuthWithoutTenantsIsAnError) {
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nauth:\n  enabled: true\n"),
+              HasSubstr("test.yaml:4: auth.enabled: authentication is enabled but no tenant is configured"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nauth:\n  enabled: true\n  tenants: []\n"),
+              HasSubstr("auth.enabled: authentication is enabled but no tenant"));
+}
+
+TEST(ConfigTest, TenantQuotaAboveTheServerLimitNamesBoth) {
+  const std::string e = ErrorOf(absl::StrCat(R"(model:
+  path: m
+limits:
+  max_lora_rank: 32
+auth:
+  enabled: true
+  tenants:
+    - id: alice
+      key_sha256: [)", kAliceDigest, R"(]
+      quotas:
+        max_lora_rank: 64
+        max_adapters: 65
+)"));
+  EXPECT_THAT(e, HasSubstr("test.yaml:11: auth.tenants[0].quotas.max_lora_rank: 64 exceeds the "
+                           "server limit limits.max_lora_rank (32)"));
+  EXPECT_THAT(e, HasSubstr("test.yaml:12: auth.tenants[0].quotas.max_adapters: 65 exceeds the "
+                           "server limit limits.max_adapters (64)"));
+  // Unlimited is above any finite rate; any rate is within an unlimited server.
+  EXPECT_THAT(ErrorOf(AuthYaml("      quotas: {tokens_per_s: 0}\n")),
+              HasSubstr("auth.tenants[1].quotas.tokens_per_s: 0 (unlimited) exceeds the server "
+                        "limit limits.tokens_per_s (1000)"));
+  EXPECT_THAT(ErrorOf(AuthYaml("      quotas: {tokens_per_s: 1001}\n")),
+              HasSubstr("limits.tokens_per_s (1000)"));
+  EXPECT_TRUE(Parse(AuthYaml("      quotas: {tokens_per_s: 999, burst_tokens: 10}\n")).ok());
+}
+
+TEST(ConfigTest, TenantShapeErrors) {
+  const std::string head = "model:\n  path: m\nauth:\n  enabled: true\n  tenants:\n";
+  EXPECT_THAT(ErrorOf(head + "    - id: Alice\n      key_sha256: [" + kAliceDigest + "]\n"),
+              HasSubstr("test.yaml:6: auth.tenants[0].id: 'Alice' is not a tenant id"));
+  EXPECT_THAT(ErrorOf(head + "    - key_sha256: [" + kAliceDigest + "]\n"),
+              HasSubstr("auth.tenants[0].id: required key is missing"));
+  EXPECT_THAT(ErrorOf(head + "    - id: alice\n"),
+              HasSubstr("auth.tenants[0].key_sha256: needs at least one digest"));
+  EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: []\n"),
+              HasSubstr("auth.tenants[0].key_sha256: needs at least one digest"));
+  // A value that is not a digest (perhaps the key itself) is never echoed.
+  const std::string pasted_key = ErrorOf(head + "    - id: alice\n      key_sha256: [tml-secret-key]\n");
+  EXPECT_THAT(pasted_key, HasSubstr("test.yaml:7: auth.tenants[0].key_sha256: entry 1 is not 64 hex digits"));
+  EXPECT_THAT(pasted_key, Not(HasSubstr("tml-secret-key")));
+  EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest + "]\n      colour: red\n"),
+              HasSubstr("test.yaml:8: auth.tenants[0].colour: unknown key (known: id, key_sha256, quotas)"));
+  EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest +
+                      "]\n      quotas:\n        max_adapter: 1\n"),
+              HasSubstr("auth.tenants[0].quotas.max_adapter: unknown key"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nauth:\n  tenants: {id: a}\n"),
+              HasSubstr("test.yaml:4: auth.tenants: expected a list of mappings"));
+}
+
+TEST(ConfigTest, TenantIdsAndDigestsAreUnique) {
+  const std::string head = "model:\n  path: m\nauth:\n  enabled: true\n  tenants:\n";
+  const std::string dup_id =
+      ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest + "]\n" +
+              "    - id: alice\n      key_sha256: [" + kBobDigest + "]\n");
+  EXPECT_THAT(dup_id, HasSubstr("test.yaml:8: auth.tenants[1].id: tenant 'alice' is already "
+                                "defined at /etc/twinkle/test.yaml:6"));
+  std::string upper = kAliceDigest;
+  for (char& ch : upper) ch = static_cast<char>(std::toupper(ch));
+  const std::string dup_key =
+      ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest + "]\n" +
+              "    - id: bob\n      key_sha256: [" + upper + "]\n");
+  EXPECT_THAT(dup_key, HasSubstr("test.yaml:8: auth.tenants[1].key_sha256: a digest is listed "
+                                 "twice (also by tenant 'alice' at /etc/twinkle/test.yaml:6)"));
+  EXPECT_THAT(dup_key, Not(HasSubstr(kAliceDigest)));
+  EXPECT_THAT(dup_key, Not(HasSubstr(upper)));
+}
+
+TEST(ConfigTest, TestHooksAreRefusedOnAPublicAuthenticatedHost) {
+  EXPECT_THAT(ErrorOf(AuthYaml("server:\n  host: 0.0.0.0\ntesting:\n  hooks: true\n")),
+              HasSubstr("testing.hooks: refusing test hooks"));
+  EXPECT_TRUE(Parse(AuthYaml("testing:\n  hooks: true\n")).ok());
+  EXPECT_TRUE(Parse("model:\n  path: m\ntesting:\n  hooks: true\n").ok());
+}
+
+TEST(ConfigTest, ClientCaNeedsAServerCertificate) {
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nserver:\n  tls:\n    client_ca_file: ca.pem\n"),
+              HasSubstr("test.yaml:5: server.tls.client_ca_file: needs server.tls.cert_file"));
+}
+
+class TenantsFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           absl::StrCat("twinkle_tenants_", ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_ / "secrets");
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+  }
+  absl::StatusOr<Config> ParseHere(const std::string& yaml) {
+    return ParseConfig(yaml, dir_ / "twinkle.yaml");
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(TenantsFileTest, TenantsAreAppendedAndQuotasFallBack) {
+  Write("secrets/tenants.yaml", absl::StrCat("tenants:\n  - id: carol\n    key_sha256: [", kBobDigest,
+                                             "]\n    quotas: {max_pending_ops: 3}\n"));
+  absl::StatusOr<Config> c = ParseHere(
+      absl::StrCat("model:\n  path: m\nlimits:\n  max_lora_rank: 8\nauth:\n  enabled: true\n"
+                   "  tenants_file: secrets/tenants.yaml\n  tenants:\n    - id: alice\n"
+                   "      key_sha256: [", kAliceDigest, "]\n"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->auth.tenants_file, (dir_ / "secrets/tenants.yaml").string());
+  ASSERT_EQ(c->auth.tenants.size(), 2u);
+  EXPECT_EQ(c->auth.tenants[0].id, "alice");
+  EXPECT_EQ(c->auth.tenants[1].id, "carol");
+  EXPECT_EQ(c->auth.tenants[1].quotas.max_pending_ops, 3);
+  EXPECT_EQ(c->auth.tenants[1].quotas.max_lora_rank, 8);
+
+  // A tenants file alone satisfies auth.enabled.
+  EXPECT_TRUE(ParseHere("model:\n  path: m\nauth:\n  enabled: true\n  tenants_file: secrets/tenants.yaml\n").ok());
+}
+
+TEST_F(TenantsFileTest, ErrorsNameTheTenantsFile) {
+  Write("tenants.yaml", "tenants:\n  - id: alice\n    key_sha256: [abc]\n    extra: 1\n");
+  const absl::StatusOr<Config> c =
+      ParseHere("model:\n  path: m\nauth:\n  enabled: true\n  tenants_file: tenants.yaml\n");
+  ASSERT_FALSE(c.ok());
+  const std::string file = (dir_ / "tenants.yaml").string();
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr(absl::StrCat(file, ":3: tenants[0].key_sha256: entry 1 is not 64 hex digits")));
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr(absl::StrCat(file, ":4: tenants[0].extra: unknown key")));
+
+  Write("list.yaml", "- id: alice\n");
+  EXPECT_THAT(std::string(ParseHere("model:\n  path: m\nauth:\n  tenants_file: list.yaml\n").status().message()),
+              HasSubstr("list.yaml:1: tenants: expected a mapping with a `tenants:` list"));
+}
+
+TEST_F(TenantsFileTest, MissingFileAndDuplicatesAcrossFiles) {
+  EXPECT_THAT(std::string(ParseHere("model:\n  path: m\nauth:\n  tenants_file: nope.yaml\n").status().message()),
+              HasSubstr("twinkle.yaml:4: auth.tenants_file: cannot read " + (dir_ / "nope.yaml").string()));
+  Write("tenants.yaml", absl::StrCat("tenants:\n  - id: alice\n    key_sha256: [", kBobDigest, "]\n"));
+  const std::string e(ParseHere(absl::StrCat(
+      "model:\n  path: m\nauth:\n  enabled: true\n  tenants_file: tenants.yaml\n  tenants:\n"
+      "    - id: alice\n      key_sha256: [", kAliceDigest, "]\n")).status().message());
+  EXPECT_THAT(e, HasSubstr(absl::StrCat((dir_ / "tenants.yaml").string(), ":2: tenants[0].id: tenant "
+                                        "'alice' is already defined at ", (dir_ / "twinkle.yaml").string(), ":7")));
+}
+
+TEST(ConfigTest, RenderMasksDigestsAndShowsTenants) {
+  absl::StatusOr<Config> c = Parse(AuthYaml());
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (ConfigFormat format : {ConfigFormat::kYaml, ConfigFormat::kJson}) {
+    const std::string out = RenderConfig(*c, format);
+    EXPECT_THAT(out, Not(HasSubstr(kAliceDigest)));
+    EXPECT_THAT(out, Not(HasSubstr(std::string(kAliceDigest).substr(0, 16))));
+    EXPECT_THAT(out, Not(HasSubstr("d2f3b8a8")));
+    EXPECT_THAT(out, HasSubstr("alice"));
+    EXPECT_THAT(out, HasSubstr("***"));
+  }
+  const std::string yaml = RenderConfig(*c, ConfigFormat::kYaml);
+  EXPECT_THAT(yaml, HasSubstr("enabled: true"));
+  EXPECT_THAT(yaml, HasSubstr("fuse: true"));
+  EXPECT_THAT(yaml, HasSubstr("max_loras: 16"));
+  const std::string json = RenderConfig(*c, ConfigFormat::kJson);
+  EXPECT_THAT(json, HasSubstr("\"hooks\": false"));
+  EXPECT_THAT(json, HasSubstr("\"max_lora_rank\": 16"));  // alice's effective quota
 }
 
 }  // namespace
