@@ -66,6 +66,8 @@ void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodForwardBackward] = [this](const ipc::Message& r) { return Forward(r, true); };
   m[ipc::kMethodOptimStep] = [this](const ipc::Message& r) { return OptimStep(r); };
   m[ipc::kMethodZeroGrad] = [this](const ipc::Message& r) { return ZeroGrad(r); };
+  m[ipc::kMethodSetOptimizer] = [this](const ipc::Message& r) { return SetOptimizer(r); };
+  m[ipc::kMethodClipGradNorm] = [this](const ipc::Message& r) { return ClipGradNorm(r); };
   m[ipc::kMethodGetAdapterState] = [this](const ipc::Message& r) { return GetAdapterState(r); };
   m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
 }
@@ -289,7 +291,9 @@ absl::StatusOr<MethodReply> Trainer::OptimStep(const ipc::Message& request) {
   if (absl::Status s = ApplyHyper(req.hyper, hyper); !s.ok()) return s;
   absl::StatusOr<StepResult> step = adapter->optimizer().Step(hyper);
   if (!step.ok()) return step.status();
-  adapter->optimizer().ZeroGrad();  // Tinker: optim_step applies and clears gradients
+  if (req.zero_grad) adapter->optimizer().ZeroGrad();  // Tinker: apply and clear
+  // Reset even when the gradients stay (Twinkle's step()): dropout seeds are keyed by the
+  // step, which just advanced, so the next backward starts a new window of masks.
   adapter->micro_batches_since_step = 0;
   return Reply(ipc::OptimStepReply{step->grad_norm, step->learning_rate, step->step});
 }
@@ -298,18 +302,36 @@ absl::StatusOr<MethodReply> Trainer::ZeroGrad(const ipc::Message& request) {
   absl::StatusOr<AdapterCall<ipc::AdapterRequest>> call =
       ParseAdapterCall<ipc::AdapterRequest>(request, ipc::kMethodZeroGrad);
   if (!call.ok()) return call.status();
-  const ipc::AdapterRequest& req = call->request;
-  Adapter* adapter = call->adapter;
-  adapter->optimizer().ZeroGrad();
-  adapter->micro_batches_since_step = 0;
+  call->adapter->optimizer().ZeroGrad();
+  call->adapter->micro_batches_since_step = 0;
   return MethodReply{};
+}
+
+absl::StatusOr<MethodReply> Trainer::SetOptimizer(const ipc::Message& request) {
+  absl::StatusOr<AdapterCall<ipc::SetOptimizerRequest>> call =
+      ParseAdapterCall<ipc::SetOptimizerRequest>(request, ipc::kMethodSetOptimizer);
+  if (!call.ok()) return call.status();
+  // Gradients stay: Twinkle may set the optimizer after a backward and step right away.
+  if (absl::Status s = call->adapter->ResetOptimizer(call->request.optimizer); !s.ok()) return s;
+  return MethodReply{};
+}
+
+absl::StatusOr<MethodReply> Trainer::ClipGradNorm(const ipc::Message& request) {
+  absl::StatusOr<AdapterCall<ipc::ClipGradNormRequest>> call =
+      ParseAdapterCall<ipc::ClipGradNormRequest>(request, ipc::kMethodClipGradNorm);
+  if (!call.ok()) return call.status();
+  const ipc::ClipGradNormRequest& req = call->request;
+  absl::StatusOr<GradNormType> type = ParseGradNormType(req.norm_type);
+  if (!type.ok()) return type.status();
+  absl::StatusOr<double> norm = call->adapter->optimizer().ClipGradNorm(req.max_norm, *type);
+  if (!norm.ok()) return norm.status();
+  return Reply(ipc::ClipGradNormReply{*norm});
 }
 
 absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request) {
   absl::StatusOr<AdapterCall<ipc::AdapterRequest>> call =
       ParseAdapterCall<ipc::AdapterRequest>(request, ipc::kMethodGetAdapterState);
   if (!call.ok()) return call.status();
-  const ipc::AdapterRequest& req = call->request;
   Adapter* adapter = call->adapter;
   MethodReply reply;
   ipc::AdapterStateReply body;
@@ -329,6 +351,18 @@ absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request
     body.optimizer[name] = *s;
   }
   body.step = adapter->optimizer().step();
+  body.optimizer_kind = adapter->optimizer().kind_name();
+  body.micro_batches_since_step = adapter->micro_batches_since_step;
+  const AdapterConfig& config = adapter->config();
+  body.config.adapter_id = config.id;
+  body.config.rank = config.rank;
+  body.config.alpha = config.alpha;
+  body.config.dropout = config.dropout;
+  body.config.use_rslora = config.use_rslora;
+  body.config.targets.clear();
+  for (LinearKind kind : config.targets) body.config.targets.push_back(LinearKindName(kind));
+  body.config.seed = config.seed;
+  body.config.optimizer = config.optimizer;
   return Reply(body, std::move(reply));
 }
 
@@ -337,25 +371,30 @@ absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request
       ParseAdapterCall<ipc::SetAdapterStateRequest>(request, ipc::kMethodSetAdapterState);
   if (!call.ok()) return call.status();
   const ipc::SetAdapterStateRequest& req = call->request;
-  Adapter* adapter = call->adapter;
-  std::map<std::string, at::Tensor> weights;
+  // Read every frame first; Adapter::Restore then validates and stages before it changes
+  // anything, so a bad request leaves the adapter as it was.
+  AdapterStateUpdate update;
   for (const auto& [name, desc] : req.weights) {
     absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("weight '", name, "': ", t.status().message()));
-    weights[name] = t->to(at::kFloat).to(device_);
+    update.weights[name] = *std::move(t);
   }
-  std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
+  if (req.grads.has_value()) {
+    update.grads.emplace();
+    for (const auto& [name, desc] : *req.grads) {
+      absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
+      if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("gradient '", name, "': ", t.status().message()));
+      (*update.grads)[name] = *std::move(t);
+    }
+  }
   for (const auto& [name, desc] : req.optimizer) {
     absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
     if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "': ", t.status().message()));
-    optimizer_state.emplace_back(name, *t);
+    update.optimizer_state.emplace_back(name, *std::move(t));
   }
-  // Optimizer state first: LoadState validates everything before changing anything, and so
-  // does SetWeights, so a bad request leaves the adapter as it was.
-  if (!optimizer_state.empty()) {
-    if (absl::Status s = adapter->optimizer().LoadState(optimizer_state); !s.ok()) return s;
-  }
-  if (absl::Status s = adapter->SetWeights(weights); !s.ok()) return s;
+  update.optimizer_kind = req.optimizer_kind;
+  update.micro_batches_since_step = req.micro_batches_since_step;
+  if (absl::Status s = call->adapter->Restore(update); !s.ok()) return s;
   return MethodReply{};
 }
 

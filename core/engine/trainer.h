@@ -1,7 +1,7 @@
 #pragma once
 // The training engine of one worker: the base model, the resident adapters, and the IPC
 // methods that drive them (create/remove adapter, forward, forward_backward over a fused
-// plan, optim_step, zero_grad, get/set adapter state).
+// plan, optim_step, zero_grad, set_optimizer, clip_grad_norm, get/set adapter state).
 //
 // A forward or forward_backward request carries several ops, one per adapter (or base-only).
 // Their datums are packed into one row batch: the base model runs ONCE over all rows, each
@@ -36,6 +36,8 @@ class Trainer {
   absl::StatusOr<MethodReply> Forward(const ipc::Message& request, bool backward);
   absl::StatusOr<MethodReply> OptimStep(const ipc::Message& request);
   absl::StatusOr<MethodReply> ZeroGrad(const ipc::Message& request);
+  absl::StatusOr<MethodReply> SetOptimizer(const ipc::Message& request);
+  absl::StatusOr<MethodReply> ClipGradNorm(const ipc::Message& request);
   absl::StatusOr<MethodReply> GetAdapterState(const ipc::Message& request);
   absl::StatusOr<MethodReply> SetAdapterState(const ipc::Message& request);
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ inline constexpr char kMethodOptimStep[] = "optim_step";              // applies
 inline constexpr char kMethodZeroGrad[] = "zero_grad";
 inline constexpr char kMethodGetAdapterState[] = "get_adapter_state";
 inline constexpr char kMethodSetAdapterState[] = "set_adapter_state";
+// Twinkle-native optimizer control (Twinkle's set_optimizer / clip_grad_norm / step).
+inline constexpr char kMethodSetOptimizer[] = "set_optimizer";    // fresh optimizer, grads kept
+inline constexpr char kMethodClipGradNorm[] = "clip_grad_norm";   // scales grads in place
 
 struct CreateAdapterRequest {
   std::string adapter_id;
@@ -29,6 +33,8 @@ struct CreateAdapterRequest {
   double alpha = 16;
   double dropout = 0;
   bool use_rslora = false;
+  // PEFT target_modules: "all-linear" (every decoder linear, not lm_head, as in PEFT),
+  // q_proj ... down_proj, lm_head.
   std::vector<std::string> targets = {"all-linear"};
   uint64_t seed = 0;
   std::string optimizer = "adamw";
@@ -93,7 +99,10 @@ struct OptimStepRequest {
   // learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm (Tinker's AdamParams),
   // momentum, dampening, nesterov (SGD). Omitted keys keep the optimizer's defaults.
   std::map<std::string, double> hyper;
-  MSGPACK_DEFINE_MAP(adapter_id, hyper);
+  // true: Tinker's optim_step (apply, then clear the gradients). false: Twinkle's step(),
+  // which leaves them for an explicit zero_grad (without one, the next backward adds to them).
+  bool zero_grad = true;
+  MSGPACK_DEFINE_MAP(adapter_id, hyper, zero_grad);
 };
 struct OptimStepReply {
   double grad_norm = 0;
@@ -102,20 +111,53 @@ struct OptimStepReply {
   MSGPACK_DEFINE_MAP(grad_norm, learning_rate, step);
 };
 
+// Replaces the adapter's optimizer with a fresh one: state reset, step 0; gradients kept.
+struct SetOptimizerRequest {
+  std::string adapter_id;
+  std::string optimizer;  // "adamw" | "adam" | "sgd", case-insensitive (Twinkle: AdamW, Adam, SGD)
+  MSGPACK_DEFINE_MAP(adapter_id, optimizer);
+};
+
+// torch.nn.utils.clip_grad_norm_ on the accumulated gradients, in place.
+struct ClipGradNormRequest {
+  std::string adapter_id;
+  double max_norm = 1.0;
+  double norm_type = 2;  // 2 or inf
+  MSGPACK_DEFINE_MAP(adapter_id, max_norm, norm_type);
+};
+struct ClipGradNormReply {
+  double total_norm = 0;  // before clipping (what torch returns)
+  MSGPACK_DEFINE_MAP(total_norm);
+};
+
+// Everything that makes an adapter what it is, so that offloading (get_adapter_state +
+// remove_adapter, later create_adapter(config) + set_adapter_state with these fields) lets
+// training continue bit for bit: same weights, gradients, optimizer and dropout masks.
 struct AdapterStateReply {
   std::map<std::string, TensorDesc> weights;    // PEFT keys
   std::map<std::string, TensorDesc> grads;      // accumulated, where any
   std::map<std::string, TensorDesc> optimizer;  // optimizer state tensors
-  int64_t step = 0;
-  MSGPACK_DEFINE_MAP(weights, grads, optimizer, step);
+  int64_t step = 0;                             // the optimizer's step count
+  std::string optimizer_kind;                   // "adamw" | "adam" | "sgd"
+  int64_t micro_batches_since_step = 0;         // seeds the next dropout masks
+  CreateAdapterRequest config;                  // the create_adapter body that rebuilds it
+  MSGPACK_DEFINE_MAP(weights, grads, optimizer, step, optimizer_kind, micro_batches_since_step,
+                     config);
 };
-// Restores what get_adapter_state returned. Weights may be a subset (by PEFT key); the
-// optimizer state, when given, is replaced whole (validated first: nothing changes on error).
+// Restores what get_adapter_state returned; a field left out keeps the adapter's current
+// value. Weights may be a subset (by PEFT key). `grads`, when present (even empty), become
+// the adapter's gradients exactly. `optimizer_kind`, when it names another kind, replaces the
+// optimizer; the optimizer state, when given, is replaced whole. Everything is validated
+// first: nothing changes on error.
 struct SetAdapterStateRequest {
   std::string adapter_id;
   std::map<std::string, TensorDesc> weights;
+  std::optional<std::map<std::string, TensorDesc>> grads;
   std::map<std::string, TensorDesc> optimizer;
-  MSGPACK_DEFINE_MAP(adapter_id, weights, optimizer);
+  std::string optimizer_kind;
+  std::optional<int64_t> micro_batches_since_step;
+  MSGPACK_DEFINE_MAP(adapter_id, weights, grads, optimizer, optimizer_kind,
+                     micro_batches_since_step);
 };
 
 }  // namespace twinkle::ipc

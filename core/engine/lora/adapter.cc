@@ -4,32 +4,47 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <exception>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace twinkle::engine {
+namespace {
+
+// Everything a tenant can name: the decoder layers' linears, then the output projection.
+constexpr LinearKind kTargetKinds[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
+                                       LinearKind::kO,    LinearKind::kGate,
+                                       LinearKind::kUp,   LinearKind::kDown, LinearKind::kLmHead};
+
+}  // namespace
 
 absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::string>& names) {
-  std::vector<LinearKind> out;
+  std::set<LinearKind> wanted;
   for (const std::string& name : names) {
-    if (name == "all-linear") return std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
+    if (name == "all-linear") {
+      wanted.insert(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
+      continue;
+    }
     bool found = false;
-    for (LinearKind kind : kAllLinearKinds) {
+    for (LinearKind kind : kTargetKinds) {
       if (name == LinearKindName(kind)) {
-        out.push_back(kind);
+        wanted.insert(kind);
         found = true;
       }
     }
     if (!found) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown LoRA target module '", name,
-          "' (accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"));
+          "' (accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+          "lm_head)"));
     }
   }
-  if (out.empty()) return std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
-  return out;
+  if (wanted.empty()) return std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
+  return std::vector<LinearKind>(wanted.begin(), wanted.end());  // enum order
 }
 
 absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& config,
@@ -51,54 +66,140 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
   // CPU from the adapter's seed so the same seed gives the same adapter on any device.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
   const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat);
-  const std::vector<LinearKind> targets =
+  std::vector<LinearKind> targets =
       config.targets.empty() ? std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds))
                              : config.targets;
-  std::vector<at::Tensor> params;
+  std::sort(targets.begin(), targets.end());
+  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  adapter->config_.targets = targets;
+  const auto targeted = [&](LinearKind kind) {
+    return std::find(targets.begin(), targets.end(), kind) != targets.end();
+  };
+  // One (A, B) pair: A drawn from `gen` (so the draw order fixes every adapter's init).
+  const auto add_pair = [&](LinearKind kind, const std::string& prefix) {
+    const auto [in, out] = model.LinearShape(kind);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    at::Tensor a = at::empty({config.rank, in}, fp32).uniform_(-bound, bound, gen).to(device);
+    at::Tensor b = at::zeros({out, config.rank}, fp32.device(device));
+    a.set_requires_grad(true);
+    b.set_requires_grad(true);
+    adapter->named_.emplace_back(prefix + ".lora_A.weight", a);
+    adapter->named_.emplace_back(prefix + ".lora_B.weight", b);
+    adapter->weights_[kind].emplace_back(a, b);
+  };
   const int64_t layers = model.config().num_hidden_layers;
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (LinearKind kind : kAllLinearKinds) {  // fixed order, whatever order targets came in
-      if (std::find(targets.begin(), targets.end(), kind) == targets.end()) continue;
-      const auto [in, out] = model.LinearShape(kind);
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-      at::Tensor a = at::empty({config.rank, in}, fp32).uniform_(-bound, bound, gen).to(device);
-      at::Tensor b = at::zeros({out, config.rank}, fp32.device(device));
-      a.set_requires_grad(true);
-      b.set_requires_grad(true);
+      if (!targeted(kind)) continue;
       const bool attn = kind == LinearKind::kQ || kind == LinearKind::kK || kind == LinearKind::kV ||
                         kind == LinearKind::kO;
-      const std::string prefix = absl::StrCat("base_model.model.model.layers.", layer, ".",
-                                              attn ? "self_attn." : "mlp.", LinearKindName(kind));
-      adapter->named_.emplace_back(prefix + ".lora_A.weight", a);
-      adapter->named_.emplace_back(prefix + ".lora_B.weight", b);
-      adapter->weights_[kind].emplace_back(a, b);
-      params.push_back(a);
-      params.push_back(b);
+      add_pair(kind, absl::StrCat("base_model.model.model.layers.", layer, ".",
+                                  attn ? "self_attn." : "mlp.", LinearKindName(kind)));
     }
   }
-  absl::StatusOr<std::unique_ptr<Optimizer>> optimizer = Optimizer::Create(config.optimizer, params);
+  // Last, as PEFT orders it (and so adapters without it keep their draws and order). PEFT
+  // wraps lm_head even when it shares its weight with the embedding; so do we.
+  if (targeted(LinearKind::kLmHead)) add_pair(LinearKind::kLmHead, "base_model.model.lm_head");
+
+  absl::StatusOr<std::unique_ptr<Optimizer>> optimizer = adapter->NewOptimizer(config.optimizer);
   if (!optimizer.ok()) return optimizer.status();
   adapter->optimizer_ = *std::move(optimizer);
+  adapter->config_.optimizer = adapter->optimizer_->kind_name();
   return adapter;
 }
 
-absl::Status Adapter::SetWeights(const std::map<std::string, at::Tensor>& weights) {
+absl::StatusOr<std::unique_ptr<Optimizer>> Adapter::NewOptimizer(const std::string& kind) const {
+  std::vector<at::Tensor> params;
+  params.reserve(named_.size());
+  for (const auto& [name, t] : named_) params.push_back(t);
+  return Optimizer::Create(kind, std::move(params));
+}
+
+absl::Status Adapter::ResetOptimizer(const std::string& kind) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> optimizer = NewOptimizer(kind);
+  if (!optimizer.ok()) return optimizer.status();
+  optimizer_ = *std::move(optimizer);
+  config_.optimizer = optimizer_->kind_name();
+  return absl::OkStatus();
+}
+
+absl::Status Adapter::Restore(const AdapterStateUpdate& update) {
   std::map<std::string, const at::Tensor*> ours;
   for (const auto& [name, t] : named_) ours[name] = &t;
-  for (const auto& [name, t] : weights) {
+  // Returns our parameter named `name` after checking `t` against it.
+  const auto check = [&](const char* what, const std::string& name,
+                         const at::Tensor& t) -> absl::StatusOr<const at::Tensor*> {
     auto it = ours.find(name);
-    if (it == ours.end()) return absl::InvalidArgumentError(absl::StrCat("adapter has no weight '", name, "'"));
+    if (it == ours.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter has no ", what, " '", name, "'"));
+    }
+    if (!t.defined() || !at::isFloatingType(t.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' must be a floating-point tensor"));
+    }
     if (!t.sizes().equals(it->second->sizes())) {
-      return absl::InvalidArgumentError(absl::StrCat("weight '", name, "' has shape ", c10::str(t.sizes()),
+      return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' has shape ", c10::str(t.sizes()),
                                                      "; the adapter's is ", c10::str(it->second->sizes())));
     }
-    if (!at::isfinite(t).all().item<bool>()) {
-      return absl::InvalidArgumentError(absl::StrCat("weight '", name, "' has non-finite values"));
+    return it->second;
+  };
+
+  // 1. Validate and stage everything, in the parameters' dtype and on their device. A failure
+  // here (bad input, or a device out of memory) returns with nothing changed.
+  std::vector<std::pair<const at::Tensor*, at::Tensor>> weights, grads;
+  std::unique_ptr<Optimizer> optimizer;
+  try {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, t] : update.weights) {
+      absl::StatusOr<const at::Tensor*> param = check("weight", name, t);
+      if (!param.ok()) return param.status();
+      if (!at::isfinite(t).all().item<bool>()) {
+        return absl::InvalidArgumentError(absl::StrCat("weight '", name, "' has non-finite values"));
+      }
+      weights.emplace_back(*param, t.to((*param)->options()));
     }
+    if (update.grads.has_value()) {
+      // Non-finite gradients are restored as they were: the next optimizer step refuses them,
+      // exactly as it would have without the round trip.
+      for (const auto& [name, t] : *update.grads) {
+        absl::StatusOr<const at::Tensor*> param = check("gradient", name, t);
+        if (!param.ok()) return param.status();
+        // A copy of our own: autograd accumulates into it in place.
+        grads.emplace_back(*param, t.to((*param)->options(), /*non_blocking=*/false, /*copy=*/true));
+      }
+    }
+    if (update.micro_batches_since_step.has_value() && *update.micro_batches_since_step < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("micro_batches_since_step must be >= 0, got ",
+                                                     *update.micro_batches_since_step));
+    }
+    if (!update.optimizer_kind.empty() || !update.optimizer_state.empty()) {
+      // A candidate optimizer takes the state, so a rejected state leaves the live one as is.
+      absl::StatusOr<std::unique_ptr<Optimizer>> candidate = NewOptimizer(
+          update.optimizer_kind.empty() ? optimizer_->kind_name() : update.optimizer_kind);
+      if (!candidate.ok()) return candidate.status();
+      if (!update.optimizer_state.empty()) {
+        if (absl::Status s = (*candidate)->LoadState(update.optimizer_state); !s.ok()) return s;
+        optimizer = *std::move(candidate);
+      } else if ((*candidate)->kind() != optimizer_->kind()) {
+        optimizer = *std::move(candidate);
+      }  // else: the kind it already has and no state: keep the live optimizer
+    }
+  } catch (const std::exception& e) {
+    return absl::ResourceExhaustedError(absl::StrCat("staging adapter state: ", e.what()));
   }
+
+  // 2. Commit: same-device copies and handle swaps only.
   c10::NoGradGuard no_grad;  // copy into the leaves without recording the copy
-  for (const auto& [name, t] : weights) {
-    const_cast<at::Tensor*>(ours[name])->copy_(t);
+  for (auto& [param, t] : weights) const_cast<at::Tensor*>(param)->copy_(t);
+  if (update.grads.has_value()) {
+    for (const auto& [name, t] : named_) const_cast<at::Tensor&>(t).mutable_grad() = at::Tensor();
+    for (auto& [param, g] : grads) const_cast<at::Tensor*>(param)->mutable_grad() = std::move(g);
+  }
+  if (optimizer != nullptr) {
+    optimizer_ = std::move(optimizer);
+    config_.optimizer = optimizer_->kind_name();
+  }
+  if (update.micro_batches_since_step.has_value()) {
+    micro_batches_since_step = *update.micro_batches_since_step;
   }
   return absl::OkStatus();
 }

@@ -1,8 +1,9 @@
 #pragma once
 // One tenant's LoRA adapter: fp32 master weights A [r, in] and B [out, r] for every targeted
 // linear of every layer, initialised as PEFT does (A kaiming-uniform, B zero) from the
-// adapter's own seeded generator, plus its optimizer and step counter. Parameters are leaf
-// tensors; autograd accumulates their gradients across forward_backward calls.
+// adapter's own seeded generator, plus its optimizer and step counter; lm_head (the logits
+// projection, tied or not) can be a target too. Parameters are leaf tensors; autograd
+// accumulates their gradients across forward_backward calls.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,14 +28,29 @@ struct AdapterConfig {
   double alpha = 16;
   double dropout = 0.0;
   bool use_rslora = false;          // scale alpha / sqrt(r) instead of alpha / r
-  std::vector<LinearKind> targets;  // empty = all linear layers
+  std::vector<LinearKind> targets;  // empty = all linear layers (PEFT's all-linear)
   uint64_t seed = 0;
   std::string optimizer = "adamw";
 };
 
-// Parses PEFT-style target names: "all-linear" or q_proj, k_proj, ... (InvalidArgument on
-// an unknown name, listing the accepted ones).
+// Parses PEFT-style target names: "all-linear", q_proj, k_proj, ..., down_proj, lm_head
+// (InvalidArgument on an unknown name, listing the accepted ones). "all-linear" does not
+// include lm_head, as in PEFT; ["all-linear", "lm_head"] is the union.
 absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::string>& names);
+
+// What set_adapter_state restores; a part left absent keeps the adapter's current value.
+struct AdapterStateUpdate {
+  std::map<std::string, at::Tensor> weights;  // by PEFT key, any subset; any float dtype/device
+  // Set: the accumulated gradients become exactly these (by PEFT key; a parameter not named
+  // has none afterwards, as after zero_grad).
+  std::optional<std::map<std::string, at::Tensor>> grads;
+  // "" = keep. Another kind than the current one replaces the optimizer (fresh, step 0,
+  // unless optimizer_state is given too).
+  std::string optimizer_kind;
+  // Non-empty: the optimizer's whole state, named as Optimizer::StateTensors names it.
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
+  std::optional<int64_t> micro_batches_since_step;
+};
 
 class Adapter {
  public:
@@ -41,14 +58,18 @@ class Adapter {
                                                          const DecoderModel& model,
                                                          c10::Device device);
 
+  // The config it was created with; targets resolved (never empty) and optimizer the
+  // current optimizer's kind, so create_adapter with it rebuilds an equal adapter.
   const AdapterConfig& config() const { return config_; }
   double scale() const { return scale_; }
   bool targets(LinearKind kind) const { return weights_.count(kind) > 0; }
+  // lm_head has one (A, B) pair for the whole model: layer 0.
   const at::Tensor& a(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].first; }
   const at::Tensor& b(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].second; }
 
-  // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
-  // in a fixed order (the optimizer's parameter order).
+  // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+  // "base_model.model.lm_head.lora_A.weight"), in a fixed order (the optimizer's parameter
+  // order): layer by layer, then lm_head.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
 
   Optimizer& optimizer() { return *optimizer_; }
@@ -56,11 +77,18 @@ class Adapter {
   // micro-batches draw different masks, and a fused step draws what a solo step would.
   int64_t micro_batches_since_step = 0;
 
-  // Replaces weights by PEFT key; every key must exist with the same shape.
-  absl::Status SetWeights(const std::map<std::string, at::Tensor>& weights);
+  // Replaces the optimizer by a fresh one of `kind` (Optimizer::Create's names): state reset,
+  // step 0. Gradients are kept, so the next step applies what was accumulated.
+  absl::Status ResetOptimizer(const std::string& kind);
+
+  // Applies `update` all or nothing: every part is validated (unknown keys, shapes, optimizer
+  // kind and state, a negative counter) and staged on the device before anything changes.
+  absl::Status Restore(const AdapterStateUpdate& update);
 
  private:
   Adapter() = default;
+  absl::StatusOr<std::unique_ptr<Optimizer>> NewOptimizer(const std::string& kind) const;
+
   AdapterConfig config_;
   double scale_ = 1.0;
   std::map<LinearKind, std::vector<std::pair<at::Tensor, at::Tensor>>> weights_;

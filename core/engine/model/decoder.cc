@@ -25,6 +25,7 @@ const char* LinearKindName(LinearKind kind) {
     case LinearKind::kGate: return "gate_proj";
     case LinearKind::kUp: return "up_proj";
     case LinearKind::kDown: return "down_proj";
+    case LinearKind::kLmHead: return "lm_head";
   }
   return "?";
 }
@@ -80,6 +81,7 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
 }
 
 std::pair<int64_t, int64_t> DecoderModel::LinearShape(LinearKind kind) const {
+  if (kind == LinearKind::kLmHead) return {lm_head_.size(1), lm_head_.size(0)};
   const at::Tensor& w = layers_.front().weight.at(kind);
   return {w.size(1), w.size(0)};
 }
@@ -173,7 +175,15 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
                              Linear(layer, index, LinearKind::kUp, h, lora);
     x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
   }
-  return at::linear(RmsNorm(x, final_norm_), lm_head_).to(at::kFloat);
+  // lm_head LoRA as PEFT applies it, also with tied embeddings: the delta is added to the
+  // logits only; the (shared) embedding lookup above never sees it.
+  const at::Tensor h = RmsNorm(x, final_norm_);
+  at::Tensor logits = at::linear(h, lm_head_);
+  if (lora) {
+    std::vector<kernels::LoraSegment> segments = lora(0, LinearKind::kLmHead, h);
+    if (!segments.empty()) logits = logits + kernels::LoraDelta(h, logits.size(-1), segments);
+  }
+  return logits.to(at::kFloat);
 }
 
 }  // namespace twinkle::engine

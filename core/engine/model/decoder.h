@@ -18,14 +18,18 @@
 
 namespace twinkle::engine {
 
-// The linear layers LoRA can target, in HF/PEFT names.
-enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown };
+// The linear layers LoRA can target, in HF/PEFT names. kLmHead is the output projection
+// (logits), one for the whole model rather than one per layer.
+enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown, kLmHead };
+// PEFT's "all-linear": every linear of every decoder layer, but not lm_head (PEFT leaves the
+// output layer out of all-linear; a tenant names lm_head explicitly to train it).
 inline constexpr LinearKind kAllLinearKinds[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
                                                  LinearKind::kO,    LinearKind::kGate,
                                                  LinearKind::kUp,   LinearKind::kDown};
-const char* LinearKindName(LinearKind kind);  // "q_proj", ...
+const char* LinearKindName(LinearKind kind);  // "q_proj", ..., "lm_head"
 
 // Returns the LoRA segments to add to layer `layer`'s linear `kind`, whose input is `x`.
+// lm_head is asked for with layer 0 (its input is the final-norm output).
 using LoraSegmentsFn =
     std::function<std::vector<kernels::LoraSegment>(int64_t layer, LinearKind kind, const at::Tensor& x)>;
 
@@ -43,7 +47,7 @@ class DecoderModel {
   at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
                      const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
 
-  // Input and output width of a targetable linear.
+  // Input and output width of a targetable linear (lm_head: hidden size, vocab size).
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
 
  private:

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -54,7 +55,31 @@ absl::Status CheckField(absl::string_view name, double value, bool ok, absl::str
                                                  " must be finite and ", range, ", got ", value));
 }
 
+// torch.nn.utils.get_total_norm over non-empty `tensors`: per-tensor norms (what
+// _foreach_norm computes on CPU), then the norm of their stack.
+at::Tensor TotalNorm(const std::vector<at::Tensor>& tensors, GradNormType type) {
+  const double ord = type == GradNormType::kL2 ? 2.0 : std::numeric_limits<double>::infinity();
+  std::vector<at::Tensor> norms;
+  norms.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) norms.push_back(at::linalg_vector_norm(t, ord));
+  return at::linalg_vector_norm(at::stack(norms), ord);
+}
+
+// torch.nn.utils.clip_grads_with_norm_'s factor, min(1, max_norm / (total + 1e-6)), with the
+// same tensor arithmetic (a float divided by a tensor is reciprocal * float in torch), so the
+// scaled gradients match torch's bit for bit.
+at::Tensor ClipCoefficient(const at::Tensor& total, double max_norm) {
+  return (at::reciprocal(total + 1e-6) * max_norm).clamp_max(1.0);
+}
+
 }  // namespace
+
+absl::StatusOr<GradNormType> ParseGradNormType(double norm_type) {
+  if (norm_type == 2.0) return GradNormType::kL2;
+  if (std::isinf(norm_type) && norm_type > 0) return GradNormType::kInf;
+  return absl::InvalidArgumentError(
+      absl::StrCat("norm_type must be 2 or inf, got ", norm_type));
+}
 
 Optimizer::Optimizer(Kind kind, std::vector<at::Tensor> params)
     : kind_(kind), params_(std::move(params)) {
@@ -119,9 +144,19 @@ absl::Status Optimizer::ValidateHyper(const OptimizerHyper& h) const {
   return s;
 }
 
-absl::StatusOr<StepResult> Optimizer::Step(const OptimizerHyper& hyper) {
-  if (absl::Status s = ValidateHyper(hyper); !s.ok()) return s;
-  // Gradient shapes are checked before anything is touched, so a mismatch changes nothing.
+const char* Optimizer::kind_name() const {
+  switch (kind_) {
+    case Kind::kAdamW:
+      return "adamw";
+    case Kind::kAdam:
+      return "adam";
+    case Kind::kSgd:
+      return "sgd";
+  }
+  return "?";
+}
+
+absl::Status Optimizer::ValidateGrads() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     const at::Tensor& g = p.grad();
@@ -131,6 +166,13 @@ absl::StatusOr<StepResult> Optimizer::Step(const OptimizerHyper& hyper) {
                                                      Describe(g), ", expected ", Describe(p)));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> Optimizer::Step(const OptimizerHyper& hyper) {
+  if (absl::Status s = ValidateHyper(hyper); !s.ok()) return s;
+  // Gradient shapes are checked before anything is touched, so a mismatch changes nothing.
+  if (absl::Status s = ValidateGrads(); !s.ok()) return s;
   try {
     c10::NoGradGuard no_grad;
     // Undefined gradients become zeros so that the no-gradient step equals torch's step with
@@ -141,13 +183,8 @@ absl::StatusOr<StepResult> Optimizer::Step(const OptimizerHyper& hyper) {
       grads.push_back(p.grad().defined() ? p.grad().detach()
                                          : at::zeros_like(p, at::MemoryFormat::Preserve));
     }
-    // torch.nn.utils.clip_grad_norm_: per-tensor norms, then the norm of their stack (this is
-    // what _foreach_norm does on CPU). Always computed: it is the reported grad_norm and the
-    // guard against NaN/Inf.
-    std::vector<at::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const at::Tensor& g : grads) norms.push_back(at::linalg_vector_norm(g, 2));
-    const at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+    // Always computed: it is the reported grad_norm and the guard against NaN/Inf.
+    const at::Tensor total = TotalNorm(grads, GradNormType::kL2);
     const double total_norm = total.item<double>();
     if (!std::isfinite(total_norm)) {
       return absl::FailedPreconditionError(
@@ -155,10 +192,9 @@ absl::StatusOr<StepResult> Optimizer::Step(const OptimizerHyper& hyper) {
                        " not applied (weights and optimizer state unchanged)"));
     }
     if (hyper.grad_clip_norm > 0) {
-      // Same tensor arithmetic as torch (max_norm / (norm + 1e-6) is reciprocal * max_norm in
-      // float32), so the scaled gradients match bit for bit. The caller's .grad() is left as
-      // accumulated; torch scales it in place, which no later computation here reads.
-      const at::Tensor coef = (at::reciprocal(total + 1e-6) * hyper.grad_clip_norm).clamp_max(1.0);
+      // The caller's .grad() is left as accumulated; torch scales it in place, which no later
+      // computation here reads (ClipGradNorm is the in-place form).
+      const at::Tensor coef = ClipCoefficient(total, hyper.grad_clip_norm);
       if (coef.item<double>() < 1.0) {
         for (at::Tensor& g : grads) g = g * coef;
       }
@@ -219,6 +255,32 @@ void Optimizer::SgdStep(const OptimizerHyper& h, const std::vector<at::Tensor>& 
       grad = h.nesterov ? grad.add(buf, h.momentum) : buf;
     }
     param.add_(grad, -h.learning_rate);
+  }
+}
+
+absl::StatusOr<double> Optimizer::ClipGradNorm(double max_norm, GradNormType norm_type) {
+  if (!(max_norm >= 0)) {  // also refuses NaN; +inf is allowed (measure without clipping)
+    return absl::InvalidArgumentError(absl::StrCat("max_norm must be >= 0, got ", max_norm));
+  }
+  if (absl::Status s = ValidateGrads(); !s.ok()) return s;
+  try {
+    c10::NoGradGuard no_grad;
+    // As torch: parameters without a gradient take no part (a missing gradient is not a zero
+    // one here, since nothing is scaled for it).
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : params_) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    if (grads.empty()) return 0.0;
+    const at::Tensor total = TotalNorm(grads, norm_type);
+    const double total_norm = total.item<double>();
+    if (!std::isfinite(total_norm)) return total_norm;
+    const at::Tensor coef = ClipCoefficient(total, max_norm);
+    for (at::Tensor& g : grads) g.mul_(coef);  // g shares its storage with .grad()
+    return total_norm;
+  } catch (const std::exception& e) {
+    // Only device errors (e.g. out of memory) get here; some gradients may be scaled.
+    return absl::InternalError(absl::StrCat("clip_grad_norm: ", e.what()));
   }
 }
 

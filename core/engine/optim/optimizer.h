@@ -10,6 +10,11 @@
 //
 // Hyperparameters arrive with every Step (Tinker sends AdamParams per call; schedules are
 // client side), so the optimizer stores none of them, only the state tensors and the count.
+//
+// Clipping comes in two forms that share one implementation: Tinker's grad_clip_norm
+// hyperparameter scales a copy of the gradients inside Step (the accumulated .grad() stays
+// as it was), and Twinkle's explicit ClipGradNorm scales .grad() in place, as
+// torch.nn.utils.clip_grad_norm_ does, for a later Step to read.
 
 #include <ATen/core/Tensor.h>
 
@@ -39,6 +44,12 @@ struct OptimizerHyper {
   double grad_clip_norm = 0.0;
 };
 
+// The norms ClipGradNorm accepts (torch accepts any p; Twinkle uses these two).
+enum class GradNormType { kL2, kInf };
+
+// `norm_type` as a client sends it (2 or +inf); InvalidArgument naming norm_type otherwise.
+absl::StatusOr<GradNormType> ParseGradNormType(double norm_type);
+
 struct StepResult {
   double grad_norm = 0;  // global L2 norm of the gradients before clipping
   double learning_rate = 0;
@@ -64,12 +75,24 @@ class Optimizer {
   // gradient norm is NaN/Inf, so one bad batch cannot poison the adapter's weights.
   absl::StatusOr<StepResult> Step(const OptimizerHyper& hyper);
 
+  // torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type) on the gradients currently
+  // in .grad(): the total norm over the parameters that have a gradient (0 when none has),
+  // then every gradient scaled in place by min(1, max_norm / (norm + 1e-6)). Returns the
+  // total norm before clipping. Unlike torch, a NaN/Inf total norm leaves the gradients
+  // untouched (torch would turn them all into NaN): the next Step refuses them anyway, and
+  // the caller still gets the norm to report.
+  // Errors (nothing is modified): InvalidArgument for a negative or NaN max_norm, or a
+  // gradient whose shape/dtype/device differs from its parameter.
+  absl::StatusOr<double> ClipGradNorm(double max_norm, GradNormType norm_type);
+
   // Drops the gradients (undefined, like torch's set_to_none=True): frees their memory until
   // the next backward, which then allocates fresh ones.
   void ZeroGrad();
 
   int64_t step() const { return step_; }
   Kind kind() const { return kind_; }
+  // "adamw", "adam" or "sgd": the name Create accepts for this kind.
+  const char* kind_name() const;
   const std::vector<at::Tensor>& params() const { return params_; }
 
   // Checkpoint state as ordered (name, tensor) pairs: "step" (0-d int64) first, then per
@@ -87,6 +110,8 @@ class Optimizer {
   Optimizer(Kind kind, std::vector<at::Tensor> params);
 
   absl::Status ValidateHyper(const OptimizerHyper& hyper) const;
+  // InvalidArgument unless every defined .grad() matches its parameter.
+  absl::Status ValidateGrads() const;
   void AdamStep(const OptimizerHyper& hyper, const std::vector<at::Tensor>& grads);
   void SgdStep(const OptimizerHyper& hyper, const std::vector<at::Tensor>& grads);
 
