@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +43,109 @@ def test_state_transfer_resumes_training_exactly(reference_models: Path) -> None
     assert a["step"] == b["step"] == 6
     for name in a["weights"]:
         assert_close(f"resumed {name}", b["weights"][name], a["weights"][name], 1e-6, absolute=True)
+
+
+OFFLOAD_SPEC = {"adapter_id": "x", "rank": 4, "alpha": 8.0, "seed": 1, "dropout": 0.1,
+                "targets": ["all-linear", "lm_head"]}
+
+
+def backward(engine: Engine, adapter: str, round_: int) -> None:
+    engine.call("forward_backward", {"ops": [{"adapter_id": adapter, "datums": data("a", round_),
+                                              "loss": {"name": "cross_entropy"}}]})
+
+
+def restore_body(state: dict[str, Any], omit: str = "") -> dict[str, Any]:
+    """set_adapter_state's body from get_adapter_state's reply (what the coordinator sends)."""
+    fields = ("weights", "grads", "optimizer", "optimizer_kind", "micro_batches_since_step")
+    return {"adapter_id": "x", **{f: state[f] for f in fields if f != omit}}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel()), default=0.0)
+
+
+def offload_run(model_dir: Path, offload: bool, omit: str = "") -> dict[str, Any]:
+    """Six optimizer steps with dropout on; with `offload`, the adapter is offloaded and
+    reloaded in the middle of step 4's accumulation window (one micro-batch in, one to go)."""
+    with Engine() as engine:
+        load(engine, model_dir)
+        engine.call("create_adapter", OFFLOAD_SPEC)
+        engine.call("set_optimizer", {"adapter_id": "x", "optimizer": "Adam"})  # not the spec's kind
+        train(engine, "x", range(3))
+        backward(engine, "x", 3)
+        if offload:
+            state = engine.call("get_adapter_state", {"adapter_id": "x"})
+            assert state["micro_batches_since_step"] == 1 and state["grads"] and state["step"] == 3
+            assert state["optimizer_kind"] == "adam"
+            assert state["config"] == {**OFFLOAD_SPEC, "optimizer": "adam", "use_rslora": False,
+                                       "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                   "up_proj", "down_proj", "lm_head"]}
+            engine.call("remove_adapter", {"adapter_id": "x"})
+            engine.call("create_adapter", OFFLOAD_SPEC)  # the coordinator's own spec: adamw
+            engine.call("set_adapter_state", restore_body(state, omit))
+            if not omit:
+                again = engine.call("get_adapter_state", {"adapter_id": "x"})
+                for part in ("weights", "grads", "optimizer"):
+                    assert max_abs_diff(again[part], state[part]) == 0.0, part
+                assert again["micro_batches_since_step"] == 1 and again["optimizer_kind"] == "adam"
+        backward(engine, "x", 4)  # dropout masks keyed by (step 3, micro-batch 1)
+        engine.call("optim_step", {"adapter_id": "x", "hyper": HYPER})
+        train(engine, "x", range(5, 7))
+        return engine.call("get_adapter_state", {"adapter_id": "x"})
+
+
+def test_offload_round_trip_is_bit_identical(reference_models: Path) -> None:
+    """get_adapter_state + remove_adapter, then create_adapter + set_adapter_state, halfway
+    through an accumulation window with dropout: training continues bit for bit."""
+    model_dir = reference_models / "qwen3"
+    never = offload_run(model_dir, offload=False)
+    offloaded = offload_run(model_dir, offload=True)
+    assert never["step"] == offloaded["step"] == 6
+    weights = max_abs_diff(offloaded["weights"], never["weights"])
+    optimizer = max_abs_diff(offloaded["optimizer"], never["optimizer"])
+    print(f"offloaded vs never offloaded: max|weight diff| = {weights:.3e}, "
+          f"max|optimizer state diff| = {optimizer:.3e}")
+    assert weights == 0.0 and optimizer == 0.0
+    # Guard: the counter matters (without it step 4's second micro-batch redraws the first's
+    # dropout masks), so the equality above is not vacuous.
+    forgot = offload_run(model_dir, offload=True, omit="micro_batches_since_step")
+    print(f"without micro_batches_since_step: max|weight diff| = "
+          f"{max_abs_diff(forgot['weights'], never['weights']):.3e}")
+    assert max_abs_diff(forgot["weights"], never["weights"]) > 0
+
+
+def test_set_adapter_state_changes_nothing_on_error(reference_models: Path) -> None:
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    with Engine() as engine:
+        load(engine, reference_models / "qwen3")
+        engine.call("create_adapter", OFFLOAD_SPEC)
+        train(engine, "x", range(1))
+        backward(engine, "x", 1)
+        before = engine.call("get_adapter_state", {"adapter_id": "x"})
+        new_weights = {k: v + 1 for k, v in before["weights"].items()}  # valid, so only the bad part fails
+        no_momentum = {k: v for k, v in before["optimizer"].items() if not k.startswith("exp_avg.")}
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"grads": {q_a: torch.zeros(2, 2)}}, "shape"),
+            ({"grads": {"lm_head.lora_A.weight": torch.zeros(4, 64)}}, "no gradient 'lm_head.lora_A.weight'"),
+            ({"micro_batches_since_step": -1}, "micro_batches_since_step must be >= 0"),
+            ({"optimizer_kind": "lion"}, "unknown optimizer 'lion'"),
+            ({"optimizer": no_momentum}, "optimizer state 'exp_avg.0' is missing"),
+            ({"optimizer_kind": "sgd", "optimizer": before["optimizer"]}, "unknown optimizer state"),
+        ]
+        for extra, needle in bad:
+            with pytest.raises(EngineError) as e:
+                engine.call("set_adapter_state", {"adapter_id": "x", "weights": new_weights, **extra})
+            assert e.value.code == INVALID_ARGUMENT and needle in e.value.message, (needle, e.value.message)
+            after = engine.call("get_adapter_state", {"adapter_id": "x"})
+            for part in ("weights", "grads", "optimizer"):
+                assert max_abs_diff(after[part], before[part]) == 0.0, (needle, part)
+            assert after["micro_batches_since_step"] == 1 and after["optimizer_kind"] == "adamw"
+        # An empty grads map is a restore of "no gradients"; an absent one keeps them.
+        engine.call("set_adapter_state", {"adapter_id": "x", "weights": {}})
+        assert engine.call("get_adapter_state", {"adapter_id": "x"})["grads"]
+        engine.call("set_adapter_state", {"adapter_id": "x", "grads": {}})
+        assert engine.call("get_adapter_state", {"adapter_id": "x"})["grads"] == {}
 
 
 def test_rank_limit_and_errors(reference_models: Path) -> None:

@@ -175,6 +175,70 @@ TEST(OptimizerTest, ClippingReportsPreClipNormAndLeavesGradients) {
   EXPECT_NEAR(p[0].item<double>(), -3.6, 1e-6);
 }
 
+TEST(OptimizerTest, ClipGradNormScalesInPlaceLikeTorch) {
+  at::Tensor p = Param({0, 0});
+  at::Tensor q = Param({0});
+  at::Tensor unused = Param({7});  // no gradient: takes no part, as in torch
+  auto opt = Make("sgd", {p, q, unused});
+  SetGrad(p, {3, 4});
+  SetGrad(q, {12});
+  absl::StatusOr<double> norm = opt->ClipGradNorm(6.5, GradNormType::kL2);
+  ASSERT_TRUE(norm.ok()) << norm.status();
+  EXPECT_NEAR(*norm, 13.0, 1e-5);
+  const double coef = 6.5 / (13.0 + 1e-6);
+  EXPECT_NEAR(p.grad()[0].item<double>(), 3 * coef, 1e-6);
+  EXPECT_NEAR(q.grad()[0].item<double>(), 12 * coef, 1e-6);
+  EXPECT_FALSE(unused.grad().defined());
+
+  SetGrad(p, {3, -4});
+  SetGrad(q, {1});
+  norm = opt->ClipGradNorm(2, GradNormType::kInf);
+  ASSERT_TRUE(norm.ok()) << norm.status();
+  EXPECT_DOUBLE_EQ(*norm, 4.0);
+  EXPECT_NEAR(p.grad()[1].item<double>(), -2.0, 1e-6);
+
+  // max_norm above the norm: the factor clamps to exactly 1, the gradients stay bit for bit.
+  const at::Tensor p_kept = p.grad().clone(), q_kept = q.grad().clone();
+  ASSERT_TRUE(opt->ClipGradNorm(100, GradNormType::kL2).ok());
+  EXPECT_TRUE(at::equal(p.grad(), p_kept));
+  EXPECT_TRUE(at::equal(q.grad(), q_kept));
+  EXPECT_EQ(opt->step(), 0);  // clipping is not a step
+}
+
+TEST(OptimizerTest, ClipGradNormEdgeCases) {
+  at::Tensor p = Param({1, 2});
+  auto opt = Make("adamw", {p});
+  absl::StatusOr<double> norm = opt->ClipGradNorm(1, GradNormType::kL2);
+  ASSERT_TRUE(norm.ok());
+  EXPECT_EQ(*norm, 0.0);  // no gradients at all: torch returns 0 too
+
+  SetGrad(p, {NAN, 1});
+  norm = opt->ClipGradNorm(1, GradNormType::kL2);
+  ASSERT_TRUE(norm.ok());
+  EXPECT_TRUE(std::isnan(*norm));
+  EXPECT_EQ(p.grad()[1].item<float>(), 1.0f);  // left for Step to refuse, not turned into NaN
+
+  SetGrad(p, {1, 1});
+  EXPECT_THAT(opt->ClipGradNorm(-1, GradNormType::kL2).status().ToString(),
+              HasSubstr("max_norm must be >= 0, got -1"));
+  EXPECT_EQ(opt->ClipGradNorm(NAN, GradNormType::kL2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  SetGrad(p, {1, 1, 1});
+  EXPECT_THAT(opt->ClipGradNorm(1, GradNormType::kL2).status().ToString(),
+              HasSubstr("gradient of optimizer param 0 is float32[3]"));
+
+  EXPECT_EQ(*ParseGradNormType(2), GradNormType::kL2);
+  EXPECT_EQ(*ParseGradNormType(INFINITY), GradNormType::kInf);
+  EXPECT_THAT(ParseGradNormType(1).status().ToString(), HasSubstr("norm_type must be 2 or inf, got 1"));
+  EXPECT_EQ(ParseGradNormType(-INFINITY).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(OptimizerTest, KindName) {
+  EXPECT_STREQ(Make("AdamW", {Param({1})})->kind_name(), "adamw");
+  EXPECT_STREQ(Make("Adam", {Param({1})})->kind_name(), "adam");
+  EXPECT_STREQ(Make("SGD", {Param({1})})->kind_name(), "sgd");
+}
+
 TEST(OptimizerTest, SgdMomentumByHand) {
   at::Tensor p = Param({0});
   auto opt = Make("sgd", {p});
