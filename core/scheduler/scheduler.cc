@@ -240,8 +240,9 @@ int64_t Scheduler::DropAdapter(const std::string& adapter, const absl::Status& s
     while (!queue->ops.empty()) done.emplace_back(TakeLocked(queue, 0).op->id, result);
     queues_.erase(it);
   }
+  const int64_t dropped = static_cast<int64_t>(done.size());
   CompleteAll(done);
-  return static_cast<int64_t>(done.size());
+  return dropped;
 }
 
 void Scheduler::ExpireLocked(absl::Time now, Completions* done) {

@@ -1,0 +1,208 @@
+#include "core/futures/future_store.h"
+
+#include <gtest/gtest.h>
+
+#include <any>
+#include <atomic>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+namespace twinkle {
+namespace {
+
+class FakeClock final : public Clock {
+ public:
+  absl::Time Now() const override {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
+};
+
+// Long enough never to fire in a passing run; a hang instead shows up as a failure.
+constexpr absl::Duration kLong = absl::Seconds(30);
+
+int ValueOf(const absl::StatusOr<FutureResult>& got) {
+  EXPECT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ok()) << got->status();
+  return std::any_cast<int>(**got);
+}
+
+TEST(FutureStoreTest, WaitReturnsTheResultOnceCompleted) {
+  FutureStore store;
+  store.Create(1, "alice");
+  EXPECT_EQ(store.pending(), 1);
+  store.Complete(1, std::any(42));
+  EXPECT_EQ(store.pending(), 0);
+  EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 42);
+  // Collecting does not consume: a second Wait sees the same result.
+  EXPECT_EQ(ValueOf(store.Wait(1, "alice", absl::ZeroDuration())), 42);
+}
+
+TEST(FutureStoreTest, AFailedOpIsAnOkWaitHoldingTheError) {
+  FutureStore store;
+  store.Create(1, "alice");
+  store.Complete(1, absl::InvalidArgumentError("bad batch"));
+  absl::StatusOr<FutureResult> got = store.Wait(1, "alice", kLong);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(got->status().message(), "bad batch");
+}
+
+TEST(FutureStoreTest, WaitOnAPendingFutureTimesOutAsUnavailable) {
+  FutureStore store;
+  store.Create(7, "alice");
+  absl::StatusOr<FutureResult> got = store.Wait(7, "alice", absl::Milliseconds(1));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(got.status().message(), "still pending");
+  EXPECT_EQ(store.pending(), 1);
+}
+
+TEST(FutureStoreTest, WaitWakesWhenAnotherThreadCompletes) {
+  FutureStore store;
+  store.Create(3, "alice");
+  absl::StatusOr<FutureResult> got = absl::UnknownError("not set");
+  std::thread waiter([&] { got = store.Wait(3, "alice", kLong); });
+  store.Complete(3, std::any(5));
+  waiter.join();
+  EXPECT_EQ(ValueOf(got), 5);
+}
+
+TEST(FutureStoreTest, FirstCompletionWins) {
+  FutureStore store;
+  store.Create(1, "alice");
+  store.Complete(1, std::any(1));
+  store.Complete(1, std::any(2));
+  store.Complete(1, absl::InternalError("late"));
+  EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 1);
+}
+
+TEST(FutureStoreTest, AnotherTenantsFutureIsNotFoundLikeAnUnknownOne) {
+  FutureStore store;
+  store.Create(1, "alice");
+  store.Complete(1, std::any(1));
+  EXPECT_EQ(store.Wait(1, "bob", kLong).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.Wait(99, "alice", kLong).status().code(), absl::StatusCode::kNotFound);
+  bool called = false;
+  EXPECT_EQ(store.OnComplete(1, "bob", [&](const FutureResult&) { called = true; }).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.OnComplete(99, "alice", [&](const FutureResult&) { called = true; }).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_FALSE(called);
+  // The same message for both, so a probe cannot tell "someone else's" from "none".
+  EXPECT_EQ(store.Wait(1, "bob", kLong).status().message(),
+            store.Wait(99, "alice", kLong).status().message());
+}
+
+TEST(FutureStoreTest, OnCompleteRunsOnceOnTheCompletingThreadOutsideTheLock) {
+  FutureStore store;
+  store.Create(1, "alice");
+  int calls = 0;
+  int seen = 0;
+  int64_t pending_inside = -1;
+  ASSERT_TRUE(store
+                  .OnComplete(1, "alice",
+                              [&](const FutureResult& r) {
+                                ++calls;
+                                seen = std::any_cast<int>(*r);
+                                // Re-entering the store would deadlock under its lock.
+                                pending_inside = store.pending();
+                                store.Create(2, "alice");
+                              })
+                  .ok());
+  EXPECT_EQ(calls, 0);
+  store.Complete(1, std::any(9));
+  store.Complete(1, std::any(10));
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen, 9);
+  EXPECT_EQ(pending_inside, 0);
+  EXPECT_EQ(store.pending(), 1);  // the future the callback created
+}
+
+TEST(FutureStoreTest, OnCompleteOfACompletedFutureRunsAtOnce) {
+  FutureStore store;
+  store.Create(1, "alice");
+  store.Complete(1, std::any(4));
+  int seen = 0;
+  ASSERT_TRUE(store.OnComplete(1, "alice", [&](const FutureResult& r) {
+    seen = std::any_cast<int>(*r);
+  }).ok());
+  EXPECT_EQ(seen, 4);
+}
+
+TEST(FutureStoreTest, EveryCallbackRunsExactlyOnceUnderConcurrentCompletion) {
+  FutureStore store;
+  constexpr int kFutures = 200;
+  std::atomic<int> calls[kFutures] = {};
+  for (int i = 0; i < kFutures; ++i) {
+    store.Create(i, "t");
+    ASSERT_TRUE(store.OnComplete(i, "t", [&calls, i](const FutureResult&) { ++calls[i]; }).ok());
+  }
+  std::thread a([&] { for (int i = 0; i < kFutures; ++i) store.Complete(i, std::any(1)); });
+  std::thread b([&] { for (int i = kFutures - 1; i >= 0; --i) store.Complete(i, std::any(2)); });
+  a.join();
+  b.join();
+  for (int i = 0; i < kFutures; ++i) EXPECT_EQ(calls[i].load(), 1) << i;
+  EXPECT_EQ(store.pending(), 0);
+}
+
+TEST(FutureStoreTest, CompletedFuturesExpireAfterTheRetentionPendingOnesNever) {
+  FakeClock clock;
+  FutureStore store(absl::Minutes(10), clock);
+  store.Create(1, "alice");
+  store.Create(2, "alice");
+  store.Complete(1, std::any(1));
+  clock.Advance(absl::Minutes(9));
+  EXPECT_EQ(store.Expire(), 0);
+  EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 1);
+  clock.Advance(absl::Minutes(2));
+  EXPECT_EQ(store.Expire(), 1);
+  EXPECT_EQ(store.Wait(1, "alice", kLong).status().code(), absl::StatusCode::kNotFound);
+  // Still pending long past the retention: kept.
+  clock.Advance(absl::Hours(100));
+  EXPECT_EQ(store.Expire(), 0);
+  EXPECT_EQ(store.Wait(2, "alice", absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kUnavailable);
+  store.Complete(2, std::any(2));
+  EXPECT_EQ(store.Expire(), 0);  // retention counts from completion
+  clock.Advance(absl::Minutes(11));
+  EXPECT_EQ(store.Expire(), 1);
+}
+
+TEST(FutureStoreTest, AWaiterHoldsItsResultEvenIfExpiredMeanwhile) {
+  FakeClock clock;
+  FutureStore store(absl::Seconds(1), clock);
+  store.Create(1, "alice");
+  absl::StatusOr<FutureResult> got = absl::UnknownError("not set");
+  absl::Notification started;
+  std::thread waiter([&] {
+    started.Notify();
+    got = store.Wait(1, "alice", kLong);
+  });
+  started.WaitForNotification();
+  store.Complete(1, std::any(3));
+  clock.Advance(absl::Seconds(5));
+  store.Expire();
+  waiter.join();
+  // Either the waiter got the result, or (if it looked up the id only after the expiry) the
+  // id was gone: never a dangling entry.
+  if (got.ok()) {
+    EXPECT_EQ(ValueOf(got), 3);
+  } else {
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+}  // namespace
+}  // namespace twinkle
