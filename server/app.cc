@@ -21,6 +21,11 @@
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
 #include "core/engine_client/supervisor.h"
+#include "core/futures/future_store.h"
+#include "core/tenancy/rate_limiter.h"
+#include "core/training/coordinator.h"
+#include "server/auth/authenticator.h"
+#include "server/grpc/training_service.h"
 #include "server/grpc/utility_service.h"
 #include "server/http/http_server.h"
 #include "server/metrics.h"
@@ -97,6 +102,77 @@ class SignalWatcher {
   std::thread thread_;
 };
 
+// The training coordinator reaches engine rank 0 through the supervisor.
+class SupervisorEngineLink final : public training::EngineLink {
+ public:
+  explicit SupervisorEngineLink(Supervisor& supervisor) : supervisor_(supervisor) {}
+  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
+    return supervisor_.CallAndWait(0, std::move(request));
+  }
+  uint64_t generation() const override { return supervisor_.engine_generation(); }
+  int64_t vocab_size() const override {
+    std::optional<ModelInfo> info = supervisor_.model_info();
+    return info ? info->vocab_size : 0;
+  }
+  std::vector<std::string> supported_losses() const override {
+    std::optional<ModelInfo> info = supervisor_.model_info();
+    return info ? info->supported_losses : std::vector<std::string>{};
+  }
+
+ private:
+  Supervisor& supervisor_;
+};
+
+training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
+  training::CoordinatorOptions o;
+  o.scheduler.max_tokens_per_step = c.scheduler.max_tokens_per_step;
+  o.scheduler.max_ops_per_step = c.scheduler.max_ops_per_step;
+  o.scheduler.fuse = c.scheduler.fuse;
+  o.scheduler.queue_cap = c.scheduler.queue_cap;
+  o.scheduler.max_pending_per_tenant = c.limits.max_pending_ops;
+  o.max_loras = c.scheduler.max_loras;
+  o.max_adapters = c.limits.max_adapters;
+  o.max_lora_rank = c.limits.max_lora_rank;
+  o.max_tokens_per_request = c.limits.max_tokens_per_request;
+  o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
+  o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
+  return o;
+}
+
+const char* StepKindName(sched::OpKind kind) {
+  switch (kind) {
+    case sched::OpKind::kForward: return "forward";
+    case sched::OpKind::kForwardBackward: return "forward_backward";
+    default: return "other";
+  }
+}
+
+// Once a second: expire adapters and futures, and sample the gauges.
+class Housekeeper {
+ public:
+  Housekeeper(ServingState& state) : state_(state), thread_([this] { Loop(); }) {}
+  ~Housekeeper() {
+    stop_.Notify();
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      state_.coordinator->Housekeep();
+      state_.futures->Expire();
+      const training::CoordinatorStats s = state_.coordinator->stats();
+      state_.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
+      for (const tenancy::Tenant* t : state_.authenticator->registry().tenants()) {
+        state_.metrics.SetQueueDepth(t->id, state_.coordinator->scheduler().queued_for_tenant(t->id));
+      }
+    }
+  }
+  ServingState& state_;
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
 SupervisorOptions MakeSupervisorOptions(const Config& c) {
   SupervisorOptions o;
   o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
@@ -152,6 +228,22 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   Metrics metrics;
   Supervisor supervisor(MakeSupervisorOptions(config));
   ServingState state(config, supervisor, metrics);
+  absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromConfig(config);
+  if (!authenticator.ok()) return fail(std::string(authenticator.status().message()));
+  (*authenticator)->SetFailureListener([&metrics](const absl::Status&) { metrics.RecordAuthFailure(); });
+  tenancy::TokenRateLimiter rate_limiter;
+  FutureStore futures(absl::Seconds(config.sessions.future_retention_s));
+  SupervisorEngineLink engine_link(supervisor);
+  training::TrainingCoordinator coordinator(MakeCoordinatorOptions(config), engine_link, futures);
+  coordinator.scheduler().SetStepListener([&metrics](const sched::StepStats& step) {
+    std::vector<std::pair<std::string, double>> waits;
+    for (const auto& [tenant, wait] : step.waits) waits.emplace_back(tenant, absl::ToDoubleSeconds(wait));
+    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, waits);
+  });
+  state.authenticator = authenticator->get();
+  state.rate_limiter = &rate_limiter;
+  state.futures = &futures;
+  state.coordinator = &coordinator;
   const std::string where = config.source_file.string();
 
   // gRPC first: its port is what the HTTP endpoints route advertises.
@@ -169,8 +261,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     credentials = grpc::SslServerCredentials(ssl);
   }
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Reflection lets grpcurl discover the API; with auth on it is left out, so that nothing
+  // but health answers a caller without a key.
+  if (!config.auth.enabled) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   UtilityServiceImpl utility(state);
+  TrainingServiceImpl training_service(state);
+  TestingServiceImpl testing_service(state);
   grpc::ServerBuilder builder;
   int grpc_port = 0;
   const std::string grpc_bind = HostPort(config.server.host, config.server.grpc_port);
@@ -179,6 +275,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
   builder.RegisterService(&utility);
+  builder.RegisterService(&training_service);
+  if (config.testing.hooks) builder.RegisterService(&testing_service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   if (!grpc_server || grpc_port == 0) {
     return fail(absl::StrCat(where, ": server.grpc_port: cannot listen for gRPC on ", grpc_bind,
@@ -217,6 +315,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     shutdown.Notify();
   });
 
+  coordinator.Start();
+  Housekeeper housekeeper(state);
   absl::Status started = supervisor.Start([&](const std::vector<WorkerSnapshot>& workers) {
     metrics.UpdateWorkers(workers);
     bool all_ready = !workers.empty();
@@ -237,6 +337,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   grpc_server->Shutdown(std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(config.server.drain_timeout_s * 1000)));
   http.Stop();
+  coordinator.Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
   supervisor.Stop(absl::Seconds(5));
   LogInfo(kLog, exit_code == 0 ? "stopped cleanly" : "stopped after a startup error");
   return exit_code;

@@ -24,7 +24,43 @@ Metrics::Metrics()
       worker_restarts_(prometheus::BuildCounter()
                            .Name("twinkle_worker_restarts_total")
                            .Help("Times the supervisor restarted the engine worker of a rank")
-                           .Register(*registry_)) {
+                           .Register(*registry_)),
+      steps_(prometheus::BuildCounter()
+                 .Name("twinkle_scheduler_steps_total")
+                 .Help("Engine steps the scheduler ran, by kind")
+                 .Register(*registry_)),
+      step_adapters_(prometheus::BuildHistogram()
+                         .Name("twinkle_fused_step_adapters")
+                         .Help("Adapters fused into one forward/forward_backward engine step")
+                         .Register(*registry_)),
+      step_tokens_(prometheus::BuildHistogram()
+                       .Name("twinkle_fused_step_tokens")
+                       .Help("Tokens (rows) in one forward/forward_backward engine step")
+                       .Register(*registry_)),
+      tokens_(prometheus::BuildCounter()
+                  .Name("twinkle_tokens_total")
+                  .Help("Tokens run through the engine, by kind (forward, forward_backward)")
+                  .Register(*registry_)),
+      queue_wait_(prometheus::BuildHistogram()
+                      .Name("twinkle_queue_wait_seconds")
+                      .Help("Time an op waited in its adapter's queue, by tenant (labels capped)")
+                      .Register(*registry_)),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("twinkle_queue_depth")
+                       .Help("Ops queued, by tenant (labels capped)")
+                       .Register(*registry_)),
+      adapters_(prometheus::BuildGauge()
+                    .Name("twinkle_adapters")
+                    .Help("Adapters held (state=all) and resident on the device (state=resident)")
+                    .Register(*registry_)),
+      adapter_events_(prometheus::BuildCounter()
+                          .Name("twinkle_adapter_events_total")
+                          .Help("Adapter offloads to host memory, reloads, and expiries")
+                          .Register(*registry_)),
+      auth_failures_(prometheus::BuildCounter()
+                         .Name("twinkle_auth_failures_total")
+                         .Help("Requests refused for a missing, malformed or unknown API key")
+                         .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("twinkle_build_info")
       .Help("Build of this server; the value is always 1")
@@ -53,6 +89,60 @@ void Metrics::UpdateWorkers(const std::vector<WorkerSnapshot>& workers) {
     }
   }
 }
+
+namespace {
+constexpr size_t kMaxTenantLabels = 32;
+}  // namespace
+
+std::string Metrics::TenantLabel(const std::string& tenant) {
+  for (const std::string& t : tenant_labels_) {
+    if (t == tenant) return t;
+  }
+  if (tenant_labels_.size() < kMaxTenantLabels) {
+    tenant_labels_.push_back(tenant);
+    return tenant;
+  }
+  return "other";
+}
+
+void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t tokens,
+                         const std::vector<std::pair<std::string, double>>& tenant_waits_s) {
+  steps_.Add({{"kind", kind}}).Increment();
+  if (kind != "other") {
+    static const prometheus::Histogram::BucketBoundaries kAdapters = {1, 2, 3, 4, 6, 8, 12, 16, 32, 64};
+    static const prometheus::Histogram::BucketBoundaries kTokens = {64, 256, 1024, 4096, 16384, 65536};
+    step_adapters_.Add({{"kind", kind}}, kAdapters).Observe(adapters);
+    step_tokens_.Add({{"kind", kind}}, kTokens).Observe(static_cast<double>(tokens));
+    tokens_.Add({{"kind", kind}}).Increment(static_cast<double>(tokens));
+  }
+  static const prometheus::Histogram::BucketBoundaries kWaits = {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30};
+  absl::MutexLock lock(&mu_);
+  for (const auto& [tenant, wait] : tenant_waits_s) {
+    queue_wait_.Add({{"tenant", TenantLabel(tenant)}}, kWaits).Observe(wait);
+  }
+}
+
+void Metrics::SetQueueDepth(const std::string& tenant, int64_t depth) {
+  absl::MutexLock lock(&mu_);
+  queue_depth_.Add({{"tenant", TenantLabel(tenant)}}).Set(static_cast<double>(depth));
+}
+
+void Metrics::SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
+                          int64_t expired) {
+  adapters_.Add({{"state", "all"}}).Set(adapters);
+  adapters_.Add({{"state", "resident"}}).Set(resident);
+  absl::MutexLock lock(&mu_);
+  auto bump = [&](const char* event, int64_t now, int64_t& seen) {
+    auto& c = adapter_events_.Add({{"event", event}});
+    if (now > seen) c.Increment(static_cast<double>(now - seen));
+    seen = std::max(seen, now);
+  };
+  bump("offload", offloads, offloads_seen_);
+  bump("reload", reloads, reloads_seen_);
+  bump("expire", expired, expired_seen_);
+}
+
+void Metrics::RecordAuthFailure() { auth_failures_.Add({}).Increment(); }
 
 std::string Metrics::Render() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());

@@ -29,6 +29,17 @@ class Metrics {
   // Mirrors the supervisor's view of the workers into twinkle_worker_up/_restarts_total.
   void UpdateWorkers(const std::vector<WorkerSnapshot>& workers);
 
+  // One scheduler step: its kind ("forward", "forward_backward", "other"), the adapters and
+  // tokens it held, its tenants' queue waits.
+  void RecordStep(const std::string& kind, int32_t adapters, int64_t tokens,
+                  const std::vector<std::pair<std::string, double>>& tenant_waits_s);
+
+  // Gauges sampled by the housekeeping loop.
+  void SetQueueDepth(const std::string& tenant, int64_t depth);
+  void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
+                   int64_t expired);
+  void RecordAuthFailure();
+
   // The Prometheus text exposition of every metric.
   std::string Render() const;
 
@@ -38,8 +49,24 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Gauge>& worker_up_;
   prometheus::Family<prometheus::Counter>& worker_restarts_;
+  prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Histogram>& step_adapters_;
+  prometheus::Family<prometheus::Histogram>& step_tokens_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Family<prometheus::Histogram>& queue_wait_;
+  prometheus::Family<prometheus::Gauge>& queue_depth_;
+  prometheus::Family<prometheus::Gauge>& adapters_;
+  prometheus::Family<prometheus::Counter>& adapter_events_;
+  prometheus::Family<prometheus::Counter>& auth_failures_;
   absl::Mutex mu_;
   std::vector<int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
+  // Per-tenant label values: the first kMaxTenantLabels tenants seen get their own; the
+  // rest share "other", so a flood of tenants cannot blow up the series count.
+  std::string TenantLabel(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> tenant_labels_ ABSL_GUARDED_BY(mu_);
+  int64_t offloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expired_seen_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Measures one request from construction to destruction.

@@ -5,6 +5,10 @@
 #include <atomic>
 
 #include "core/engine_client/supervisor.h"
+#include "core/futures/future_store.h"
+#include "core/tenancy/rate_limiter.h"
+#include "core/training/coordinator.h"
+#include "server/auth/authenticator.h"
 #include "server/config/config.h"
 #include "server/metrics.h"
 
@@ -21,6 +25,12 @@ struct ServingState {
   const Supervisor& supervisor;
   Metrics& metrics;
   std::atomic<bool> draining{false};
+
+  // Set by the App before serving; owned by it.
+  Authenticator* authenticator = nullptr;
+  tenancy::TokenRateLimiter* rate_limiter = nullptr;
+  FutureStore* futures = nullptr;
+  training::TrainingCoordinator* coordinator = nullptr;
 };
 
 }  // namespace twinkle

@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <zmq.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "core/common/log.h"
 #include "core/engine_client/worker_process.h"
 #include "core/ipc/messages.h"
@@ -48,9 +50,87 @@ struct Supervisor::ZmqState {
 };
 
 Supervisor::Supervisor(SupervisorOptions options, const Clock& clock)
-    : options_(std::move(options)), clock_(clock) {}
+    : options_(std::move(options)), clock_(clock) {
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
 
-Supervisor::~Supervisor() { Stop(absl::Seconds(5)); }
+Supervisor::~Supervisor() {
+  Stop(absl::Seconds(5));
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void Supervisor::Wake() {
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+void Supervisor::Call(int32_t rank, ipc::Message request, ReplyCallback done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_ && thread_.joinable()) {
+      outgoing_.push_back({rank, std::move(request), std::move(done)});
+      Wake();
+      return;
+    }
+  }
+  done(absl::UnavailableError("the engine is stopping"));
+}
+
+absl::StatusOr<ipc::Message> Supervisor::CallAndWait(int32_t rank, ipc::Message request) {
+  absl::Notification replied;
+  absl::StatusOr<ipc::Message> result;
+  Call(rank, std::move(request), [&](absl::StatusOr<ipc::Message> reply) {
+    result = std::move(reply);
+    replied.Notify();
+  });
+  replied.WaitForNotification();
+  return result;
+}
+
+uint64_t Supervisor::engine_generation() const {
+  absl::MutexLock lock(&mu_);
+  return engine_generation_;
+}
+
+void Supervisor::SendQueuedCalls(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  std::vector<OutgoingCall> calls;
+  calls.swap(outgoing_);
+  for (OutgoingCall& call : calls) {
+    const bool known = call.rank >= 0 && call.rank < static_cast<int32_t>(workers_.size());
+    Worker* w = known ? workers_[call.rank].get() : nullptr;
+    if (w == nullptr || w->state != State::kReady) {
+      completions_.push_back([done = std::move(call.done), rank = call.rank] {
+        done(absl::UnavailableError(absl::StrCat("engine rank ", rank, " is not ready")));
+      });
+      continue;
+    }
+    call.request.envelope.type = ipc::MessageType::kRequest;
+    const uint64_t id = call.request.envelope.request_id = next_request_id_++;
+    if (absl::Status s = ipc::SendMessage(zmq_->router, call.request, w->identity); !s.ok()) {
+      completions_.push_back([done = std::move(call.done), s] {
+        done(absl::UnavailableError(absl::StrCat("cannot reach the engine: ", s.message())));
+      });
+      WorkerDownLocked(*w, now, std::string(s.message()));
+      continue;
+    }
+    in_flight_[id] = {call.rank, std::move(call.done)};
+  }
+}
+
+void Supervisor::FailCallsLocked(int32_t rank, const std::string& why) {
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+    if (it->second.rank != rank) {
+      ++it;
+      continue;
+    }
+    completions_.push_back([done = std::move(it->second.done), rank, why] {
+      done(absl::UnavailableError(
+          absl::StrCat("engine rank ", rank, " went down before replying (", why, ")")));
+    });
+    it = in_flight_.erase(it);
+  }
+}
 
 absl::Status Supervisor::Start(Listener listener) {
   // A private directory: only this user can reach the socket.
@@ -123,6 +203,7 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
 void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& why) {
   const bool was_ready = w.state == State::kReady;
   if (w.process.running()) w.process.Kill(SIGKILL);
+  FailCallsLocked(w.rank, why);
   if (!started_) {
     if (startup_error_.ok()) {
       startup_error_ = absl::UnavailableError(
@@ -152,21 +233,52 @@ void Supervisor::NotifyLocked() {
 }
 
 void Supervisor::Loop() {
-  zmq::pollitem_t items[] = {{zmq_->router.handle(), 0, ZMQ_POLLIN, 0}};
+  zmq::pollitem_t items[] = {{zmq_->router.handle(), 0, ZMQ_POLLIN, 0},
+                             {nullptr, wake_fd_, ZMQ_POLLIN, 0}};
+  auto run_completions = [this] {
+    std::vector<std::function<void()>> ready;
+    {
+      absl::MutexLock lock(&mu_);
+      ready.swap(completions_);
+    }
+    for (auto& f : ready) f();
+  };
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_ || !startup_error_.ok()) break;
     }
     try {
-      zmq::poll(items, 1, kPollInterval);
+      zmq::poll(items, 2, kPollInterval);
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) LogError(kLog, absl::StrCat("poll failed: ", e.what()));
     }
+    if (items[1].revents & ZMQ_POLLIN) {
+      uint64_t count;
+      (void)!read(wake_fd_, &count, sizeof(count));
+    }
     const absl::Time now = clock_.Now();
+    SendQueuedCalls(now);
     if (items[0].revents & ZMQ_POLLIN) HandleMessages(now);
     Housekeep(now);
+    run_completions();
   }
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, call] : in_flight_) {
+      completions_.push_back([done = std::move(call.done)] {
+        done(absl::UnavailableError("the server is stopping"));
+      });
+    }
+    in_flight_.clear();
+    for (OutgoingCall& call : outgoing_) {
+      completions_.push_back([done = std::move(call.done)] {
+        done(absl::UnavailableError("the server is stopping"));
+      });
+    }
+    outgoing_.clear();
+  }
+  run_completions();
   ShutdownWorkers();
 }
 
@@ -218,7 +330,18 @@ void Supervisor::HandleMessages(absl::Time now) {
       case ipc::MessageType::kHeartbeat:
         break;
       case ipc::MessageType::kReply: {
-        if (m.envelope.request_id != w.load_request_id) break;
+        if (m.envelope.request_id != w.load_request_id) {
+          auto call = in_flight_.find(m.envelope.request_id);
+          if (call == in_flight_.end()) break;  // its caller was already failed
+          absl::Status status = ipc::ReplyStatus(m.envelope);
+          absl::StatusOr<ipc::Message> reply =
+              status.ok() ? absl::StatusOr<ipc::Message>(std::move(*received->message))
+                          : absl::StatusOr<ipc::Message>(status);
+          completions_.push_back([done = std::move(call->second.done),
+                                  reply = std::move(reply)]() mutable { done(std::move(reply)); });
+          in_flight_.erase(call);
+          break;
+        }
         absl::Status status = ipc::ReplyStatus(m.envelope);
         absl::StatusOr<ipc::LoadModelReply> reply =
             status.ok() ? ipc::Unpack<ipc::LoadModelReply>(m.envelope.body, "load_model reply")
@@ -233,6 +356,7 @@ void Supervisor::HandleMessages(absl::Time now) {
                                 reply->hidden_size, reply->supported_losses};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
+        ++engine_generation_;
         LogInfo(kLog, absl::StrCat("engine rank ", w.rank, " ready: ", reply->architecture, ", ",
                                    reply->parameter_count, " parameters, ", reply->dtype, " on ",
                                    reply->device, ", loaded in ", reply->load_seconds, " s"));

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/common/clock.h"
+#include "core/ipc/envelope.h"
 
 namespace twinkle {
 
@@ -79,6 +81,21 @@ class Supervisor {
   // Asks every worker to exit, waits up to `grace`, then kills what is left.
   void Stop(absl::Duration grace);
 
+  // Sends a request (method, body and tensor buffers in `request`; the envelope's type and id
+  // are set here) to engine rank `rank` and calls `done` with its reply, on the supervisor
+  // thread, once. Any thread may call. The reply's status is already folded in: `done` gets
+  // the worker's error as a Status, or the reply Message. UNAVAILABLE when the worker is not
+  // ready, or when it goes down before replying (the request is lost with it).
+  using ReplyCallback = std::function<void(absl::StatusOr<ipc::Message>)>;
+  void Call(int32_t rank, ipc::Message request, ReplyCallback done);
+
+  // Call, waiting for the reply.
+  absl::StatusOr<ipc::Message> CallAndWait(int32_t rank, ipc::Message request);
+
+  // Increments every time a worker (re)loads the model: engine-side state such as adapters
+  // does not survive a change of it.
+  uint64_t engine_generation() const;
+
   bool AllReady() const;
   std::vector<WorkerSnapshot> Snapshot() const;
   std::optional<ModelInfo> model_info() const;
@@ -93,6 +110,10 @@ class Supervisor {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ShutdownWorkers();
+  void SendQueuedCalls(absl::Time now);
+  // Fails every call in flight to `rank` (its worker went down).
+  void FailCallsLocked(int32_t rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Wake();
 
   const SupervisorOptions options_;
   const Clock& clock_;
@@ -111,6 +132,24 @@ class Supervisor {
   absl::Duration stop_grace_ ABSL_GUARDED_BY(mu_) = absl::Seconds(5);
   absl::Status startup_error_ ABSL_GUARDED_BY(mu_);
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t engine_generation_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Calls from other threads wait here until the loop sends them; the eventfd wakes the
+  // loop's poll at once, so a call pays no polling delay.
+  struct OutgoingCall {
+    int32_t rank;
+    ipc::Message request;
+    ReplyCallback done;
+  };
+  struct InFlightCall {
+    int32_t rank;
+    ReplyCallback done;
+  };
+  std::vector<OutgoingCall> outgoing_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, InFlightCall> in_flight_ ABSL_GUARDED_BY(mu_);
+  // Callbacks to run once the lock is released (they may call back into the supervisor).
+  std::vector<std::function<void()>> completions_ ABSL_GUARDED_BY(mu_);
+  int wake_fd_ = -1;
 };
 
 }  // namespace twinkle

@@ -3,33 +3,15 @@
 #include <filesystem>
 
 #include "absl/status/status.h"
-#include "server/status_map.h"
+#include "server/grpc/handler.h"
 #include "twinkle_version.h"
 
 namespace twinkle {
-namespace {
-
-// Runs `fill` unless the server is draining, records the call, and finishes the reactor.
-template <typename Fill>
-grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, ServingState& state,
-                                const char* method, Fill fill) {
-  RequestTimer timer(state.metrics, method);
-  absl::Status status = state.draining.load()
-                            ? absl::UnavailableError("server is shutting down")
-                            : fill();
-  const grpc::Status grpc_status = ToGrpcStatus(status);
-  timer.set_code(absl::StatusCodeToString(status.code()));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc_status);
-  return reactor;
-}
-
-}  // namespace
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
     grpc::CallbackServerContext* context, const twinkle::v1::GetServerInfoRequest*,
     twinkle::v1::ServerInfo* response) {
-  return Unary(context, state_, "UtilityService/GetServerInfo", [&]() -> absl::Status {
+  return HandleNow(context, state_, "UtilityService/GetServerInfo", [&](const tenancy::Tenant&) -> absl::Status {
     const Config& config = state_.config;
     response->set_server_version(kTwinkleVersion);
     response->set_base_model_id(config.model.name);
@@ -60,12 +42,13 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerContext* context,
                                                           const twinkle::v1::GetCapacityRequest*,
                                                           twinkle::v1::Capacity* response) {
-  return Unary(context, state_, "UtilityService/GetCapacity", [&]() -> absl::Status {
-    // No adapter can be created before the training engine lands, so none is in use.
+  return HandleNow(context, state_, "UtilityService/GetCapacity", [&](const tenancy::Tenant&) -> absl::Status {
+    // Server-wide: how many adapters exist, of how many the server holds at most.
     const int32_t max = state_.config.limits.max_adapters;
+    const int32_t used = state_.coordinator->adapter_count();
     response->set_max_adapters(max);
-    response->set_used_adapters(0);
-    response->set_free_adapters(max);
+    response->set_used_adapters(used);
+    response->set_free_adapters(std::max(0, max - used));
     return absl::OkStatus();
   });
 }

@@ -1,0 +1,153 @@
+#pragma once
+// The coordinator's training logic, independent of any transport: tenants' adapters and
+// sessions, the per-adapter Twinkle training state (loss, optimizer, LR schedule, gradient
+// accumulation), adapter residency on the device, and the Executor that turns the
+// scheduler's picks into engine calls.
+//
+// Threading: the registry (adapters, sessions) is guarded by a mutex; everything an op
+// changes on an adapter (optimizer settings, counters, residency) is touched only on the
+// scheduler thread, because every such change is itself a queued op. That is what keeps an
+// adapter's calls in submission order without further locking: a set_optimizer queued
+// after a forward_backward takes effect after it, exactly as it would in a local script.
+//
+// Residency: at most `max_loras` adapters live on the device. Before a step runs, the
+// adapters it needs are made resident; the least recently used others are offloaded to host
+// memory (their complete state: weights, gradients, optimizer state, counters) and reloaded
+// on demand, bit-identically.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/common/clock.h"
+#include "core/futures/future_store.h"
+#include "core/scheduler/scheduler.h"
+#include "core/training/engine_link.h"
+#include "core/training/types.h"
+
+namespace twinkle::training {
+
+struct CoordinatorOptions {
+  sched::SchedulerOptions scheduler;
+  int32_t max_loras = 16;                  // adapters resident on the device at once
+  int32_t max_adapters = 64;               // server-wide
+  int32_t max_lora_rank = 64;              // server-wide (the engine's own limit)
+  int64_t max_tokens_per_request = 32768;  // server-wide hard limit on one request
+  absl::Duration adapter_timeout = absl::Seconds(1800);       // session silent this long
+  absl::Duration adapter_max_lifetime = absl::Seconds(36000);
+};
+
+struct CoordinatorStats {
+  int32_t adapters = 0;
+  int32_t resident = 0;
+  int64_t offloads = 0;
+  int64_t reloads = 0;
+  int64_t expired = 0;
+};
+
+class TrainingCoordinator {
+ public:
+  TrainingCoordinator(CoordinatorOptions options, EngineLink& engine, FutureStore& futures,
+                      const Clock& clock = RealClock());
+  ~TrainingCoordinator();
+
+  void Start();
+  void Stop();
+
+  // Sessions (Twinkle's create_session / heartbeat). Unknown or another tenant's: NotFound.
+  std::string CreateSession(const TenantContext& tenant);
+  absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
+
+  // Registers the adapter and creates it on the engine; blocks until done.
+  absl::StatusOr<AddAdapterResult> AddAdapter(const TenantContext& tenant, const AddAdapterArgs& args);
+  // Fails the adapter's queued work (CANCELLED), removes it from the engine; blocks.
+  absl::Status RemoveAdapter(const TenantContext& tenant, const std::string& name);
+
+  // Queued work: each returns the future id at once (the result lands in the FutureStore as
+  // an OpOutput). Bad input → INVALID_ARGUMENT naming the field, before anything is queued.
+  absl::StatusOr<uint64_t> SubmitForward(const TenantContext& tenant, const std::string& name,
+                                         ForwardMode mode, const ForwardArgs& args,
+                                         bool disable_lora, const SubmitOptions& options);
+  // Recomputes the adapter's last Forward with gradients.
+  absl::StatusOr<uint64_t> SubmitBackward(const TenantContext& tenant, const std::string& name,
+                                          const SubmitOptions& options);
+  absl::StatusOr<uint64_t> SubmitCalculateLoss(const TenantContext& tenant, const std::string& name,
+                                               const SubmitOptions& options);
+  absl::StatusOr<uint64_t> SubmitControl(const TenantContext& tenant, const std::string& name,
+                                         Control control, double max_norm, double norm_type,
+                                         const SubmitOptions& options);
+  absl::StatusOr<uint64_t> SubmitSetLoss(const TenantContext& tenant, const std::string& name,
+                                         const std::string& loss_cls,
+                                         const std::map<std::string, double>& config,
+                                         const std::map<std::string, std::string>& string_config);
+  absl::StatusOr<uint64_t> SubmitSetOptimizer(const TenantContext& tenant, const std::string& name,
+                                              const std::string& optimizer_cls,
+                                              const std::map<std::string, double>& config);
+  absl::StatusOr<uint64_t> SubmitSetLrScheduler(const TenantContext& tenant, const std::string& name,
+                                                const std::string& scheduler_cls,
+                                                const std::map<std::string, double>& config);
+  absl::StatusOr<uint64_t> SubmitCalculateMetric(const TenantContext& tenant, const std::string& name,
+                                                 bool is_training);
+  absl::StatusOr<uint64_t> SubmitGetTrainConfigs(const TenantContext& tenant, const std::string& name);
+  // The adapter's LoRA weights by PEFT key (fp32).
+  absl::StatusOr<uint64_t> SubmitGetStateDict(const TenantContext& tenant, const std::string& name);
+
+  // Releases adapters whose session went silent for adapter_timeout or whose lifetime
+  // ended, and forgets silent sessions. Call periodically.
+  void Housekeep();
+
+  sched::Scheduler& scheduler() { return *scheduler_; }
+  CoordinatorStats stats() const;
+  // Adapters per tenant, for capacity.
+  int32_t adapter_count() const;
+
+ private:
+  struct Adapter;
+  struct Session;
+  class Runner;
+  struct FusedPayload;
+  struct ControlPayload;
+
+  absl::StatusOr<std::shared_ptr<Adapter>> Find(const TenantContext& tenant, const std::string& name) const;
+  absl::StatusOr<uint64_t> SubmitControlOp(const TenantContext& tenant, const std::shared_ptr<Adapter>& adapter,
+                                           std::function<FutureResult()> run, const SubmitOptions& options);
+  absl::Status CheckPending(const TenantContext& tenant) const;
+  absl::StatusOr<OpOutput> WaitFor(uint64_t id, const std::string& tenant);
+  void Release(const std::shared_ptr<Adapter>& adapter, const absl::Status& why);
+
+  // Scheduler thread only.
+  absl::Status EnsureResident(Adapter& adapter, const std::vector<const Adapter*>& pinned);
+  absl::Status Offload(Adapter& adapter);
+  absl::Status CreateOnEngine(Adapter& adapter);
+  absl::StatusOr<ipc::Message> CallEngine(const char* method, std::string body,
+                                          std::vector<std::string> buffers = {});
+  void SyncGeneration();
+  std::vector<FutureResult> RunFused(const std::vector<const sched::Op*>& batch);
+  FutureResult RunControl(Adapter& adapter, Control control, double max_norm, double norm_type);
+
+  const CoordinatorOptions options_;
+  EngineLink& engine_;
+  FutureStore& futures_;
+  const Clock& clock_;
+  std::unique_ptr<Runner> runner_;
+  std::unique_ptr<sched::Scheduler> scheduler_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Adapter>> adapters_ ABSL_GUARDED_BY(mu_);  // by key
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
+
+  // Scheduler thread only.
+  uint64_t generation_ = 0;
+  uint64_t use_tick_ = 0;
+};
+
+}  // namespace twinkle::training

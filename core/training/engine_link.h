@@ -1,0 +1,28 @@
+#pragma once
+// How the training coordinator reaches the engine: one blocking call at a time from the
+// scheduler thread. The server implements it over the Supervisor (rank 0).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/ipc/envelope.h"
+
+namespace twinkle::training {
+
+class EngineLink {
+ public:
+  virtual ~EngineLink() = default;
+  // Sends `request` (method, body, buffers) and waits for the reply; the worker's error
+  // comes back as the Status.
+  virtual absl::StatusOr<ipc::Message> Call(ipc::Message request) = 0;
+  // Changes whenever the engine (re)loaded the model: adapters resident before are gone.
+  virtual uint64_t generation() const = 0;
+  // The loaded model's vocabulary size (token ids are validated against it).
+  virtual int64_t vocab_size() const = 0;
+  // Loss names the engine implements.
+  virtual std::vector<std::string> supported_losses() const = 0;
+};
+
+}  // namespace twinkle::training

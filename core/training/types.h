@@ -1,0 +1,99 @@
+#pragma once
+// What the transports hand to the training coordinator and get back: plain structs, no
+// protobuf, no torch. The gRPC TrainingService and (later) the Tinker HTTP API both map
+// their wire types onto these.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace twinkle::training {
+
+// The caller, already authenticated, with the limits that apply to it.
+struct TenantContext {
+  std::string id;
+  int32_t max_adapters = 64;
+  int32_t max_lora_rank = 64;
+  int64_t max_tokens_per_request = 32768;
+  int32_t max_pending_ops = 256;
+};
+
+struct LoraArgs {
+  int64_t rank = 8;
+  double alpha = 32;
+  double dropout = 0;
+  std::vector<std::string> targets = {"all-linear"};
+  bool use_rslora = false;
+  uint64_t seed = 0;
+};
+
+struct AddAdapterArgs {
+  std::string name;
+  LoraArgs lora;
+  int32_t gradient_accumulation_steps = 1;
+  std::string session_id;  // empty: not tied to a session
+};
+
+struct AddAdapterResult {
+  std::string name;
+  int64_t num_parameters = 0;
+  std::string run_id;
+};
+
+// One sequence. labels: HF convention (same length as input_ids, -100 = not trained,
+// labels[i] is the token at position i); empty = train on every next token.
+struct Feature {
+  std::vector<int64_t> input_ids;
+  std::vector<int64_t> labels;
+};
+
+struct ForwardArgs {
+  std::vector<Feature> inputs;
+  std::vector<float> advantages;               // one per sequence, or empty
+  std::vector<std::vector<float>> old_logps;   // per sequence, one per trained token, or empty
+  std::vector<std::vector<float>> ref_logps;   // likewise
+};
+
+enum class ForwardMode {
+  kForward,          // adapter's loss, no gradient; remembered for CalculateLoss / Backward
+  kForwardOnly,      // log-probs only
+  kForwardBackward,  // adapter's loss, gradients accumulated
+};
+
+// The gradient-accumulation-gated controls of Twinkle's model.
+enum class Control { kClipGradNorm, kStep, kZeroGrad, kLrStep, kClipGradAndStep };
+
+// Where and when a queued op runs.
+struct SubmitOptions {
+  absl::Time deadline = absl::InfiniteFuture();
+  int64_t seq_id = -1;
+  std::string idempotency_key;
+};
+
+struct SequenceResult {
+  std::vector<float> logps;  // [L]: position i holds log p(token i+1 | tokens <= i); last 0
+  std::vector<float> loss;   // [L] each position's contribution to the loss, or empty
+};
+
+struct FloatTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// The result of any queued op; fields an op does not produce stay empty.
+struct OpOutput {
+  std::vector<SequenceResult> sequences;
+  double loss = 0;
+  std::map<std::string, double> metrics;
+  double value = 0;      // clip_grad_norm: pre-clip norm; step: the learning rate used
+  bool skipped = false;  // gated by gradient accumulation
+  std::string text;      // get_train_configs
+  std::map<std::string, std::string> metric_strings;  // calculate_metric
+  std::map<std::string, FloatTensor> tensors;          // get_state_dict: PEFT key → weight
+};
+
+}  // namespace twinkle::training

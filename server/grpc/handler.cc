@@ -1,0 +1,95 @@
+#include "server/grpc/handler.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/tenancy/rate_limiter.h"
+#include "server/status_map.h"
+
+namespace twinkle {
+
+training::TenantContext ToTenantContext(const tenancy::Tenant& tenant) {
+  training::TenantContext t;
+  t.id = tenant.id;
+  t.max_adapters = tenant.quotas.max_adapters;
+  t.max_lora_rank = tenant.quotas.max_lora_rank;
+  t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
+  t.max_pending_ops = tenant.quotas.max_pending_ops;
+  return t;
+}
+
+absl::Time ClientDeadline(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  // gRPC reports "no deadline" as a time far in the future.
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                const absl::Status& status) {
+  if (std::optional<int64_t> wait = tenancy::RetryAfterSeconds(status)) {
+    context->AddTrailingMetadata("retry-after", absl::StrCat(*wait));
+  }
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+namespace {
+
+// Draining and authentication, shared by both kinds of handler.
+absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state) {
+  if (state.draining.load()) return absl::UnavailableError("server is shutting down");
+  return state.authenticator->AuthenticateGrpc(*context);
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, ServingState& state,
+                                    const char* method,
+                                    const std::function<absl::Status(const tenancy::Tenant&)>& body) {
+  RequestTimer timer(state.metrics, method);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  const absl::Status status = tenant.ok() ? body(**tenant) : tenant.status();
+  timer.set_code(absl::StatusCodeToString(status.code()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  FinishCall(context, reactor, status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* HandleQueued(
+    grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
+    const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
+    std::function<void(uint64_t)> set_future_id,
+    std::function<absl::Status(const training::OpOutput&)> fill) {
+  auto timer = std::make_shared<RequestTimer>(state.metrics, method);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto finish = [context, reactor, timer](const absl::Status& status) {
+    timer->set_code(absl::StatusCodeToString(status.code()));
+    FinishCall(context, reactor, status);
+  };
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<uint64_t> id = tenant.ok() ? submit(**tenant) : absl::StatusOr<uint64_t>(tenant.status());
+  if (!id.ok()) {
+    finish(id.status());
+    return reactor;
+  }
+  if (return_future) {
+    set_future_id(*id);
+    finish(absl::OkStatus());
+    return reactor;
+  }
+  absl::Status watched = state.futures->OnComplete(
+      *id, (*tenant)->id, [finish, fill = std::move(fill)](const FutureResult& result) {
+        if (!result.ok()) {
+          finish(result.status());
+          return;
+        }
+        finish(fill(std::any_cast<const training::OpOutput&>(*result)));
+      });
+  if (!watched.ok()) finish(watched);
+  return reactor;
+}
+
+}  // namespace twinkle
