@@ -264,7 +264,8 @@ void Scheduler::CompleteAll(Completions& done) {
 std::vector<Scheduler::Queued> Scheduler::PickLocked() {
   std::vector<Queued> batch;
   // VTC order: smallest counter first; among equal counters the tenant served longest ago.
-  auto min_tenant = [this](const absl::flat_hash_set<TenantState*>& excluded) {
+  auto min_tenant = [this](const absl::flat_hash_set<TenantState*>& excluded)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     TenantState* best = nullptr;
     for (TenantState* t : backlogged_) {
       if (excluded.contains(t)) continue;
@@ -275,7 +276,8 @@ std::vector<Scheduler::Queued> Scheduler::PickLocked() {
     }
     return best;
   };
-  auto take_head = [this, &batch](TenantState* tenant, Queue* queue) {
+  auto take_head = [this, &batch](TenantState* tenant, Queue* queue)
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     tenant->served += Charge(*queue->ops.front().op);
     tenant->last_pick = ++pick_seq_;
     batch.push_back(TakeLocked(queue, 0));
