@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <atomic>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -94,6 +95,7 @@ struct TrainingCoordinator::Adapter {
   LoraArgs lora;
   int32_t gradient_accumulation_steps = 1;
   absl::Time created;
+  std::atomic<int64_t> last_request_ns{0};  // any thread: set at every submission
 
   // Scheduler thread only from here on.
   ipc::LossSpecMsg loss{"twinkle:cross_entropy", {}, {}};
@@ -212,7 +214,44 @@ absl::StatusOr<std::shared_ptr<TrainingCoordinator::Adapter>> TrainingCoordinato
   // Keys embed the tenant, so another tenant's adapter is simply not found.
   auto it = adapters_.find(absl::StrCat(tenant.id, "/", name));
   if (it == adapters_.end()) return absl::NotFoundError(absl::StrCat("no adapter '", name, "'"));
+  it->second->last_request_ns = absl::ToUnixNanos(clock_.Now());
   return it->second;
+}
+
+namespace {
+RunInfo MakeRunInfo(const std::string& run_id, const std::string& name, const std::string& tenant,
+                    const LoraArgs& lora, absl::Time created, int64_t last_request_ns) {
+  RunInfo r;
+  r.run_id = run_id;
+  r.adapter_name = name;
+  r.tenant = tenant;
+  r.lora_rank = lora.rank;
+  r.target_modules = lora.targets;
+  r.created = created;
+  r.last_request = last_request_ns > 0 ? absl::FromUnixNanos(last_request_ns) : created;
+  return r;
+}
+}  // namespace
+
+std::vector<RunInfo> TrainingCoordinator::ListRuns(const TenantContext& tenant) const {
+  std::vector<RunInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, a] : adapters_) {
+    if (a->tenant != tenant.id) continue;
+    out.push_back(MakeRunInfo(a->run_id, a->name, a->tenant, a->lora, a->created, a->last_request_ns));
+  }
+  std::sort(out.begin(), out.end(), [](const RunInfo& x, const RunInfo& y) { return x.created > y.created; });
+  return out;
+}
+
+absl::StatusOr<RunInfo> TrainingCoordinator::GetRun(const TenantContext& tenant, const std::string& run_id) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, a] : adapters_) {
+    if (a->tenant == tenant.id && a->run_id == run_id) {
+      return MakeRunInfo(a->run_id, a->name, a->tenant, a->lora, a->created, a->last_request_ns);
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no training run '", run_id, "'"));
 }
 
 absl::StatusOr<OpOutput> TrainingCoordinator::WaitFor(uint64_t id, const std::string& tenant) {

@@ -103,6 +103,11 @@ class TrainingCoordinator {
   // ended, and forgets silent sessions. Call periodically.
   void Housekeep();
 
+  // The tenant's training runs (its live adapters), newest first; NotFound for a run that
+  // is not the tenant's.
+  std::vector<RunInfo> ListRuns(const TenantContext& tenant) const;
+  absl::StatusOr<RunInfo> GetRun(const TenantContext& tenant, const std::string& run_id) const;
+
   sched::Scheduler& scheduler() { return *scheduler_; }
   CoordinatorStats stats() const;
   // Adapters per tenant, for capacity.

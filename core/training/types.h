@@ -79,6 +79,17 @@ struct SequenceResult {
   std::vector<float> loss;   // [L] each position's contribution to the loss, or empty
 };
 
+// A training run: one adapter's life on this server (run_id = "{session}-{adapter_name}").
+struct RunInfo {
+  std::string run_id;
+  std::string adapter_name;
+  std::string tenant;
+  int64_t lora_rank = 0;
+  std::vector<std::string> target_modules;
+  absl::Time created;
+  absl::Time last_request;
+};
+
 struct FloatTensor {
   std::vector<int64_t> shape;
   std::vector<float> values;

@@ -1,8 +1,12 @@
 #include "server/grpc/utility_service.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "server/grpc/handler.h"
 #include "twinkle_version.h"
 
@@ -49,6 +53,99 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
     response->set_max_adapters(max);
     response->set_used_adapters(used);
     response->set_free_adapters(std::max(0, max - used));
+    return absl::OkStatus();
+  });
+}
+
+namespace {
+
+std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, t, absl::UTCTimeZone()); }
+
+void FillRun(const training::RunInfo& run, const Config& config, twinkle::v1::TrainingRun* out) {
+  out->set_training_run_id(run.run_id);
+  out->set_base_model(config.model.name);
+  out->set_model_owner(run.tenant);
+  out->set_is_lora(true);
+  out->set_lora_rank(static_cast<int32_t>(run.lora_rank));
+  out->set_created_time(Rfc3339(run.created));
+  out->set_last_request_time(Rfc3339(run.last_request));
+  out->set_adapter_name(run.adapter_name);
+  for (const std::string& t : run.target_modules) out->add_target_modules(t);
+}
+
+// The files transformers reads to build a tokenizer; nothing else leaves the model folder.
+constexpr const char* kTokenizerFiles[] = {
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json",     "merges.txt",            "tokenizer.model",         "chat_template.jinja",
+    "generation_config.json"};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::ListTrainingRuns(grpc::CallbackServerContext* context,
+                                                               const twinkle::v1::ListTrainingRunsRequest* request,
+                                                               twinkle::v1::ListTrainingRunsResponse* response) {
+  return HandleNow(context, state_, "UtilityService/ListTrainingRuns", [&](const tenancy::Tenant& t) -> absl::Status {
+    if (request->limit() < 0 || request->offset() < 0) {
+      return absl::InvalidArgumentError("limit and offset must not be negative");
+    }
+    const int32_t limit = request->limit() == 0 ? 20 : request->limit();
+    const std::vector<training::RunInfo> runs = state_.coordinator->ListRuns(ToTenantContext(t));
+    const int32_t total = static_cast<int32_t>(runs.size());
+    for (int32_t i = request->offset(); i < std::min(total, request->offset() + limit); ++i) {
+      FillRun(runs[i], state_.config, response->add_training_runs());
+    }
+    response->mutable_cursor()->set_limit(limit);
+    response->mutable_cursor()->set_offset(request->offset());
+    response->mutable_cursor()->set_total_count(total);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::GetTrainingRun(grpc::CallbackServerContext* context,
+                                                             const twinkle::v1::GetTrainingRunRequest* request,
+                                                             twinkle::v1::TrainingRun* response) {
+  return HandleNow(context, state_, "UtilityService/GetTrainingRun", [&](const tenancy::Tenant& t) -> absl::Status {
+    absl::StatusOr<training::RunInfo> run = state_.coordinator->GetRun(ToTenantContext(t), request->run_id());
+    if (!run.ok()) return run.status();
+    FillRun(*run, state_.config, response);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::ListCheckpoints(grpc::CallbackServerContext* context,
+                                                              const twinkle::v1::ListCheckpointsRequest* request,
+                                                              twinkle::v1::ListCheckpointsResponse*) {
+  return HandleNow(context, state_, "UtilityService/ListCheckpoints", [&](const tenancy::Tenant& t) -> absl::Status {
+    // Checkpoints arrive with the checkpoint API; until then a run has none.
+    return state_.coordinator->GetRun(ToTenantContext(t), request->run_id()).status();
+  });
+}
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::DeleteCheckpoint(grpc::CallbackServerContext* context,
+                                                               const twinkle::v1::DeleteCheckpointRequest* request,
+                                                               twinkle::v1::DeleteCheckpointResponse*) {
+  return HandleNow(context, state_, "UtilityService/DeleteCheckpoint", [&](const tenancy::Tenant& t) -> absl::Status {
+    if (absl::Status s = state_.coordinator->GetRun(ToTenantContext(t), request->run_id()).status(); !s.ok()) return s;
+    return absl::NotFoundError(absl::StrCat("run '", request->run_id(), "' has no checkpoint '",
+                                            request->checkpoint_id(), "'"));
+  });
+}
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::GetTokenizerFiles(grpc::CallbackServerContext* context,
+                                                                const twinkle::v1::GetTokenizerFilesRequest*,
+                                                                twinkle::v1::GetTokenizerFilesResponse* response) {
+  return HandleNow(context, state_, "UtilityService/GetTokenizerFiles", [&](const tenancy::Tenant&) -> absl::Status {
+    const std::filesystem::path dir(state_.config.model.path);
+    for (const char* name : kTokenizerFiles) {
+      std::ifstream in(dir / name, std::ios::binary);
+      if (!in) continue;
+      twinkle::v1::TokenizerFile* file = response->add_files();
+      file->set_name(name);
+      file->set_content(std::string(std::istreambuf_iterator<char>(in), {}));
+    }
+    if (response->files_size() == 0) {
+      return absl::NotFoundError(absl::StrCat("the model folder has no tokenizer files"));
+    }
     return absl::OkStatus();
   });
 }

@@ -16,6 +16,21 @@ class UtilityServiceImpl final : public twinkle::v1::UtilityService::CallbackSer
   grpc::ServerUnaryReactor* GetCapacity(grpc::CallbackServerContext* context,
                                         const twinkle::v1::GetCapacityRequest* request,
                                         twinkle::v1::Capacity* response) override;
+  grpc::ServerUnaryReactor* ListTrainingRuns(grpc::CallbackServerContext* context,
+                                             const twinkle::v1::ListTrainingRunsRequest* request,
+                                             twinkle::v1::ListTrainingRunsResponse* response) override;
+  grpc::ServerUnaryReactor* GetTrainingRun(grpc::CallbackServerContext* context,
+                                           const twinkle::v1::GetTrainingRunRequest* request,
+                                           twinkle::v1::TrainingRun* response) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* context,
+                                            const twinkle::v1::ListCheckpointsRequest* request,
+                                            twinkle::v1::ListCheckpointsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteCheckpoint(grpc::CallbackServerContext* context,
+                                             const twinkle::v1::DeleteCheckpointRequest* request,
+                                             twinkle::v1::DeleteCheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* GetTokenizerFiles(grpc::CallbackServerContext* context,
+                                              const twinkle::v1::GetTokenizerFilesRequest* request,
+                                              twinkle::v1::GetTokenizerFilesResponse* response) override;
 
  private:
   ServingState& state_;
