@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/common/log.h"
-#include "core/engine/optim/lr_scheduler.h"
+#include "core/training/lr_scheduler.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
 #include "core/training/inputs.h"
@@ -101,8 +101,8 @@ struct TrainingCoordinator::Adapter {
   ipc::LossSpecMsg loss{"twinkle:cross_entropy", {}, {}};
   std::string optimizer_cls = "adamw";
   std::map<std::string, double> hyper = {{"learning_rate", kDefaultLr}, {"weight_decay", kDefaultWeightDecay}};
-  std::optional<engine::SchedulerSpec> schedule;
-  std::unique_ptr<engine::LrScheduler> scheduler;
+  std::optional<SchedulerSpec> schedule;
+  std::unique_ptr<LrScheduler> scheduler;
   int64_t lr_steps = 0;        // lr_step calls that acted
   int64_t backward_count = 0;  // backwards ever: gates the accumulation window
   int64_t optimizer_steps = 0;
@@ -565,13 +565,13 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetLrScheduler(const TenantC
                                                                    const std::map<std::string, double>& config) {
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
-  engine::SchedulerSpec spec{scheduler_cls, config};
-  absl::StatusOr<std::unique_ptr<engine::LrScheduler>> made = engine::LrScheduler::Create(spec);
+  SchedulerSpec spec{scheduler_cls, config};
+  absl::StatusOr<std::unique_ptr<LrScheduler>> made = LrScheduler::Create(spec);
   if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("scheduler_cls: ", made.status().message()));
   std::shared_ptr<Adapter> a = *adapter;
   return SubmitControlOp(tenant, a, [a, spec]() -> FutureResult {
     a->schedule = spec;
-    a->scheduler = *engine::LrScheduler::Create(spec);
+    a->scheduler = *LrScheduler::Create(spec);
     a->lr_steps = 0;
     return OpOutput{};
   }, {});

@@ -10,12 +10,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/engine/optim/lr_scheduler.h"
+#include "core/training/lr_scheduler.h"
 #include "core/engine/optim/optimizer.h"
 #include "core/engine/tensor_io.h"
 #include "core/ipc/messages.h"
 
 namespace twinkle::engine {
+
+using training::LrScheduler;
 namespace {
 
 struct HyperBody {

@@ -3,9 +3,10 @@
 // (set_lr_scheduler). Tinker clients schedule on their side and send the rate with each
 // optim_step, so the Tinker surface never uses these.
 //
-// Each schedule is a pure function of (base_lr, step) in closed form: the adapter needs no
-// scheduler state beyond the optimizer's own step count, so checkpoints and restarts cannot
-// desynchronize them. torch's schedulers update the rate recursively; the closed forms below
+// Each schedule is a pure function of (base_lr, step) in closed form: the only state is the
+// step count its owner keeps (the training coordinator counts an adapter's acting lr_step
+// calls), so checkpoints and restarts cannot desynchronize it. Torch-free: the coordinator
+// and the engine's optimizer probe share it. torch's schedulers update the rate recursively; the closed forms below
 // are the ones torch documents (and uses for scheduler.step(epoch)); they agree to rounding.
 
 #include <cstdint>
@@ -16,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace twinkle::engine {
+namespace twinkle::training {
 
 // name (case-insensitive; Twinkle's class names are accepted as aliases) and its config:
 //   constant                                   lr = base_lr
@@ -58,4 +59,4 @@ class LrScheduler {
   std::map<std::string, double> config_;  // every accepted key, defaults filled in
 };
 
-}  // namespace twinkle::engine
+}  // namespace twinkle::training

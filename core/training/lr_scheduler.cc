@@ -1,4 +1,4 @@
-#include "core/engine/optim/lr_scheduler.h"
+#include "core/training/lr_scheduler.h"
 
 #include <algorithm>
 #include <cctype>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace twinkle::engine {
+namespace twinkle::training {
 namespace {
 
 constexpr double kPi = 3.14159265358979323846;  // == Python's math.pi
@@ -158,4 +158,4 @@ double LrScheduler::LearningRate(double base_lr, int64_t step) const {
   return base_lr;
 }
 
-}  // namespace twinkle::engine
+}  // namespace twinkle::training

@@ -1,11 +1,11 @@
-#include "core/engine/optim/lr_scheduler.h"
+#include "core/training/lr_scheduler.h"
 
 #include <cmath>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace twinkle::engine {
+namespace twinkle::training {
 namespace {
 
 using ::testing::HasSubstr;
@@ -100,4 +100,4 @@ TEST(LrSchedulerTest, WarmupSchedules) {
 }
 
 }  // namespace
-}  // namespace twinkle::engine
+}  // namespace twinkle::training
