@@ -239,10 +239,13 @@ def test_two_tenants_fused_in_lockstep_equal_solo_training(launch_server: Launch
     assert worst <= 1e-6
 
 
-def test_two_tenants_training_concurrently_equal_solo_training(launch_server: LaunchServer, tiny_model: Path) -> None:
+@pytest.mark.parametrize("max_loras", [16, 2], ids=["all-resident", "offloading"])
+def test_two_tenants_training_concurrently_equal_solo_training(launch_server: LaunchServer, tiny_model: Path,
+                                                               max_loras: int) -> None:
     """Free-running clients, one thread per adapter, blocking calls: whatever the scheduler
-    fuses, each adapter ends where it would alone."""
-    server = launch_server(auth_overrides())
+    fuses, each adapter ends where it would alone. With max_loras=2 the four adapters take
+    turns on the device: offloaded to host memory and reloaded, bit for bit."""
+    server = launch_server(auth_overrides(scheduler={"max_loras": max_loras}))
     vocab = vocab_size(tiny_model)
     clients = setup_adapters(server)
     errors: list[BaseException] = []
@@ -267,6 +270,10 @@ def test_two_tenants_training_concurrently_equal_solo_training(launch_server: La
     print(f"concurrent: {steps:.0f} forward_backward engine steps for {ROUNDS * len(PLAN)} ops "
           f"({steps - single:.0f} fused several adapters)")
     assert steps <= ROUNDS * len(PLAN)
+    samples = prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+    offloads = prom.value(samples, "twinkle_adapter_events_total", event="offload")
+    print(f"max_loras {max_loras}: {offloads:.0f} offloads")
+    assert (offloads > 0) == (max_loras < len(PLAN))
     worst = compare_with_solo(clients, tiny_model, vocab)
     print(f"concurrent (4 adapters, 2 tenants, {ROUNDS} rounds) vs solo: max |Δw| = {worst:.3e}")
     assert worst <= 1e-6
