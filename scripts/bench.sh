@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Benchmarks that print figures (never timed assertions). Usage: scripts/bench.sh engine
+# Benchmarks that print figures (never timed assertions).
+# Usage: scripts/bench.sh engine | scheduler [options of the bench]
+#   engine     tests/bench/bench_engine.py: the engine process over its IPC
+#   scheduler  tests/bench/bench_scheduler.py: scheduler policy (build/bin/scheduler_bench),
+#              fused vs unfused through the full server (8 tenants), no-op RPC latency
+#              (build/bin/noop_latency). Binaries from $TWINKLE_BUILD_DIR (default build/).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -7,5 +12,16 @@ what="${1:-engine}"; shift || true
 [ -x build/bin/twinkle-engine ] || ./scripts/setup.sh
 case "$what" in
   engine) exec .venv/bin/python tests/bench/bench_engine.py "$@" ;;
-  *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N]" >&2; exit 2 ;;
+  scheduler)
+    bin="${TWINKLE_BUILD_DIR:-build}/bin"
+    need=(twinkle-server twinkle-engine scheduler_bench noop_latency)
+    missing() { for b in "${need[@]}"; do [ -x "$bin/$b" ] || return 0; done; return 1; }
+    if missing && [ -z "${TWINKLE_BUILD_DIR:-}" ]; then ./scripts/setup.sh; fi
+    for b in "${need[@]}"; do
+      [ -x "$bin/$b" ] || { echo "$bin/$b is not built: run ./scripts/setup.sh" >&2; exit 1; }
+    done
+    exec .venv/bin/python tests/bench/bench_scheduler.py "$@" ;;
+  *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N]" >&2
+     echo "       scripts/bench.sh scheduler [--seconds S] [--rounds N] [--tenants N] [--tokens N] [--noop-calls N]" >&2
+     exit 2 ;;
 esac
