@@ -29,4 +29,10 @@ struct Op {
   std::any payload;             // the executor's
 };
 
+// An executor result meaning "not finished yet": the scheduler leaves the op's future alone,
+// and the executor completes it later from another thread (a checkpoint write running off the
+// scheduler thread). The executor Block()s the adapter first, and Unblock()s it when done,
+// so the adapter's later ops wait while other adapters' ops keep running.
+struct Deferred {};
+
 }  // namespace twinkle::sched

@@ -5,6 +5,7 @@
 #include <deque>
 #include <exception>
 #include <tuple>
+#include <typeinfo>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -46,7 +47,9 @@ struct Scheduler::Queue {
   std::string adapter;
   TenantState* tenant = nullptr;  // tenants are never erased, so this stays valid
   std::deque<Queued> ops;         // head = ops.front(), the only one that may run
-  bool in_rr = false;             // listed in tenant->rr (exactly when ops is non-empty)
+  bool in_rr = false;             // listed in tenant->rr (exactly when ops is non-empty and
+                                  // the queue is not blocked)
+  int blocked = 0;                // Block() count: while > 0 none of its ops is picked
   absl::flat_hash_map<std::string, uint64_t> keys;  // idempotency key → future id
   std::deque<std::string> key_order;                // oldest first, for the bound
 };
@@ -170,7 +173,7 @@ absl::StatusOr<uint64_t> Scheduler::Submit(Op op) {
   }
   queue->ops.insert(queue->ops.begin() + position,
                     Queued{std::make_unique<Op>(std::move(op)), now});
-  if (!queue->in_rr) {
+  if (!queue->in_rr && queue->blocked == 0) {
     queue->tenant->rr.push_back(queue);
     queue->in_rr = true;
   }
@@ -268,7 +271,7 @@ std::vector<Scheduler::Queued> Scheduler::PickLocked() {
                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     TenantState* best = nullptr;
     for (TenantState* t : backlogged_) {
-      if (excluded.contains(t)) continue;
+      if (excluded.contains(t) || t->rr.empty()) continue;  // empty rr: only blocked queues
       if (best == nullptr || std::tie(t->served, t->last_pick, t->name) <
                                  std::tie(best->served, best->last_pick, best->name)) {
         best = t;
@@ -337,7 +340,7 @@ void Scheduler::Loop() {
         }
         const absl::Time now = clock_.Now();
         ExpireLocked(now, &expired);
-        if (total_queued_ > 0 && (!paused_ || steps_allowed_ > 0)) {
+        if (total_queued_ > 0 && (!paused_ || steps_allowed_ > 0) && RunnableLocked()) {
           batch = PickLocked();
           if (paused_) --steps_allowed_;
           picked_at = now;
@@ -379,7 +382,11 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
                                    ops.size(), " ops")));
   }
   const absl::Duration duration = clock_.Now() - start;
-  for (size_t i = 0; i < ops.size(); ++i) futures_.Complete(ops[i]->id, std::move(results[i]));
+  for (size_t i = 0; i < ops.size(); ++i) {
+    // A Deferred result: the executor completes this future itself, later.
+    if (results[i].ok() && results[i]->type() == typeid(Deferred)) continue;
+    futures_.Complete(ops[i]->id, std::move(results[i]));
+  }
 
   if (!listener) return;
   StepStats stats;
@@ -394,6 +401,38 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
   }
   stats.tenants = static_cast<int32_t>(tenants.size());
   listener(stats);
+}
+
+bool Scheduler::RunnableLocked() const {
+  for (const TenantState* t : backlogged_) {
+    if (!t->rr.empty()) return true;
+  }
+  return false;
+}
+
+void Scheduler::Block(const std::string& adapter) {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(adapter);
+  if (it == queues_.end()) return;
+  Queue* queue = it->second.get();
+  if (queue->blocked++ == 0 && queue->in_rr) {
+    auto& rr = queue->tenant->rr;
+    rr.erase(std::find(rr.begin(), rr.end(), queue));
+    queue->in_rr = false;
+  }
+}
+
+void Scheduler::Unblock(const std::string& adapter) {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(adapter);
+  if (it == queues_.end()) return;
+  Queue* queue = it->second.get();
+  if (queue->blocked == 0 || --queue->blocked > 0) return;
+  if (!queue->ops.empty() && !queue->in_rr) {
+    queue->tenant->rr.push_back(queue);
+    queue->in_rr = true;
+  }
+  wake_.Signal();
 }
 
 void Scheduler::Pause() {

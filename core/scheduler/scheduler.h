@@ -111,6 +111,12 @@ class Scheduler {
   // dropped.
   int64_t DropAdapter(const std::string& adapter, const absl::Status& status);
 
+  // While an adapter is blocked (a count: each Block needs its Unblock), none of its queued
+  // ops is picked; other adapters run. For work an executor finishes off the scheduler
+  // thread (see Deferred). Unknown adapters are ignored.
+  void Block(const std::string& adapter);
+  void Unblock(const std::string& adapter);
+
   // Test hooks (exposed only when the config enables them): while paused the loop runs
   // nothing except what Step() allows; deadlines still expire queued ops.
   void Pause();
@@ -137,6 +143,8 @@ class Scheduler {
   // listener.
   void RunStep(std::vector<Queued>& batch, absl::Time picked_at, const StepListener& listener);
   std::vector<Queued> PickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Some backlogged tenant has an unblocked queue with ops.
+  bool RunnableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(absl::Time now, Completions* done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes one queued op from its queue and every index; keeps the counters true.
   Queued TakeLocked(Queue* queue, size_t position) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

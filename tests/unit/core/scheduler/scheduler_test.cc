@@ -731,5 +731,73 @@ TEST(SchedulerTest, StepRunsExactlyTheAllowedStepsWhilePaused) {
   EXPECT_EQ(h.sched->queued("a"), 2);
 }
 
+// Defers ops labelled "defer": blocks their adapter and leaves the future to the test, like a
+// checkpoint write that finishes on another thread.
+class DeferringExecutor final : public Executor {
+ public:
+  std::vector<FutureResult> Execute(const std::vector<const Op*>& batch) override {
+    std::vector<FutureResult> results;
+    for (const Op* op : batch) {
+      const std::string label = std::any_cast<std::string>(op->payload);
+      {
+        absl::MutexLock lock(&mu_);
+        order_.push_back(label);
+      }
+      if (label == "defer") {
+        sched->Block(op->adapter);
+        absl::MutexLock lock(&mu_);
+        deferred_ = op->id;
+        results.push_back(std::any(Deferred{}));
+      } else {
+        results.push_back(std::any(label));
+      }
+    }
+    return results;
+  }
+  std::vector<std::string> order() const {
+    absl::MutexLock lock(&mu_);
+    return order_;
+  }
+  uint64_t deferred() const {
+    absl::MutexLock lock(&mu_);
+    return deferred_;
+  }
+  Scheduler* sched = nullptr;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<std::string> order_;
+  uint64_t deferred_ = 0;
+};
+
+TEST(SchedulerTest, ADeferredOpHoldsItsAdapterUntilUnblockedWhileOthersRun) {
+  FakeClock clock;
+  FutureStore futures(absl::Hours(1), clock);
+  DeferringExecutor executor;
+  Scheduler sched({}, executor, futures, clock);
+  executor.sched = &sched;
+  sched.Pause();
+  sched.Start();
+  const uint64_t save = *sched.Submit(MakeOp("t", "a", OpKind::kOther, 0, "defer"));
+  const uint64_t after = *sched.Submit(MakeOp("t", "a", OpKind::kOther, 0, "a-after"));
+  const uint64_t other = *sched.Submit(MakeOp("u", "b", OpKind::kOther, 0, "b-op"));
+  sched.Resume();
+  // b runs; a's second op waits behind the unfinished deferred one.
+  ASSERT_TRUE(futures.Wait(other, "u", kLong).ok());
+  EXPECT_FALSE(futures.Wait(save, "t", absl::Milliseconds(50)).ok()) << "deferred op completed by the scheduler";
+  EXPECT_FALSE(futures.Wait(after, "t", absl::Milliseconds(50)).ok()) << "a blocked adapter's op ran";
+  EXPECT_EQ(sched.queued("a"), 1);
+  ASSERT_EQ(executor.deferred(), save);
+  // The executor finishes: completes the future itself and unblocks the adapter.
+  futures.Complete(save, std::any(std::string("saved")));
+  sched.Unblock("a");
+  absl::StatusOr<FutureResult> got = futures.Wait(after, "t", kLong);
+  ASSERT_TRUE(got.ok() && got->ok());
+  EXPECT_EQ(std::any_cast<std::string>(**got), "a-after");
+  EXPECT_EQ(std::any_cast<std::string>(**futures.Wait(save, "t", kLong)), "saved");
+  EXPECT_EQ(executor.order(), (std::vector<std::string>{"defer", "b-op", "a-after"}));
+  sched.Stop();
+}
+
 }  // namespace
 }  // namespace twinkle::sched
