@@ -1,0 +1,164 @@
+#pragma once
+// The run registry: what must survive a restart of the whole server, in one SQLite file
+// (WAL mode, synchronous=FULL, so a committed row survives kill -9 and power loss).
+//
+//   sessions     id, tenant, created, last_heartbeat
+//   runs         run_id, tenant, adapter_name, base_model, lora config (JSON), created,
+//                last_request, last_step
+//   checkpoints  tenant, run_id, checkpoint_id ("weights/<name>" | "sampler_weights/<name>"),
+//                kind ("training" | "sampler"), path, size_bytes, created
+//                (a checkpoint belongs to one of its tenant's runs: foreign key)
+//   futures      id, tenant, state ("pending" | "done" | "failed" | "interrupted"),
+//                result (opaque bytes, the caller's serialisation), error code + message,
+//                created, updated
+//   counters     max_future_id (a high-water mark that survives ExpireFutures)
+//
+// Every read and delete takes the tenant: another tenant's row is NotFound, with the same
+// message as an unknown one. A write that names an id another tenant owns (PutSession,
+// PutRun, PutFuture) is AlreadyExists and changes nothing; the message never names the owner.
+// The schema carries a version (PRAGMA user_version); Open applies the migrations from
+// the file's version to the newest in one transaction each, and refuses a file newer than
+// this binary (FailedPrecondition naming both versions).
+//
+// Times are stored as integer unix microseconds (sub-microsecond parts are dropped, rounding
+// toward the past). Every statement is prepared with bound parameters; strings are stored
+// byte for byte. SQLite errors come back as: busy/locked → Unavailable, disk full →
+// ResourceExhausted, corrupt → DataLoss, not a database / cannot open → FailedPrecondition,
+// anything else → Internal; each message names the database file.
+//
+// Thread-safe: one connection guarded by a mutex (the registry is small and its writes are
+// rare next to a training step). Another process may open the same file (busy_timeout 5 s).
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+struct sqlite3;
+
+namespace twinkle::registry {
+
+struct RunRecord {
+  std::string run_id;
+  std::string tenant;
+  std::string adapter_name;
+  std::string base_model;
+  std::string lora_config_json;  // {"r":…, "lora_alpha":…, "target_modules":[…], …}
+  absl::Time created;
+  absl::Time last_request;
+  int64_t last_step = 0;
+};
+
+struct CheckpointRecord {
+  std::string tenant;
+  std::string run_id;
+  std::string checkpoint_id;  // "weights/<name>" or "sampler_weights/<name>"
+  std::string kind;           // "training" | "sampler"
+  std::string path;           // absolute directory
+  int64_t size_bytes = 0;
+  absl::Time created;
+};
+
+struct FutureRecord {
+  uint64_t id = 0;
+  std::string tenant;
+  std::string state;   // pending | done | failed | interrupted
+  std::string result;  // done: the caller's serialised result
+  int32_t error_code = 0;  // failed: an absl::StatusCode
+  std::string error_message;
+  absl::Time created;
+  absl::Time updated;
+};
+
+struct SessionRecord {
+  std::string id;
+  std::string tenant;
+  absl::Time created;
+  absl::Time last_heartbeat;
+};
+
+// limit 0 returns no rows (only the total); a negative limit or offset is InvalidArgument.
+struct Page {
+  int32_t limit = 20;
+  int32_t offset = 0;
+};
+
+class Registry {
+ public:
+  static constexpr int kSchemaVersion = 1;
+
+  // Opens (creating when absent) the database file and migrates it. NotFound naming the
+  // path when its parent directory does not exist; FailedPrecondition when the file is not a
+  // SQLite database or its schema is newer than kSchemaVersion.
+  static absl::StatusOr<std::unique_ptr<Registry>> Open(const std::string& path);
+  ~Registry();  // closes the connection; every Put* has committed by the time it returned
+
+  // Sessions. PutSession inserts (created = last_heartbeat = now), or for an existing id of
+  // the same tenant sets last_heartbeat = now; another tenant's id is AlreadyExists.
+  absl::Status PutSession(const std::string& id, const std::string& tenant, absl::Time now);
+  // Sets last_heartbeat; NotFound for an unknown id or another tenant's.
+  absl::Status TouchSession(const std::string& id, const std::string& tenant, absl::Time now);
+  absl::StatusOr<SessionRecord> GetSession(const std::string& id, const std::string& tenant);
+  absl::Status DeleteSession(const std::string& id, const std::string& tenant);
+
+  // Runs: insert, or overwrite every field of an existing run_id of the same tenant (the
+  // record is written as given, `created` included); another tenant's run_id is
+  // AlreadyExists and its row is left as it was. Empty run_id or tenant: InvalidArgument.
+  absl::Status PutRun(const RunRecord& run);
+  // Sets last_request = now and last_step; NotFound for an unknown or another tenant's run.
+  absl::Status TouchRun(const std::string& tenant, const std::string& run_id, absl::Time now, int64_t last_step);
+  absl::StatusOr<RunRecord> GetRun(const std::string& tenant, const std::string& run_id);
+  // Newest first (created descending, then run_id descending); `total` (may be null) receives
+  // the tenant's run count, read in the same transaction as the page.
+  absl::StatusOr<std::vector<RunRecord>> ListRuns(const std::string& tenant, Page page, int32_t* total);
+
+  // Checkpoints: insert or replace by (tenant, run_id, checkpoint_id). The run must be one of
+  // the tenant's (NotFound, with GetRun's message, otherwise); kind must be "training" or
+  // "sampler" (InvalidArgument).
+  absl::Status PutCheckpoint(const CheckpointRecord& checkpoint);
+  absl::StatusOr<CheckpointRecord> GetCheckpoint(const std::string& tenant, const std::string& run_id,
+                                                 const std::string& checkpoint_id);
+  // Oldest first (created, then checkpoint_id). NotFound (GetRun's message) for an unknown
+  // or another tenant's run; an empty list for a run without checkpoints.
+  absl::StatusOr<std::vector<CheckpointRecord>> ListCheckpoints(const std::string& tenant,
+                                                                const std::string& run_id);
+  absl::Status DeleteCheckpoint(const std::string& tenant, const std::string& run_id,
+                                const std::string& checkpoint_id);
+  // Every checkpoint of every tenant (startup reconciliation), by tenant, run, created.
+  absl::StatusOr<std::vector<CheckpointRecord>> AllCheckpoints();
+
+  // Futures. Ids are uint64 in the API but SQLite integers are int64: ids must lie in
+  // [1, 2^63 - 1] (InvalidArgument otherwise), which the process counter never leaves.
+  // PutFuture inserts or replaces every field by id; another tenant's id is AlreadyExists.
+  // state must be one of the four above (InvalidArgument).
+  absl::Status PutFuture(const FutureRecord& future);
+  absl::StatusOr<FutureRecord> GetFuture(uint64_t id, const std::string& tenant);
+  // Startup: every pending future becomes "interrupted" (its work died with the old process),
+  // with updated = now, error_code = ABORTED and a message saying the server restarted.
+  // Returns how many.
+  absl::StatusOr<int64_t> InterruptPendingFutures(absl::Time now);
+  // Drops finished (done, failed, interrupted) futures last updated before `cutoff`; pending
+  // ones never expire. Returns how many.
+  absl::StatusOr<int64_t> ExpireFutures(absl::Time cutoff);
+  // The largest future id ever recorded (0 when none), kept even after its row expired: ids
+  // continue above it after a restart.
+  absl::StatusOr<uint64_t> MaxFutureId();
+
+ private:
+  Registry(sqlite3* db, std::string path) : db_(db), path_(std::move(path)) {}
+  absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_);
+  const std::string path_;  // for error messages
+};
+
+}  // namespace twinkle::registry
