@@ -138,7 +138,9 @@ class Registry {
   // Futures. Ids are uint64 in the API but SQLite integers are int64: ids must lie in
   // [1, 2^63 - 1] (InvalidArgument otherwise), which the process counter never leaves.
   // PutFuture inserts or replaces every field by id; another tenant's id is AlreadyExists.
-  // state must be one of the four above (InvalidArgument).
+  // state must be one of the four above (InvalidArgument). The tenant may be empty (a
+  // bookkeeping row, e.g. a boot marker: readable only with tenant "", still counted by
+  // MaxFutureId and dropped by ExpireFutures like any finished future).
   absl::Status PutFuture(const FutureRecord& future);
   absl::StatusOr<FutureRecord> GetFuture(uint64_t id, const std::string& tenant);
   // Startup: every pending future becomes "interrupted" (its work died with the old process),

@@ -647,9 +647,15 @@ TEST_F(RegistryTest, FutureIdRangeAndValidation) {
   EXPECT_EQ(reg->GetFuture(max_ok + 1, "alice").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(reg->GetFuture(0, "alice").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(reg->PutFuture(MakeFuture(9, "alice", "running", T(0))).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(reg->PutFuture(MakeFuture(9, "", "done", T(0))).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RawInt("SELECT COUNT(*) FROM futures"), 1);
   EXPECT_EQ(*reg->MaxFutureId(), max_ok);
+
+  // A tenant-less bookkeeping row (the coordinator's boot marker): stored, private to "".
+  ASSERT_TRUE(reg->PutFuture(MakeFuture(uint64_t{3} << 40, "", "done", T(0))).ok());
+  EXPECT_TRUE(reg->GetFuture(uint64_t{3} << 40, "").ok());
+  EXPECT_EQ(reg->GetFuture(uint64_t{3} << 40, "alice").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(reg->PutFuture(MakeFuture(uint64_t{3} << 40, "alice", "done", T(0))).code(),
+            absl::StatusCode::kAlreadyExists);
 }
 
 // ------------------------------------------------------------------------------------------ //
