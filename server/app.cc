@@ -22,6 +22,10 @@
 #include "core/common/log.h"
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
+#include "core/registry/registry.h"
+#include "core/storage/filesystem.h"
+#include "core/training/checkpoints.h"
+#include "core/training/future_journal.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
@@ -136,6 +140,7 @@ training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   o.max_tokens_per_request = c.limits.max_tokens_per_request;
   o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
   o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
+  o.base_model = c.model.name;
   return o;
 }
 
@@ -225,6 +230,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   };
   if (absl::Status s = CheckEnvironment(config); !s.ok()) return fail(std::string(s.message()));
 
+  const std::string where = config.source_file.string();
   Metrics metrics;
   Supervisor supervisor(MakeSupervisorOptions(config));
   ServingState state(config, supervisor, metrics);
@@ -232,9 +238,35 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (!authenticator.ok()) return fail(std::string(authenticator.status().message()));
   (*authenticator)->SetFailureListener([&metrics](const absl::Status&) { metrics.RecordAuthFailure(); });
   tenancy::TokenRateLimiter rate_limiter;
+
+  // Persistence: the registry, checkpoint files (through the fault-injection seam, which is
+  // only ever armed by the test hooks), and futures that survive a restart.
+  std::error_code ec;
+  std::filesystem::create_directories(config.storage.data_dir, ec);
+  if (ec) {
+    return fail(absl::StrCat(where, ": storage.data_dir: cannot create ", config.storage.data_dir, ": ",
+                             ec.message()));
+  }
+  absl::StatusOr<std::unique_ptr<registry::Registry>> registry =
+      registry::Registry::Open((std::filesystem::path(config.storage.data_dir) / "registry.sqlite").string());
+  if (!registry.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", registry.status().message()));
+  storage::FaultInjectingFileSystem checkpoint_fs(storage::RealFileSystem());
+  training::CheckpointStore checkpoints(config.storage.data_dir, checkpoint_fs, **registry, config.model.name);
+  absl::StatusOr<std::vector<std::string>> recovered = checkpoints.Recover();
+  if (!recovered.ok()) {
+    return fail(absl::StrCat(where, ": storage.data_dir: recovering checkpoints: ", recovered.status().message()));
+  }
+  absl::StatusOr<std::unique_ptr<training::RegistryFutureJournal>> journal =
+      training::RegistryFutureJournal::Open(**registry);
+  if (!journal.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", journal.status().message()));
+  sched::SeedFutureIds((*journal)->first_id());
   FutureStore futures(absl::Seconds(config.sessions.future_retention_s));
+  futures.SetJournal(journal->get());
   SupervisorEngineLink engine_link(supervisor);
-  training::TrainingCoordinator coordinator(MakeCoordinatorOptions(config), engine_link, futures);
+  training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
+  coordinator_options.registry = registry->get();
+  coordinator_options.checkpoints = &checkpoints;
+  training::TrainingCoordinator coordinator(coordinator_options, engine_link, futures);
   coordinator.scheduler().SetStepListener([&metrics](const sched::StepStats& step) {
     std::vector<std::pair<std::string, double>> waits;
     for (const auto& [tenant, wait] : step.waits) waits.emplace_back(tenant, absl::ToDoubleSeconds(wait));
@@ -244,7 +276,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   state.rate_limiter = &rate_limiter;
   state.futures = &futures;
   state.coordinator = &coordinator;
-  const std::string where = config.source_file.string();
+  state.registry = registry->get();
+  state.checkpoints = &checkpoints;
+  state.faults = &checkpoint_fs;
 
   // gRPC first: its port is what the HTTP endpoints route advertises.
   const bool tls = !config.server.tls.cert_file.empty();

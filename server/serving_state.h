@@ -6,6 +6,8 @@
 
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
+#include "core/registry/registry.h"
+#include "core/storage/filesystem.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
@@ -31,6 +33,9 @@ struct ServingState {
   tenancy::TokenRateLimiter* rate_limiter = nullptr;
   FutureStore* futures = nullptr;
   training::TrainingCoordinator* coordinator = nullptr;
+  registry::Registry* registry = nullptr;
+  training::CheckpointStore* checkpoints = nullptr;
+  storage::FaultInjectingFileSystem* faults = nullptr;  // checkpoint I/O; armed by test hooks
 };
 
 }  // namespace twinkle

@@ -21,9 +21,13 @@ FutureStore::FutureStore(absl::Duration retention, const Clock& clock)
 void FutureStore::Create(uint64_t id, const std::string& tenant) {
   auto entry = std::make_shared<Entry>();
   entry->tenant = tenant;
-  absl::MutexLock lock(&mu_);
-  // Ids are unique by contract; a repeated Create keeps the first future (and its result).
-  if (entries_.try_emplace(id, std::move(entry)).second) ++pending_;
+  {
+    absl::MutexLock lock(&mu_);
+    // Ids are unique by contract; a repeated Create keeps the first future (and its result).
+    if (!entries_.try_emplace(id, std::move(entry)).second) return;
+    ++pending_;
+  }
+  if (journal_ != nullptr) journal_->Created(id, tenant);
 }
 
 void FutureStore::Complete(uint64_t id, FutureResult result) {
@@ -40,17 +44,22 @@ void FutureStore::Complete(uint64_t id, FutureResult result) {
     entry->done = true;  // waiters in Wait() see this through their Condition
     callbacks.swap(entry->callbacks);
   }
+  if (journal_ != nullptr) journal_->Completed(id, entry->tenant, entry->result);
   // Outside the lock: a callback may call back into the store (or into the scheduler).
   for (auto& done : callbacks) done(entry->result);
 }
 
 absl::StatusOr<FutureResult> FutureStore::Wait(uint64_t id, const std::string& tenant,
                                                absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   auto it = entries_.find(id);
-  if (it == entries_.end() || it->second->tenant != tenant) {
+  if (it == entries_.end()) {
+    lock.Release();
+    // Not this process's (issued before a restart) or expired from memory: the journal knows.
+    if (journal_ != nullptr) return journal_->Lookup(id, tenant);
     return absl::NotFoundError("no such future");
   }
+  if (it->second->tenant != tenant) return absl::NotFoundError("no such future");
   std::shared_ptr<Entry> entry = it->second;  // stays alive even if Expire() drops it
   if (!mu_.AwaitWithTimeout(absl::Condition(&entry->done), timeout)) {
     return absl::UnavailableError("still pending");
@@ -62,8 +71,15 @@ absl::Status FutureStore::OnComplete(uint64_t id, const std::string& tenant,
                                      std::function<void(const FutureResult&)> done) {
   std::shared_ptr<Entry> entry;
   {
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     auto it = entries_.find(id);
+    if (it == entries_.end() && journal_ != nullptr) {
+      lock.Release();
+      absl::StatusOr<FutureResult> stored = journal_->Lookup(id, tenant);
+      if (!stored.ok()) return stored.status();
+      done(*stored);
+      return absl::OkStatus();
+    }
     if (it == entries_.end() || it->second->tenant != tenant) {
       return absl::NotFoundError("no such future");
     }

@@ -23,6 +23,20 @@ namespace twinkle {
 
 using FutureResult = absl::StatusOr<std::any>;
 
+// Makes futures outlive the process: told of every creation and completion, asked about ids
+// the store does not hold (issued before a restart). Implementations must not block for
+// long: Created runs under the scheduler's lock.
+class FutureJournal {
+ public:
+  virtual ~FutureJournal() = default;
+  virtual void Created(uint64_t id, const std::string& tenant) = 0;
+  virtual void Completed(uint64_t id, const std::string& tenant, const FutureResult& result) = 0;
+  // The outcome of a future this process does not hold: its stored result, or an error
+  // saying it was interrupted by a restart. NotFound when the journal never saw it (or it
+  // is another tenant's).
+  virtual absl::StatusOr<FutureResult> Lookup(uint64_t id, const std::string& tenant) = 0;
+};
+
 class FutureStore {
  public:
   // retention: how long a completed future stays fetchable after it completed.
@@ -58,6 +72,9 @@ class FutureStore {
   // Futures created and not yet completed.
   int64_t pending() const;
 
+  // Set before use; not owned. Without one, futures live in memory only.
+  void SetJournal(FutureJournal* journal) { journal_ = journal; }
+
  private:
   struct Entry;
   const absl::Duration retention_;
@@ -65,6 +82,7 @@ class FutureStore {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // entries not yet completed
+  FutureJournal* journal_ = nullptr;
 };
 
 }  // namespace twinkle

@@ -30,6 +30,12 @@ int64_t BudgetTokens(const Op& op) { return std::max<int64_t>(op.tokens, 0); }
 
 }  // namespace
 
+void SeedFutureIds(uint64_t next) {
+  uint64_t current = g_next_id.load();
+  while (current < next && !g_next_id.compare_exchange_weak(current, next)) {
+  }
+}
+
 struct Scheduler::Queued {
   std::unique_ptr<Op> op;
   absl::Time enqueued;

@@ -78,6 +78,10 @@ struct StepStats {
   std::vector<std::pair<std::string, absl::Duration>> waits;  // (tenant, queue wait) per op
 };
 
+// Future ids continue from `next` (never moving backwards): a server that persists futures
+// starts each boot in its own id range. Call before any Submit.
+void SeedFutureIds(uint64_t next);
+
 class Scheduler {
  public:
   using StepListener = std::function<void(const StepStats&)>;

@@ -16,6 +16,7 @@
 #include "core/training/lr_scheduler.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
+#include "core/storage/names.h"
 #include "core/training/inputs.h"
 
 namespace twinkle::training {
@@ -148,6 +149,7 @@ class TrainingCoordinator::Runner final : public sched::Executor {
   explicit Runner(TrainingCoordinator& c) : c_(c) {}
   std::vector<FutureResult> Execute(const std::vector<const sched::Op*>& batch) override {
     if (batch.size() == 1 && batch[0]->kind == sched::OpKind::kOther) {
+      c_.current_op_ = batch[0]->id;
       return {std::any_cast<const ControlPayload&>(batch[0]->payload).run()};
     }
     return c_.RunFused(batch);
@@ -171,8 +173,34 @@ TrainingCoordinator::TrainingCoordinator(CoordinatorOptions options, EngineLink&
 
 TrainingCoordinator::~TrainingCoordinator() { Stop(); }
 
-void TrainingCoordinator::Start() { scheduler_->Start(); }
-void TrainingCoordinator::Stop() { scheduler_->Stop(); }
+void TrainingCoordinator::Start() {
+  io_thread_ = std::thread([this] { IoLoop(); });
+  scheduler_->Start();
+}
+
+void TrainingCoordinator::Stop() {
+  scheduler_->Stop();
+  {
+    absl::MutexLock lock(&io_mu_);
+    io_stop_ = true;
+  }
+  if (io_thread_.joinable()) io_thread_.join();  // finishes the writes already started
+}
+
+void TrainingCoordinator::IoLoop() {
+  while (true) {
+    std::function<void()> job;
+    {
+      absl::MutexLock lock(&io_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_) { return io_stop_ || !io_jobs_.empty(); };
+      io_mu_.Await(absl::Condition(&ready));
+      if (io_jobs_.empty()) return;
+      job = std::move(io_jobs_.front());
+      io_jobs_.pop_front();
+    }
+    job();
+  }
+}
 
 CoordinatorStats TrainingCoordinator::stats() const {
   absl::MutexLock lock(&mu_);
@@ -190,9 +218,13 @@ int32_t TrainingCoordinator::adapter_count() const {
 
 std::string TrainingCoordinator::CreateSession(const TenantContext& tenant) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
-  absl::MutexLock lock(&mu_);
-  const std::string id = absl::StrCat("s", next_session_++, "-", Hex8(rng()));
-  sessions_[id] = Session{tenant.id, clock_.Now()};
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = absl::StrCat("s", next_session_++, "-", Hex8(rng()));
+    sessions_[id] = Session{tenant.id, clock_.Now()};
+  }
+  if (options_.registry != nullptr) (void)options_.registry->PutSession(id, tenant.id, clock_.Now());
   return id;
 }
 
@@ -336,6 +368,20 @@ absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantCon
     absl::MutexLock lock(&mu_);
     adapters_.erase(adapter->key);
     return done.status();
+  }
+  if (options_.registry != nullptr) {
+    registry::RunRecord run;
+    run.run_id = adapter->run_id;
+    run.tenant = tenant.id;
+    run.adapter_name = args.name;
+    run.base_model = options_.base_model;
+    nlohmann::json lora_json = {{"r", lora.rank}, {"lora_alpha", lora.alpha}, {"lora_dropout", lora.dropout},
+                                {"target_modules", lora.targets}, {"use_rslora", lora.use_rslora}};
+    run.lora_config_json = lora_json.dump();
+    run.created = run.last_request = adapter->created;
+    if (absl::Status s = options_.registry->PutRun(run); !s.ok()) {
+      LogWarning(kLog, absl::StrCat("recording run ", adapter->run_id, ": ", s.message()));
+    }
   }
   LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": adapter ", args.name, " added (r=", lora.rank, ")"));
   // num_parameters was set on the scheduler thread; the future's completion orders it before us.
@@ -640,6 +686,148 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetStateDict(const TenantCon
   }, {});
 }
 
+// ---- checkpoints ---------------------------------------------------------------------------
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& tenant, const std::string& name,
+                                                         const SaveArgs& args) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  // Twinkle names an unnamed checkpoint by the time; names are path components.
+  const std::string checkpoint =
+      args.name.empty() ? absl::FormatTime("%Y%m%d_%H%M%S", clock_.Now(), absl::UTCTimeZone()) : args.name;
+  if (absl::Status s = storage::ValidatePathName(checkpoint, "name"); !s.ok()) return s;
+  if (args.consumed_train_samples < 0) {
+    return absl::InvalidArgumentError("consumed_train_samples: must not be negative");
+  }
+  std::shared_ptr<Adapter> a = *adapter;
+  return SubmitControlOp(tenant, a, [this, a, checkpoint, args]() -> FutureResult {
+    SyncGeneration();
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    absl::StatusOr<ipc::Message> state =
+        CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
+    if (!state.ok()) return state.status();
+    absl::StatusOr<ipc::AdapterStateReply> body =
+        ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
+    if (!body.ok()) return body.status();
+    TrainerState trainer;
+    trainer.cur_step = a->backward_count;
+    trainer.gradient_accumulation_steps = a->gradient_accumulation_steps;
+    trainer.consumed_train_samples = args.consumed_train_samples;
+    trainer.lr_scheduler = a->schedule;
+    trainer.lr_steps = a->lr_steps;
+    trainer.optimizer_steps = a->optimizer_steps;
+    trainer.optimizer_kind = a->optimizer_cls;
+    trainer.optimizer_hyper = a->hyper;
+    trainer.loss = a->loss;
+    trainer.micro_batches_since_step = body->micro_batches_since_step;
+    trainer.seed = a->lora.seed;
+    // The snapshot is taken; the write runs on the I/O thread while the adapter's later ops
+    // wait (Block) and every other adapter keeps training.
+    const uint64_t op = current_op_;
+    scheduler_->Block(a->key);
+    auto job = [this, a, op, checkpoint, args, trainer, snapshot = std::make_shared<ipc::Message>(*std::move(state))]() {
+      CheckpointContent content{snapshot.get(), args.save_optimizer, trainer, a->lora};
+      absl::StatusOr<registry::CheckpointRecord> record = options_.checkpoints->Save(
+          a->tenant, a->run_id, args.is_sampler ? CheckpointKind::kSampler : CheckpointKind::kTraining, checkpoint,
+          content);
+      FutureResult result = record.status();
+      if (record.ok()) {
+        OpOutput out;
+        out.checkpoint_uri = CheckpointPath{a->run_id, args.is_sampler ? CheckpointKind::kSampler
+                                                                       : CheckpointKind::kTraining,
+                                            checkpoint}.uri();
+        out.checkpoint_dir = record->path;
+        result = std::any(std::move(out));
+        LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": saved ", record->checkpoint_id, " of run ", a->run_id));
+      } else {
+        LogError(kLog, absl::StrCat("tenant ", a->tenant, ": saving ", checkpoint, " of run ", a->run_id,
+                                    " failed: ", record.status().message()));
+      }
+      futures_.Complete(op, std::move(result));
+      scheduler_->Unblock(a->key);
+    };
+    {
+      absl::MutexLock lock(&io_mu_);
+      io_jobs_.push_back(std::move(job));
+    }
+    return std::any(sched::Deferred{});
+  }, {});
+}
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& tenant, const std::string& name,
+                                                         const std::string& path_or_name, LoadMode mode) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  std::shared_ptr<Adapter> a = *adapter;
+  absl::StatusOr<registry::CheckpointRecord> record =
+      options_.checkpoints->Resolve(tenant.id, path_or_name, a->run_id);
+  if (!record.ok()) return record.status();
+  const bool with_optimizer = mode == LoadMode::kWeightsAndOptimizer || mode == LoadMode::kResume;
+  // Read and verify here, on the caller's thread: only applying the state is queued.
+  absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, with_optimizer);
+  if (!loaded.ok()) return loaded.status();
+  if (loaded->lora.rank != a->lora.rank) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", record->checkpoint_id, " has LoRA rank ",
+                                                      loaded->lora.rank, "; adapter '", name, "' has rank ",
+                                                      a->lora.rank));
+  }
+  const bool resume = mode == LoadMode::kResume || mode == LoadMode::kResumeOnlyModel;
+  if (mode == LoadMode::kResume && !loaded->trainer) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", record->checkpoint_id,
+                                                      " holds no trainer state (a sampler checkpoint?)"));
+  }
+  auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
+  return SubmitControlOp(tenant, a, [this, a, data, mode, resume]() -> FutureResult {
+    SyncGeneration();
+    if (a->lost) {  // loading a checkpoint is exactly how a lost adapter comes back
+      a->lost = false;
+      a->resident = false;
+      a->host_state.reset();
+    }
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    ipc::SetAdapterStateRequest req;
+    req.adapter_id = a->key;
+    req.weights = data->weights;
+    req.grads = std::map<std::string, ipc::TensorDesc>{};  // a loaded state starts without gradients
+    const TrainerState* trainer = data->trainer ? &*data->trainer : nullptr;
+    if (mode == LoadMode::kWeightsAndOptimizer || mode == LoadMode::kResume) {
+      req.optimizer = data->optimizer;
+      if (trainer != nullptr) req.optimizer_kind = trainer->optimizer_kind;
+    }
+    if (mode == LoadMode::kResume) req.micro_batches_since_step = trainer->micro_batches_since_step;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(req), data->buffers);
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat("the checkpoint does not fit adapter '", a->name,
+                                                          "': ", r.status().message()));
+    }
+    OpOutput out;
+    if (mode == LoadMode::kResume) {
+      a->backward_count = trainer->cur_step;
+      a->lr_steps = trainer->lr_steps;
+      a->optimizer_steps = trainer->optimizer_steps;
+      a->optimizer_cls = trainer->optimizer_kind;
+      a->hyper = trainer->optimizer_hyper;
+      a->loss = trainer->loss;
+      a->schedule = trainer->lr_scheduler;
+      a->scheduler.reset();
+      if (trainer->lr_scheduler) a->scheduler = *LrScheduler::Create(*trainer->lr_scheduler);
+    } else if (mode == LoadMode::kWeightsAndOptimizer && trainer != nullptr) {
+      a->optimizer_cls = trainer->optimizer_kind;
+      a->optimizer_steps = trainer->optimizer_steps;
+    }
+    if (resume && trainer != nullptr) {
+      out.cur_step = trainer->cur_step;
+      out.consumed_train_samples = trainer->consumed_train_samples;
+      out.gradient_accumulation_steps = trainer->gradient_accumulation_steps;
+    }
+    a->last_forward.reset();
+    a->last_loss.reset();
+    return out;
+  }, {});
+}
+
 // ---- execution (scheduler thread) ----------------------------------------------------------
 
 absl::StatusOr<ipc::Message> TrainingCoordinator::CallEngine(const char* method, std::string body,
@@ -702,8 +890,11 @@ absl::Status TrainingCoordinator::Offload(Adapter& a) {
 
 absl::Status TrainingCoordinator::EnsureResident(Adapter& a, const std::vector<const Adapter*>& pinned) {
   if (a.lost) {
-    return absl::AbortedError(absl::StrCat("adapter '", a.name, "' lost its state in an engine restart; "
-                                           "remove it and add it again (or load a checkpoint)"));
+    // Never continue silently from older weights: the client decides (resume from a
+    // checkpoint, or remove and start over).
+    return absl::AbortedError(absl::StrCat("adapter '", a.name, "': adapter state lost since step ",
+                                           a.optimizer_steps, " (the engine worker restarted); "
+                                           "resume from checkpoint"));
   }
   a.last_use = ++use_tick_;
   if (a.resident) return absl::OkStatus();

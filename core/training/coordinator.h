@@ -16,6 +16,9 @@
 // on demand, bit-identically.
 
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <thread>
 #include <map>
 #include <memory>
 #include <optional>
@@ -29,6 +32,8 @@
 #include "core/common/clock.h"
 #include "core/futures/future_store.h"
 #include "core/scheduler/scheduler.h"
+#include "core/registry/registry.h"
+#include "core/training/checkpoints.h"
 #include "core/training/engine_link.h"
 #include "core/training/types.h"
 
@@ -42,6 +47,9 @@ struct CoordinatorOptions {
   int64_t max_tokens_per_request = 32768;  // server-wide hard limit on one request
   absl::Duration adapter_timeout = absl::Seconds(1800);       // session silent this long
   absl::Duration adapter_max_lifetime = absl::Seconds(36000);
+  std::string base_model;                             // recorded with runs
+  registry::Registry* registry = nullptr;             // runs are recorded when set
+  CheckpointStore* checkpoints = nullptr;             // save/load need it
 };
 
 struct CoordinatorStats {
@@ -99,6 +107,15 @@ class TrainingCoordinator {
   // The adapter's LoRA weights by PEFT key (fp32).
   absl::StatusOr<uint64_t> SubmitGetStateDict(const TenantContext& tenant, const std::string& name);
 
+  // Checkpoints. Save snapshots the adapter in its queue, then writes off the scheduler
+  // thread: the adapter's later ops wait for the write, other adapters keep training.
+  absl::StatusOr<uint64_t> SubmitSave(const TenantContext& tenant, const std::string& name, const SaveArgs& args);
+  // Reads and verifies the checkpoint on the calling thread, then queues applying it.
+  // `path_or_name`: a twinkle:// / tinker:// path or a name among this adapter's run's
+  // training checkpoints. Another tenant's checkpoint is NotFound.
+  absl::StatusOr<uint64_t> SubmitLoad(const TenantContext& tenant, const std::string& name,
+                                      const std::string& path_or_name, LoadMode mode);
+
   // Releases adapters whose session went silent for adapter_timeout or whose lifetime
   // ended, and forgets silent sessions. Call periodically.
   void Housekeep();
@@ -153,6 +170,14 @@ class TrainingCoordinator {
   // Scheduler thread only.
   uint64_t generation_ = 0;
   uint64_t use_tick_ = 0;
+  uint64_t current_op_ = 0;  // the id of the op being executed (for Deferred completions)
+
+  // Checkpoint writes, one at a time, off the scheduler thread.
+  void IoLoop();
+  absl::Mutex io_mu_;
+  std::deque<std::function<void()>> io_jobs_ ABSL_GUARDED_BY(io_mu_);
+  bool io_stop_ ABSL_GUARDED_BY(io_mu_) = false;
+  std::thread io_thread_;
 };
 
 }  // namespace twinkle::training

@@ -105,6 +105,27 @@ struct OpOutput {
   std::string text;      // get_train_configs
   std::map<std::string, std::string> metric_strings;  // calculate_metric
   std::map<std::string, FloatTensor> tensors;          // get_state_dict: PEFT key → weight
+  // save: where the checkpoint went.
+  std::string checkpoint_uri;  // twinkle://<run_id>/weights/<name>
+  std::string checkpoint_dir;  // the server's directory
+  // resume_from_checkpoint: where training stands now.
+  int64_t cur_step = 0;
+  int64_t consumed_train_samples = 0;
+  int32_t gradient_accumulation_steps = 0;
+};
+
+struct SaveArgs {
+  std::string name;  // empty: a timestamp, YYYYmmdd_HHMMSS (Twinkle)
+  bool save_optimizer = true;
+  bool is_sampler = false;
+  int64_t consumed_train_samples = 0;
+};
+
+enum class LoadMode {
+  kWeights,          // load(name): weights only
+  kWeightsAndOptimizer,  // load(name, load_optimizer=True) / Tinker load_state_with_optimizer
+  kResume,           // resume_from_checkpoint: weights, optimizer, schedule, counters
+  kResumeOnlyModel,  // resume_from_checkpoint(resume_only_model=True): weights only
 };
 
 }  // namespace twinkle::training

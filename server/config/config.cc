@@ -103,6 +103,9 @@ template <typename V> void VisitFields(V& v, SessionsSection& c) {
   v.Field("adapter_max_lifetime_s", c.adapter_max_lifetime_s, Range(1, 1e8));
   v.Field("future_retention_s", c.future_retention_s, Range(1, 1e8));
 }
+template <typename V> void VisitFields(V& v, StorageSection& c) {
+  v.Field("data_dir", c.data_dir, Path());
+}
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});
 }
@@ -118,6 +121,7 @@ template <typename V> void VisitFields(V& v, Config& c) {
   v.Section("auth", c.auth);
   v.Section("scheduler", c.scheduler);
   v.Section("sessions", c.sessions);
+  v.Section("storage", c.storage);
   v.Section("testing", c.testing);
   v.Section("logging", c.logging);
 }
@@ -589,6 +593,10 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
   }
   if (config.model.name.empty()) {
     config.model.name = std::filesystem::path(config.model.path).filename().string();
+  }
+  // The default data_dir is relative too: to the config file's folder, like any path key.
+  if (std::filesystem::path(config.storage.data_dir).is_relative()) {
+    config.storage.data_dir = (file_name.parent_path() / config.storage.data_dir).lexically_normal().string();
   }
   return config;
 }

@@ -82,8 +82,15 @@ struct SessionsSection {
   double future_retention_s = 86400;      // a completed future stays fetchable this long
 };
 
+// Where checkpoints and the run registry live.
+struct StorageSection {
+  // Relative paths are relative to the config file's folder (the default too). Layout:
+  // <data_dir>/registry.sqlite and <data_dir>/tenants/<tenant>/runs/<run_id>/...
+  std::string data_dir = "twinkle-data";
+};
+
 struct TestingSection {
-  bool hooks = false;  // admin RPCs that pause/step the scheduler; tests only
+  bool hooks = false;  // admin RPCs that pause/step the scheduler, inject I/O faults; tests only
 };
 
 struct LoggingSection {
@@ -98,6 +105,7 @@ struct Config {
   AuthSection auth;
   SchedulerSection scheduler;
   SessionsSection sessions;
+  StorageSection storage;
   TestingSection testing;
   LoggingSection logging;
 

@@ -1,5 +1,6 @@
 #include "server/grpc/training_service.h"
 
+#include <cerrno>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -278,24 +279,52 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, GetStateDict, AdapterRequest, StateDictResp
       });
 }
 
-namespace {
-absl::Status NoCheckpointsYet(const char* what) {
-  return absl::UnimplementedError(absl::StrCat(
-      what, " is not available yet: checkpoints arrive with the checkpoint issue of this server"));
-}
-}  // namespace
-
 TWINKLE_RPC_DEF(TrainingServiceImpl, Save, SaveRequest, SaveResponse) {
-  return HandleNow(context, state_, "TrainingService/Save",
-                   [](const tenancy::Tenant&) { return NoCheckpointsYet("save"); });
+  return HandleQueued(
+      context, state_, "TrainingService/Save", false,
+      [&](const tenancy::Tenant& t) {
+        training::SaveArgs args;
+        args.name = request->name();
+        args.save_optimizer = request->save_optimizer();
+        args.is_sampler = request->is_sampler();
+        args.consumed_train_samples = request->consumed_train_samples();
+        return state_.coordinator->SubmitSave(ToTenantContext(t), request->adapter_name(), args);
+      },
+      [](uint64_t) {},
+      [response](const OpOutput& out) {
+        response->set_twinkle_path(out.checkpoint_uri);
+        response->set_checkpoint_dir(out.checkpoint_dir);
+        return absl::OkStatus();
+      });
 }
+
 TWINKLE_RPC_DEF(TrainingServiceImpl, Load, LoadRequest, Empty) {
-  return HandleNow(context, state_, "TrainingService/Load",
-                   [](const tenancy::Tenant&) { return NoCheckpointsYet("load"); });
+  // Reads and verifies the checkpoint on this callback thread, then waits for its op.
+  return HandleQueued(
+      context, state_, "TrainingService/Load", false,
+      [&](const tenancy::Tenant& t) {
+        return state_.coordinator->SubmitLoad(
+            ToTenantContext(t), request->adapter_name(), request->name(),
+            request->load_optimizer() ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
+      },
+      [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
 }
+
 TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeResponse) {
-  return HandleNow(context, state_, "TrainingService/ResumeFromCheckpoint",
-                   [](const tenancy::Tenant&) { return NoCheckpointsYet("resume_from_checkpoint"); });
+  return HandleQueued(
+      context, state_, "TrainingService/ResumeFromCheckpoint", false,
+      [&](const tenancy::Tenant& t) {
+        return state_.coordinator->SubmitLoad(
+            ToTenantContext(t), request->adapter_name(), request->name(),
+            request->resume_only_model() ? training::LoadMode::kResumeOnlyModel : training::LoadMode::kResume);
+      },
+      [](uint64_t) {},
+      [response](const OpOutput& out) {
+        response->set_cur_step(out.cur_step);
+        response->set_consumed_train_samples(out.consumed_train_samples);
+        response->set_gradient_accumulation_steps(out.gradient_accumulation_steps);
+        return absl::OkStatus();
+      });
 }
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureResponse) {
@@ -343,6 +372,19 @@ TWINKLE_RPC_DEF(TestingServiceImpl, ResumeScheduler, Empty, Empty) {
 TWINKLE_RPC_DEF(TestingServiceImpl, StepScheduler, StepSchedulerRequest, Empty) {
   return HandleNow(context, state_, "TestingService/StepScheduler", [&](const tenancy::Tenant&) {
     state_.coordinator->scheduler().Step(request->steps() <= 0 ? 1 : request->steps());
+    return absl::OkStatus();
+  });
+}
+
+TWINKLE_RPC_DEF(TestingServiceImpl, InjectFault, InjectFaultRequest, Empty) {
+  return HandleNow(context, state_, "TestingService/InjectFault", [&](const tenancy::Tenant&) -> absl::Status {
+    absl::StatusOr<storage::FaultInjectingFileSystem::Op> op = storage::FaultInjectingFileSystem::ParseOp(request->op());
+    if (!op.ok()) return op.status();
+    int error = 0;
+    if (request->error() == "ENOSPC") error = ENOSPC;
+    else if (request->error() == "EIO") error = EIO;
+    else return absl::InvalidArgumentError(absl::StrCat("error: '", request->error(), "' (accepted: ENOSPC, EIO)"));
+    state_.faults->Arm(*op, error, request->nth() <= 0 ? 1 : request->nth());
     return absl::OkStatus();
   });
 }

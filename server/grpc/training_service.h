@@ -59,6 +59,7 @@ class TestingServiceImpl final : public twinkle::v1::TestingService::CallbackSer
   TWINKLE_RPC(PauseScheduler, Empty, Empty)
   TWINKLE_RPC(ResumeScheduler, Empty, Empty)
   TWINKLE_RPC(StepScheduler, StepSchedulerRequest, Empty)
+  TWINKLE_RPC(InjectFault, InjectFaultRequest, Empty)
 #undef TWINKLE_RPC
 
  private:

@@ -4,9 +4,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+
 #include "server/grpc/handler.h"
 #include "twinkle_version.h"
 
@@ -61,16 +64,31 @@ namespace {
 
 std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, t, absl::UTCTimeZone()); }
 
-void FillRun(const training::RunInfo& run, const Config& config, twinkle::v1::TrainingRun* out) {
+void FillRun(const registry::RunRecord& run, twinkle::v1::TrainingRun* out) {
   out->set_training_run_id(run.run_id);
-  out->set_base_model(config.model.name);
+  out->set_base_model(run.base_model);
   out->set_model_owner(run.tenant);
   out->set_is_lora(true);
-  out->set_lora_rank(static_cast<int32_t>(run.lora_rank));
   out->set_created_time(Rfc3339(run.created));
   out->set_last_request_time(Rfc3339(run.last_request));
   out->set_adapter_name(run.adapter_name);
-  for (const std::string& t : run.target_modules) out->add_target_modules(t);
+  const nlohmann::json lora = nlohmann::json::parse(run.lora_config_json, nullptr, false);
+  if (lora.is_object()) {
+    out->set_lora_rank(lora.value("r", 0));
+    if (lora.contains("target_modules") && lora["target_modules"].is_array()) {
+      for (const auto& t : lora["target_modules"]) {
+        if (t.is_string()) out->add_target_modules(t.get<std::string>());
+      }
+    }
+  }
+}
+
+void FillCheckpoint(const registry::CheckpointRecord& c, twinkle::v1::Checkpoint* out) {
+  out->set_checkpoint_id(c.checkpoint_id);
+  out->set_checkpoint_type(c.kind);
+  out->set_time(Rfc3339(c.created));
+  out->set_size_bytes(c.size_bytes);
+  out->set_twinkle_path(absl::StrCat("twinkle://", c.run_id, "/", c.checkpoint_id));
 }
 
 // The files transformers reads to build a tokenizer; nothing else leaves the model folder.
@@ -89,11 +107,11 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::ListTrainingRuns(grpc::CallbackSer
       return absl::InvalidArgumentError("limit and offset must not be negative");
     }
     const int32_t limit = request->limit() == 0 ? 20 : request->limit();
-    const std::vector<training::RunInfo> runs = state_.coordinator->ListRuns(ToTenantContext(t));
-    const int32_t total = static_cast<int32_t>(runs.size());
-    for (int32_t i = request->offset(); i < std::min(total, request->offset() + limit); ++i) {
-      FillRun(runs[i], state_.config, response->add_training_runs());
-    }
+    int32_t total = 0;
+    absl::StatusOr<std::vector<registry::RunRecord>> runs =
+        state_.registry->ListRuns(t.id, registry::Page{limit, request->offset()}, &total);
+    if (!runs.ok()) return runs.status();
+    for (const registry::RunRecord& run : *runs) FillRun(run, response->add_training_runs());
     response->mutable_cursor()->set_limit(limit);
     response->mutable_cursor()->set_offset(request->offset());
     response->mutable_cursor()->set_total_count(total);
@@ -105,29 +123,46 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetTrainingRun(grpc::CallbackServe
                                                              const twinkle::v1::GetTrainingRunRequest* request,
                                                              twinkle::v1::TrainingRun* response) {
   return HandleNow(context, state_, "UtilityService/GetTrainingRun", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::StatusOr<training::RunInfo> run = state_.coordinator->GetRun(ToTenantContext(t), request->run_id());
+    absl::StatusOr<registry::RunRecord> run = state_.registry->GetRun(t.id, request->run_id());
     if (!run.ok()) return run.status();
-    FillRun(*run, state_.config, response);
+    FillRun(*run, response);
+    absl::StatusOr<std::vector<registry::CheckpointRecord>> checkpoints =
+        state_.registry->ListCheckpoints(t.id, request->run_id());
+    if (checkpoints.ok()) {
+      for (auto it = checkpoints->rbegin(); it != checkpoints->rend(); ++it) {
+        if (it->kind == "training") {
+          response->set_last_checkpoint(absl::StrCat("twinkle://", it->run_id, "/", it->checkpoint_id));
+          break;
+        }
+      }
+    }
     return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::ListCheckpoints(grpc::CallbackServerContext* context,
                                                               const twinkle::v1::ListCheckpointsRequest* request,
-                                                              twinkle::v1::ListCheckpointsResponse*) {
+                                                              twinkle::v1::ListCheckpointsResponse* response) {
   return HandleNow(context, state_, "UtilityService/ListCheckpoints", [&](const tenancy::Tenant& t) -> absl::Status {
-    // Checkpoints arrive with the checkpoint API; until then a run has none.
-    return state_.coordinator->GetRun(ToTenantContext(t), request->run_id()).status();
+    if (absl::Status s = state_.registry->GetRun(t.id, request->run_id()).status(); !s.ok()) return s;
+    absl::StatusOr<std::vector<registry::CheckpointRecord>> checkpoints =
+        state_.registry->ListCheckpoints(t.id, request->run_id());
+    if (!checkpoints.ok()) return checkpoints.status();
+    for (const registry::CheckpointRecord& c : *checkpoints) FillCheckpoint(c, response->add_checkpoints());
+    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::DeleteCheckpoint(grpc::CallbackServerContext* context,
                                                                const twinkle::v1::DeleteCheckpointRequest* request,
-                                                               twinkle::v1::DeleteCheckpointResponse*) {
+                                                               twinkle::v1::DeleteCheckpointResponse* response) {
   return HandleNow(context, state_, "UtilityService/DeleteCheckpoint", [&](const tenancy::Tenant& t) -> absl::Status {
-    if (absl::Status s = state_.coordinator->GetRun(ToTenantContext(t), request->run_id()).status(); !s.ok()) return s;
-    return absl::NotFoundError(absl::StrCat("run '", request->run_id(), "' has no checkpoint '",
-                                            request->checkpoint_id(), "'"));
+    if (absl::Status s = state_.checkpoints->Delete(t.id, request->run_id(), request->checkpoint_id()); !s.ok()) {
+      return s;
+    }
+    response->set_success(true);
+    response->set_message(absl::StrCat("deleted ", request->checkpoint_id()));
+    return absl::OkStatus();
   });
 }
 

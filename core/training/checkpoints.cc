@@ -1,0 +1,417 @@
+#include "core/training/checkpoints.h"
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "core/common/log.h"
+#include "core/engine/model/safetensors.h"
+#include "core/storage/checkpoint_dir.h"
+#include "core/storage/names.h"
+#include "core/storage/safetensors_writer.h"
+
+namespace twinkle::training {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr char kLog[] = "checkpoints";
+constexpr char kAdapterWeights[] = "adapter_model.safetensors";
+constexpr char kAdapterConfig[] = "adapter_config.json";
+constexpr char kTrainerState[] = "trainer_state.json";
+constexpr char kOptimizerTensors[] = "optimizer.safetensors";
+constexpr char kOptimizerConfig[] = "optimizer.json";
+constexpr int kCheckpointVersion = 1;
+
+const char* KindDir(CheckpointKind kind) {
+  return kind == CheckpointKind::kTraining ? "weights" : "sampler_weights";
+}
+
+// The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
+const std::vector<std::string>& AllLinear() {
+  static const std::vector<std::string> kNames = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"};
+  return kNames;
+}
+
+std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets) {
+  std::vector<std::string> out;
+  for (const std::string& t : targets) {
+    const std::vector<std::string> expanded = t == "all-linear" ? AllLinear() : std::vector<std::string>{t};
+    for (const std::string& e : expanded) {
+      if (std::find(out.begin(), out.end(), e) == out.end()) out.push_back(e);
+    }
+  }
+  return out;
+}
+
+json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model) {
+  return json{{"peft_type", "LORA"},
+              {"task_type", "CAUSAL_LM"},
+              {"base_model_name_or_path", base_model},
+              {"r", lora.rank},
+              {"lora_alpha", lora.alpha},
+              {"lora_dropout", lora.dropout},
+              {"target_modules", PeftTargetModules(lora.targets)},
+              {"use_rslora", lora.use_rslora},
+              {"bias", "none"},
+              {"fan_in_fan_out", false},
+              {"inference_mode", true},
+              {"init_lora_weights", true},
+              {"modules_to_save", nullptr},
+              {"use_dora", false},
+              {"rank_pattern", json::object()},
+              {"alpha_pattern", json::object()}};
+}
+
+json TrainerStateJson(const TrainerState& t) {
+  json j{{"checkpoint_version", kCheckpointVersion},
+         {"cur_step", t.cur_step},
+         {"gradient_accumulation_steps", t.gradient_accumulation_steps},
+         {"consumed_train_samples", t.consumed_train_samples},
+         {"lr_steps", t.lr_steps},
+         {"optimizer_steps", t.optimizer_steps},
+         {"optimizer", {{"name", t.optimizer_kind}, {"config", t.optimizer_hyper}}},
+         {"loss", {{"name", t.loss.name}, {"config", t.loss.config}, {"string_config", t.loss.string_config}}},
+         {"rng", {{"seed", t.seed}, {"micro_batches_since_step", t.micro_batches_since_step}}}};
+  j["lr_scheduler"] = t.lr_scheduler ? json{{"name", t.lr_scheduler->name}, {"config", t.lr_scheduler->config}}
+                                     : json(nullptr);
+  return j;
+}
+
+absl::StatusOr<TrainerState> ParseTrainerState(const json& j) {
+  try {
+    TrainerState t;
+    if (j.at("checkpoint_version").get<int>() > kCheckpointVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("trainer_state.json: checkpoint_version ",
+                                                        j.at("checkpoint_version").get<int>(),
+                                                        " is newer than this server's ", kCheckpointVersion));
+    }
+    t.cur_step = j.at("cur_step").get<int64_t>();
+    t.gradient_accumulation_steps = j.at("gradient_accumulation_steps").get<int32_t>();
+    t.consumed_train_samples = j.at("consumed_train_samples").get<int64_t>();
+    t.lr_steps = j.value("lr_steps", int64_t{0});
+    t.optimizer_steps = j.value("optimizer_steps", int64_t{0});
+    t.optimizer_kind = j.at("optimizer").at("name").get<std::string>();
+    t.optimizer_hyper = j.at("optimizer").at("config").get<std::map<std::string, double>>();
+    t.loss.name = j.at("loss").at("name").get<std::string>();
+    t.loss.config = j.at("loss").at("config").get<std::map<std::string, double>>();
+    t.loss.string_config = j.at("loss").value("string_config", std::map<std::string, std::string>{});
+    t.seed = j.at("rng").at("seed").get<uint64_t>();
+    t.micro_batches_since_step = j.at("rng").at("micro_batches_since_step").get<int64_t>();
+    if (!j.at("lr_scheduler").is_null()) {
+      t.lr_scheduler = SchedulerSpec{j.at("lr_scheduler").at("name").get<std::string>(),
+                                     j.at("lr_scheduler").at("config").get<std::map<std::string, double>>()};
+    }
+    return t;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat("trainer_state.json: ", e.what()));
+  }
+}
+
+absl::StatusOr<LoraArgs> ParseAdapterConfig(const json& j) {
+  try {
+    LoraArgs lora;
+    lora.rank = j.at("r").get<int64_t>();
+    lora.alpha = j.at("lora_alpha").get<double>();
+    lora.dropout = j.value("lora_dropout", 0.0);
+    lora.use_rslora = j.value("use_rslora", false);
+    const json& targets = j.at("target_modules");
+    lora.targets = targets.is_string() ? std::vector<std::string>{targets.get<std::string>()}
+                                       : targets.get<std::vector<std::string>>();
+    return lora;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat("adapter_config.json: ", e.what()));
+  }
+}
+
+// Frames of a get_adapter_state reply as safetensors tensors.
+absl::StatusOr<std::map<std::string, storage::TensorBytes>> ToTensorBytes(
+    const std::map<std::string, ipc::TensorDesc>& descs, const ipc::Message& state) {
+  std::map<std::string, storage::TensorBytes> out;
+  for (const auto& [name, desc] : descs) {
+    if (absl::Status s = ipc::ValidateTensor(desc, state.buffers); !s.ok()) return s;
+    absl::StatusOr<std::string> dtype = storage::SafetensorsDtype(desc.dtype);
+    if (!dtype.ok()) return dtype.status();
+    out[name] = storage::TensorBytes{*dtype, desc.shape, state.buffers[desc.frame]};
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> IpcDtype(engine::SafetensorsDtype dtype) {
+  switch (dtype) {
+    case engine::SafetensorsDtype::kF32: return std::string("float32");
+    case engine::SafetensorsDtype::kF16: return std::string("float16");
+    case engine::SafetensorsDtype::kBF16: return std::string("bfloat16");
+    case engine::SafetensorsDtype::kI64: return std::string("int64");
+    case engine::SafetensorsDtype::kI32: return std::string("int32");
+    case engine::SafetensorsDtype::kU8: return std::string("uint8");
+    case engine::SafetensorsDtype::kBool: return std::string("bool");
+    default:
+      return absl::DataLossError(absl::StrCat("unsupported tensor dtype ",
+                                              std::string(engine::SafetensorsDtypeName(dtype))));
+  }
+}
+
+// Parses a safetensors file held in `bytes` into frames appended to `buffers`.
+absl::StatusOr<std::map<std::string, ipc::TensorDesc>> ReadTensors(const std::string& bytes, const std::string& what,
+                                                                   std::vector<std::string>& buffers) {
+  const absl::Span<const uint8_t> span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  absl::StatusOr<std::vector<engine::TensorInfo>> tensors = engine::ParseSafetensorsHeader(span, what);
+  if (!tensors.ok()) return absl::DataLossError(tensors.status().message());
+  std::map<std::string, ipc::TensorDesc> out;
+  for (const engine::TensorInfo& t : *tensors) {
+    absl::StatusOr<std::string> dtype = IpcDtype(t.dtype);
+    if (!dtype.ok()) return dtype.status();
+    ipc::TensorDesc desc{*dtype, t.shape, static_cast<uint32_t>(buffers.size())};
+    buffers.emplace_back(bytes.substr(t.file_offset, t.nbytes()));
+    out[t.name] = desc;
+  }
+  return out;
+}
+
+std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, t, absl::UTCTimeZone()); }
+
+}  // namespace
+
+std::string CheckpointPath::checkpoint_id() const { return absl::StrCat(KindDir(kind), "/", name); }
+
+std::string CheckpointPath::uri(absl::string_view scheme) const {
+  return absl::StrCat(std::string(scheme), "://", run_id, "/", checkpoint_id());
+}
+
+absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl::string_view field) {
+  absl::string_view rest = path;
+  if (!absl::ConsumePrefix(&rest, "twinkle://") && !absl::ConsumePrefix(&rest, "tinker://")) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": '", std::string(path),
+                                                   "' is not a twinkle:// or tinker:// checkpoint path"));
+  }
+  const std::vector<std::string> parts = absl::StrSplit(rest, '/');
+  if (parts.size() != 3 || (parts[1] != "weights" && parts[1] != "sampler_weights")) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": '", std::string(path),
+                                                   "' must look like twinkle://<run_id>/weights/<name> "
+                                                   "or twinkle://<run_id>/sampler_weights/<name>"));
+  }
+  if (absl::Status s = storage::ValidatePathName(parts[0], absl::StrCat(std::string(field), " run id")); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = storage::ValidatePathName(parts[2], absl::StrCat(std::string(field), " name")); !s.ok()) {
+    return s;
+  }
+  return CheckpointPath{parts[0], parts[1] == "weights" ? CheckpointKind::kTraining : CheckpointKind::kSampler,
+                        parts[2]};
+}
+
+CheckpointStore::CheckpointStore(std::string data_dir, storage::FileSystem& fs, registry::Registry& registry,
+                                 std::string base_model)
+    : data_dir_(std::move(data_dir)), fs_(fs), registry_(registry), base_model_(std::move(base_model)) {}
+
+std::string CheckpointStore::TenantRoot(const std::string& tenant) const {
+  return (fs::path(data_dir_) / "tenants" / tenant).string();
+}
+
+std::string CheckpointStore::RunDir(const std::string& tenant, const std::string& run_id) const {
+  return (fs::path(TenantRoot(tenant)) / "runs" / run_id).string();
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::string& tenant, const std::string& run_id,
+                                                                 CheckpointKind kind, const std::string& name,
+                                                                 const CheckpointContent& content) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  if (absl::Status s = storage::ValidatePathName(run_id, "run_id"); !s.ok()) return s;
+  absl::StatusOr<ipc::AdapterStateReply> state =
+      ipc::Unpack<ipc::AdapterStateReply>(content.state->envelope.body, "get_adapter_state reply");
+  if (!state.ok()) return state.status();
+
+  std::vector<storage::FileContent> files;
+  absl::StatusOr<std::map<std::string, storage::TensorBytes>> weights = ToTensorBytes(state->weights, *content.state);
+  if (!weights.ok()) return weights.status();
+  absl::StatusOr<std::string> adapter = storage::SerializeSafetensors(*weights, {{"format", "pt"}});
+  if (!adapter.ok()) return adapter.status();
+  files.push_back({kAdapterWeights, *std::move(adapter)});
+  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_).dump(2)});
+  const bool training = kind == CheckpointKind::kTraining;
+  const bool with_optimizer = training && content.include_optimizer;
+  if (training) files.push_back({kTrainerState, TrainerStateJson(content.trainer).dump(2)});
+  if (with_optimizer) {
+    absl::StatusOr<std::map<std::string, storage::TensorBytes>> opt = ToTensorBytes(state->optimizer, *content.state);
+    if (!opt.ok()) return opt.status();
+    absl::StatusOr<std::string> bytes = storage::SerializeSafetensors(*opt);
+    if (!bytes.ok()) return bytes.status();
+    files.push_back({kOptimizerTensors, *std::move(bytes)});
+    files.push_back({kOptimizerConfig, json{{"name", state->optimizer_kind},
+                                            {"step", state->step},
+                                            {"config", content.trainer.optimizer_hyper}}.dump(2)});
+  }
+  const CheckpointPath path{run_id, kind, name};
+  const absl::Time now = absl::Now();
+  const auto has = [&](const std::string& t) {
+    const std::vector<std::string> m = PeftTargetModules(content.lora.targets);
+    return std::find(m.begin(), m.end(), t) != m.end();
+  };
+  const json metadata{{"checkpoint_version", kCheckpointVersion},
+                      {"base_model", base_model_},
+                      {"tenant", tenant},
+                      {"run_id", run_id},
+                      {"checkpoint_id", path.checkpoint_id()},
+                      {"checkpoint_type", training ? "training" : "sampler"},
+                      {"twinkle_path", path.uri()},
+                      {"is_lora", true},
+                      {"lora_rank", content.lora.rank},
+                      {"train_attn", has("q_proj")},
+                      {"train_mlp", has("gate_proj")},
+                      {"train_unembed", has("lm_head")},
+                      {"has_optimizer", with_optimizer},
+                      {"created", Rfc3339(now)}};
+  const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
+  absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, metadata);
+  if (!dir.ok()) return dir.status();
+  int64_t size = 0;
+  for (const storage::FileContent& f : files) size += static_cast<int64_t>(f.bytes.size());
+  registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), training ? "training" : "sampler",
+                                    dir->string(), size, now};
+  if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
+  return record;
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Resolve(const std::string& tenant,
+                                                                    const std::string& path_or_name,
+                                                                    const std::string& default_run_id) {
+  CheckpointPath path;
+  if (absl::StrContains(path_or_name, "://")) {
+    absl::StatusOr<CheckpointPath> parsed = ParseCheckpointPath(path_or_name, "name");
+    if (!parsed.ok()) return parsed.status();
+    path = *parsed;
+  } else {
+    if (absl::Status s = storage::ValidatePathName(path_or_name, "name"); !s.ok()) return s;
+    path = CheckpointPath{default_run_id, CheckpointKind::kTraining, path_or_name};
+  }
+  absl::StatusOr<registry::CheckpointRecord> record =
+      registry_.GetCheckpoint(tenant, path.run_id, path.checkpoint_id());
+  if (absl::IsNotFound(record.status())) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint '", path.uri(), "'"));
+  }
+  return record;
+}
+
+absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const registry::CheckpointRecord& record, bool with_optimizer) {
+  const fs::path dir(record.path);
+  // Never follow a registry row outside its tenant's root (defence in depth).
+  if (!storage::IsInside(TenantRoot(record.tenant), dir)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", record.checkpoint_id, " lies outside its tenant's root"));
+  }
+  absl::StatusOr<json> metadata = storage::VerifyCheckpointDir(fs_, dir);
+  if (!metadata.ok()) return metadata.status();
+  LoadedCheckpoint out;
+  out.metadata = *metadata;
+  absl::StatusOr<std::string> weights = fs_.ReadFile(dir / kAdapterWeights);
+  if (!weights.ok()) return weights.status();
+  absl::StatusOr<std::map<std::string, ipc::TensorDesc>> w = ReadTensors(*weights, kAdapterWeights, out.buffers);
+  if (!w.ok()) return w.status();
+  out.weights = *std::move(w);
+  absl::StatusOr<std::string> config = fs_.ReadFile(dir / kAdapterConfig);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<LoraArgs> lora = ParseAdapterConfig(json::parse(*config, nullptr, false));
+  if (!lora.ok()) return lora.status();
+  out.lora = *lora;
+  if (fs_.Exists(dir / kTrainerState)) {
+    absl::StatusOr<std::string> text = fs_.ReadFile(dir / kTrainerState);
+    if (!text.ok()) return text.status();
+    absl::StatusOr<TrainerState> trainer = ParseTrainerState(json::parse(*text, nullptr, false));
+    if (!trainer.ok()) return trainer.status();
+    out.trainer = *trainer;
+  }
+  if (with_optimizer) {
+    if (!fs_.Exists(dir / kOptimizerTensors)) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", record.checkpoint_id,
+                                                        " was saved without its optimizer state"));
+    }
+    absl::StatusOr<std::string> bytes = fs_.ReadFile(dir / kOptimizerTensors);
+    if (!bytes.ok()) return bytes.status();
+    absl::StatusOr<std::map<std::string, ipc::TensorDesc>> o = ReadTensors(*bytes, kOptimizerTensors, out.buffers);
+    if (!o.ok()) return o.status();
+    out.optimizer = *std::move(o);
+  }
+  return out;
+}
+
+absl::Status CheckpointStore::Delete(const std::string& tenant, const std::string& run_id,
+                                     const std::string& checkpoint_id) {
+  absl::StatusOr<registry::CheckpointRecord> record = registry_.GetCheckpoint(tenant, run_id, checkpoint_id);
+  if (!record.ok()) return record.status();
+  if (!storage::IsInside(TenantRoot(tenant), record->path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", checkpoint_id, " lies outside its tenant's root"));
+  }
+  // Registry first: a crash after it leaves an orphan directory that Recover() re-registers
+  // (never a registry row pointing at a half-deleted directory).
+  if (absl::Status s = registry_.DeleteCheckpoint(tenant, run_id, checkpoint_id); !s.ok()) return s;
+  return fs_.RemoveAll(record->path);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
+  std::vector<std::string> changes;
+  const fs::path tenants = fs::path(data_dir_) / "tenants";
+  if (absl::Status s = fs_.CreateDirs(tenants); !s.ok()) return s;
+  absl::StatusOr<std::vector<std::string>> tenant_names = fs_.ListDir(tenants);
+  if (!tenant_names.ok()) return tenant_names.status();
+  for (const std::string& tenant : *tenant_names) {
+    const fs::path runs = tenants / tenant / "runs";
+    if (!fs_.Exists(runs)) continue;
+    absl::StatusOr<std::vector<std::string>> run_ids = fs_.ListDir(runs);
+    if (!run_ids.ok()) return run_ids.status();
+    for (const std::string& run_id : *run_ids) {
+      for (CheckpointKind kind : {CheckpointKind::kTraining, CheckpointKind::kSampler}) {
+        const fs::path parent = runs / run_id / KindDir(kind);
+        if (!fs_.Exists(parent)) continue;
+        absl::StatusOr<std::vector<std::string>> recovered = storage::RecoverDir(fs_, parent);
+        if (!recovered.ok()) return recovered.status();
+        for (const std::string& r : *recovered) changes.push_back(absl::StrCat((parent / r).string(), ": cleaned up"));
+        absl::StatusOr<std::vector<std::string>> names = fs_.ListDir(parent);
+        if (!names.ok()) return names.status();
+        for (const std::string& name : *names) {
+          if (!storage::ValidatePathName(name, "name").ok()) continue;  // not ours
+          const fs::path dir = parent / name;
+          const CheckpointPath path{run_id, kind, name};
+          if (registry_.GetCheckpoint(tenant, run_id, path.checkpoint_id()).ok()) continue;
+          absl::StatusOr<std::string> text = fs_.ReadFile(dir / storage::kMetadataFile);
+          if (!text.ok()) continue;  // incomplete: never listed
+          const json metadata = json::parse(*text, nullptr, false);
+          if (metadata.is_discarded()) continue;
+          int64_t size = 0;
+          if (metadata.contains("files")) {
+            for (const auto& [file, info] : metadata["files"].items()) size += info.value("size", int64_t{0});
+          }
+          if (!registry_.GetRun(tenant, run_id).ok()) {
+            registry::RunRecord run;
+            run.run_id = run_id;
+            run.tenant = tenant;
+            run.adapter_name = run_id;
+            run.base_model = metadata.value("base_model", base_model_);
+            run.lora_config_json = json{{"r", metadata.value("lora_rank", 0)}}.dump();
+            run.created = run.last_request = absl::Now();
+            (void)registry_.PutRun(run);
+          }
+          registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(),
+                                            kind == CheckpointKind::kTraining ? "training" : "sampler",
+                                            dir.string(), size, absl::Now()};
+          if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
+          changes.push_back(absl::StrCat(dir.string(), ": registered (complete on disk, missing from the registry)"));
+        }
+      }
+    }
+  }
+  absl::StatusOr<std::vector<registry::CheckpointRecord>> all = registry_.AllCheckpoints();
+  if (!all.ok()) return all.status();
+  for (const registry::CheckpointRecord& c : *all) {
+    if (fs_.Exists(fs::path(c.path) / storage::kMetadataFile)) continue;
+    if (absl::Status s = registry_.DeleteCheckpoint(c.tenant, c.run_id, c.checkpoint_id); !s.ok()) return s;
+    changes.push_back(absl::StrCat(c.path, ": unregistered (directory gone or incomplete)"));
+  }
+  for (const std::string& change : changes) LogInfo(kLog, change);
+  return changes;
+}
+
+}  // namespace twinkle::training
