@@ -731,7 +731,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
       absl::StatusOr<registry::CheckpointRecord> record = options_.checkpoints->Save(
           a->tenant, a->run_id, args.is_sampler ? CheckpointKind::kSampler : CheckpointKind::kTraining, checkpoint,
           content);
-      FutureResult result = record.status();
+      FutureResult result = absl::InternalError("unset");
+      if (!record.ok()) result = record.status();
       if (record.ok()) {
         OpOutput out;
         out.checkpoint_uri = CheckpointPath{a->run_id, args.is_sampler ? CheckpointKind::kSampler

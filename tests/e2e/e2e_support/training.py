@@ -43,7 +43,7 @@ class Client:
         self.metadata: list[tuple[str, str]] = [("authorization", f"Bearer {key}")] if key else []
 
     def call(self, method: str, request: Any, timeout: float | None = 60.0) -> Any:
-        service = self.testing if method in ("PauseScheduler", "ResumeScheduler", "StepScheduler") else self.training
+        service = self.testing if method in ("PauseScheduler", "ResumeScheduler", "StepScheduler", "InjectFault") else self.training
         return getattr(service, method)(request, metadata=self.metadata, timeout=timeout)
 
     def close(self) -> None:
