@@ -141,6 +141,7 @@ training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
   o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
   o.base_model = c.model.name;
+  o.model_dir = c.model.path;
   return o;
 }
 

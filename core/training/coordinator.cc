@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <atomic>
 #include <random>
 
@@ -741,6 +742,9 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
         out.checkpoint_dir = record->path;
         result = std::any(std::move(out));
         LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": saved ", record->checkpoint_id, " of run ", a->run_id));
+        if (options_.registry != nullptr) {
+          (void)options_.registry->TouchRun(a->tenant, a->run_id, absl::Now(), trainer.optimizer_steps);
+        }
       } else {
         LogError(kLog, absl::StrCat("tenant ", a->tenant, ": saving ", checkpoint, " of run ", a->run_id,
                                     " failed: ", record.status().message()));
@@ -827,6 +831,59 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
     a->last_loss.reset();
     return out;
   }, {});
+}
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitExport(const TenantContext& tenant,
+                                                           const std::string& checkpoint_path,
+                                                           const std::string& export_name) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (absl::Status s = storage::ValidatePathName(export_name, "name"); !s.ok()) return s;
+  if (checkpoint_path.find("://") == std::string::npos) {
+    return absl::InvalidArgumentError("checkpoint_path: expected twinkle://<run_id>/weights/<name>");
+  }
+  absl::StatusOr<registry::CheckpointRecord> record =
+      options_.checkpoints->Resolve(tenant.id, checkpoint_path, "");
+  if (!record.ok()) return record.status();
+  absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, false);
+  if (!loaded.ok()) return loaded.status();
+  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
+  auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
+  // A transient engine adapter on a queue of its own ('#' never appears in adapter names).
+  const std::string key = absl::StrCat(tenant.id, "/#export");
+  const std::string parent = (std::filesystem::path(options_.checkpoints->TenantRoot(tenant.id)) / "exports").string();
+  sched::Op op;
+  op.tenant = tenant.id;
+  op.adapter = key;
+  op.kind = sched::OpKind::kOther;
+  op.payload = ControlPayload{[this, data, key, parent, export_name]() -> FutureResult {
+    ipc::CreateAdapterRequest create;
+    create.adapter_id = key;
+    create.rank = data->lora.rank;
+    create.alpha = data->lora.alpha;
+    create.use_rslora = data->lora.use_rslora;
+    create.targets = data->lora.targets;
+    absl::StatusOr<ipc::Message> created = CallEngine(ipc::kMethodCreateAdapter, ipc::Pack(create));
+    if (!created.ok()) return created.status();
+    ipc::SetAdapterStateRequest set;
+    set.adapter_id = key;
+    set.weights = data->weights;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(set), data->buffers);
+    absl::StatusOr<ipc::ExportMergedReply> reply = absl::InternalError("not exported");
+    if (!r.ok()) reply = r.status();
+    if (r.ok()) {
+      r = CallEngine(ipc::kMethodExportMerged,
+                     ipc::Pack(ipc::ExportMergedRequest{key, options_.model_dir, parent, export_name}));
+      reply = r.ok() ? ipc::Unpack<ipc::ExportMergedReply>(r->envelope.body, "export_merged reply")
+                     : absl::StatusOr<ipc::ExportMergedReply>(r.status());
+    }
+    (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key}));
+    if (!reply.ok()) return reply.status();
+    OpOutput out;
+    out.checkpoint_dir = reply->path;
+    out.value = static_cast<double>(reply->bytes);
+    return out;
+  }};
+  return scheduler_->Submit(std::move(op));
 }
 
 // ---- execution (scheduler thread) ----------------------------------------------------------

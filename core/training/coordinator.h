@@ -48,6 +48,7 @@ struct CoordinatorOptions {
   absl::Duration adapter_timeout = absl::Seconds(1800);       // session silent this long
   absl::Duration adapter_max_lifetime = absl::Seconds(36000);
   std::string base_model;                             // recorded with runs
+  std::string model_dir;                              // the base model's HF folder (exports)
   registry::Registry* registry = nullptr;             // runs are recorded when set
   CheckpointStore* checkpoints = nullptr;             // save/load need it
 };
@@ -115,6 +116,11 @@ class TrainingCoordinator {
   // training checkpoints. Another tenant's checkpoint is NotFound.
   absl::StatusOr<uint64_t> SubmitLoad(const TenantContext& tenant, const std::string& name,
                                       const std::string& path_or_name, LoadMode mode);
+
+  // Folds a training or sampler checkpoint into the base weights and writes a full HF model
+  // directory under the tenant's exports/<export_name>/ (utility RPC, for vLLM users).
+  absl::StatusOr<uint64_t> SubmitExport(const TenantContext& tenant, const std::string& checkpoint_path,
+                                        const std::string& export_name);
 
   // Releases adapters whose session went silent for adapter_timeout or whose lifetime
   // ended, and forgets silent sessions. Call periodically.

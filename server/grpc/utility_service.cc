@@ -72,6 +72,7 @@ void FillRun(const registry::RunRecord& run, twinkle::v1::TrainingRun* out) {
   out->set_created_time(Rfc3339(run.created));
   out->set_last_request_time(Rfc3339(run.last_request));
   out->set_adapter_name(run.adapter_name);
+  out->set_last_step(run.last_step);
   const nlohmann::json lora = nlohmann::json::parse(run.lora_config_json, nullptr, false);
   if (lora.is_object()) {
     out->set_lora_rank(lora.value("r", 0));
@@ -183,6 +184,22 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetTokenizerFiles(grpc::CallbackSe
     }
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* UtilityServiceImpl::ExportMergedModel(grpc::CallbackServerContext* context,
+                                                                const twinkle::v1::ExportMergedModelRequest* request,
+                                                                twinkle::v1::ExportMergedModelResponse* response) {
+  return HandleQueued(
+      context, state_, "UtilityService/ExportMergedModel", false,
+      [&](const tenancy::Tenant& t) {
+        return state_.coordinator->SubmitExport(ToTenantContext(t), request->checkpoint_path(), request->name());
+      },
+      [](uint64_t) {},
+      [response](const training::OpOutput& out) {
+        response->set_path(out.checkpoint_dir);
+        response->set_size_bytes(static_cast<int64_t>(out.value));
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace twinkle

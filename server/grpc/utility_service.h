@@ -31,6 +31,9 @@ class UtilityServiceImpl final : public twinkle::v1::UtilityService::CallbackSer
   grpc::ServerUnaryReactor* GetTokenizerFiles(grpc::CallbackServerContext* context,
                                               const twinkle::v1::GetTokenizerFilesRequest* request,
                                               twinkle::v1::GetTokenizerFilesResponse* response) override;
+  grpc::ServerUnaryReactor* ExportMergedModel(grpc::CallbackServerContext* context,
+                                              const twinkle::v1::ExportMergedModelRequest* request,
+                                              twinkle::v1::ExportMergedModelResponse* response) override;
 
  private:
   ServingState& state_;

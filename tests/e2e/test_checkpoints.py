@@ -386,3 +386,42 @@ def test_kill_during_saves_never_leaves_a_broken_checkpoint(launch_server: Launc
     assert not list(data_dir.rglob(".tmp-*"))
     print(f"{CRASH_ROUNDS} crash rounds ({kinds['engine']} engine kills, {kinds['server']} server kills): "
           f"{len(known_good)} known-good checkpoints all listed and loadable")
+
+
+# ---- merged export -------------------------------------------------------------------------------
+
+def test_merged_export_loads_in_transformers_and_matches(launch_server: LaunchServer, tmp_path: Path,
+                                                         tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    server = launch_server(auth_overrides(storage={"data_dir": str(tmp_path / "data")}))
+    alice, bob = Client(server.grpc_address, KEYS["alice"]), Client(server.grpc_address, KEYS["bob"])
+    n_vocab = vocab(tiny_model)
+    alice.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="m", config=tpb.LoraConfig(
+        r=8, lora_alpha=16, seed=4, target_modules=["all-linear", "lm_head"])))
+    alice.call("SetOptimizer", tpb.SetOptimizerRequest(adapter_name="m", optimizer_cls="AdamW", config={"lr": 5e-2}))
+    for step in range(3):
+        train_step(alice, "m", data_for(step, n_vocab))
+    path = save(alice, "m", "to-export").twinkle_path
+    error = expect_code(grpc.StatusCode.NOT_FOUND, lambda: bob.utility.ExportMergedModel(
+        upb.ExportMergedModelRequest(checkpoint_path=path, name="stolen"), metadata=bob.metadata, timeout=120))
+    print(f"bob exporting alice's checkpoint: NOT_FOUND ({error.details()})")
+    exported = alice.utility.ExportMergedModel(upb.ExportMergedModelRequest(checkpoint_path=path, name="merged"),
+                                               metadata=alice.metadata, timeout=300)
+    out = Path(exported.path)
+    assert out.is_relative_to(tmp_path / "data" / "tenants" / "alice")
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    probe = batch(91, n_vocab, sequences=3)
+    ours = alice.call("ForwardOnly", tpb.ForwardRequest(adapter_name="m", inputs=probe)).result
+    model = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    worst = 0.0
+    for f, seq in zip(probe, ours.sequences):
+        ids = torch.tensor([list(f.input_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+        targets = torch.tensor(list(f.labels[1:]))
+        targets = torch.where(targets == -100, ids[0, 1:], targets)
+        ref = logp[:-1].gather(1, targets[:, None])[:, 0].numpy()
+        worst = max(worst, float(np.max(np.abs(np.asarray(seq.logps[:-1], dtype=np.float64) - ref))))
+    print(f"merged export ({exported.size_bytes} bytes) in transformers vs our adapter: max |Δ log p| = {worst:.3e}")
+    assert worst <= 1e-4
