@@ -594,9 +594,9 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
   if (config.model.name.empty()) {
     config.model.name = std::filesystem::path(config.model.path).filename().string();
   }
-  // The default data_dir is relative too: to the config file's folder, like any path key.
-  if (std::filesystem::path(config.storage.data_dir).is_relative()) {
-    config.storage.data_dir = (file_name.parent_path() / config.storage.data_dir).lexically_normal().string();
+  // The default data_dir lives beside the config file, like a relative path key would.
+  if (config.storage.data_dir.empty()) {
+    config.storage.data_dir = (file_name.parent_path() / "twinkle-data").lexically_normal().string();
   }
   return config;
 }

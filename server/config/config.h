@@ -84,9 +84,10 @@ struct SessionsSection {
 
 // Where checkpoints and the run registry live.
 struct StorageSection {
-  // Relative paths are relative to the config file's folder (the default too). Layout:
-  // <data_dir>/registry.sqlite and <data_dir>/tenants/<tenant>/runs/<run_id>/...
-  std::string data_dir = "twinkle-data";
+  // Relative paths are relative to the config file's folder; unset means "twinkle-data"
+  // beside the config file (filled in after parsing). Layout: <data_dir>/registry.sqlite and
+  // <data_dir>/tenants/<tenant>/runs/<run_id>/...
+  std::string data_dir;
 };
 
 struct TestingSection {
