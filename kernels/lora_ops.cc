@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "kernels/sgmv.h"
@@ -45,6 +47,131 @@ at::Tensor Block(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t c
   return flat.narrow(0, offset, rows * cols).view({rows, cols});
 }
 
+// Gradients of one backward: x (undefined when not needed), per segment A and B, per own x.
+struct Grads {
+  at::Tensor x;
+  variable_list a, b, own;
+};
+
+// Zeroes the rows of `t` [N, cols] (contiguous) that no segment covers.
+template <typename T>
+void ZeroGaps(T* data, int64_t n, int64_t cols, const Plan& plan) {
+  int64_t row = 0;
+  for (size_t s = 0; s <= plan.begin.size(); ++s) {
+    const int64_t next = s < plan.begin.size() ? plan.begin[s] : n;
+    if (next > row) std::memset(data + row * cols, 0, sizeof(T) * (next - row) * cols);
+    if (s < plan.begin.size()) row = std::max(row, plan.end[s]);
+  }
+}
+
+// The CPU path: raw BLAS calls per segment (sgmv.h's CpuMatmul/CpuOuter) on pointers into the
+// packed buffers, so a segment costs its BLAS calls and no ATen op or tensor view. Every
+// operand is contiguous (LoraDelta makes it so), so rows are `cols` apart.
+template <typename T>
+void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
+                const Plan& plan, const std::vector<int64_t>& y_off, const at::Tensor& y,
+                const at::Tensor& delta) {
+  const int64_t in = x.size(1), out = plan.out_features;
+  const T* xp = x.const_data_ptr<T>();
+  T* yp = y.mutable_data_ptr<T>();
+  T* dp = delta.mutable_data_ptr<T>();
+  ZeroGaps(dp, x.size(0), out, plan);
+  for (size_t s = 0; s < plan.begin.size(); ++s) {
+    const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
+    const T* xs = plan.own[s] >= 0 ? own_x[plan.own[s]].const_data_ptr<T>() : xp + plan.begin[s] * in;
+    T* ys = yp + y_off[s];
+    // y_s = x_s · A_sᵀ, then delta_s = scale_s · y_s · B_sᵀ.
+    CpuMatmul<T>(n, r, in, 1.0, xs, in, a[s].const_data_ptr<T>(), in, 1, ys, r);
+    CpuMatmul<T>(n, out, r, plan.scale[s], ys, r, b[s].const_data_ptr<T>(), r, 1,
+                 dp + plan.begin[s] * out, out);
+  }
+}
+
+template <typename T>
+void BackwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
+                 const at::Tensor& y, const Plan& plan, const std::vector<int64_t>& y_off,
+                 const at::Tensor& g, const at::Tensor& gy, Grads& grads) {
+  const int64_t in = x.size(1), out = plan.out_features;
+  const T* xp = x.const_data_ptr<T>();
+  const T* yp = y.const_data_ptr<T>();
+  const T* gp = g.const_data_ptr<T>();
+  T* gyp = gy.mutable_data_ptr<T>();
+  T* gxp = grads.x.defined() ? grads.x.mutable_data_ptr<T>() : nullptr;
+  if (gxp != nullptr) ZeroGaps(gxp, x.size(0), in, plan);
+  for (size_t s = 0; s < plan.begin.size(); ++s) {
+    const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
+    const int64_t own = plan.own[s];
+    const T* xs = own >= 0 ? own_x[own].const_data_ptr<T>() : xp + plan.begin[s] * in;
+    const T* gs = gp + plan.begin[s] * out;
+    const T* ys = yp + y_off[s];
+    T* gys = gyp + y_off[s];
+    const T* as = a[s].const_data_ptr<T>();
+    // grad_y_s = scale_s · g_s · B_s (B_s [out, r] seen as the transpose of a [r, out]).
+    CpuMatmul<T>(n, r, out, plan.scale[s], gs, out, b[s].const_data_ptr<T>(), 1, r, gys, r);
+    // grad_B_s = scale_s · g_sᵀ · y_s and grad_A_s = grad_y_sᵀ · x_s.
+    if (grads.b[s].defined()) CpuOuter<T>(n, out, r, plan.scale[s], gs, out, ys, r, grads.b[s].mutable_data_ptr<T>());
+    if (grads.a[s].defined()) CpuOuter<T>(n, r, in, 1.0, gys, r, xs, in, grads.a[s].mutable_data_ptr<T>());
+    // grad_x_s = grad_y_s · A_s, into x's rows or the segment's own input's gradient.
+    T* gx = nullptr;
+    if (own >= 0) {
+      // x's rows of this segment reach the LoRA only through its own input: 0 for x.
+      if (gxp != nullptr) std::memset(gxp + plan.begin[s] * in, 0, sizeof(T) * n * in);
+      if (grads.own[own].defined()) gx = grads.own[own].mutable_data_ptr<T>();
+    } else if (gxp != nullptr) {
+      gx = gxp + plan.begin[s] * in;
+    }
+    if (gx != nullptr) CpuMatmul<T>(n, in, r, 1.0, gys, r, as, 1, in, gx, in);
+  }
+}
+
+// The device path: the same steps as task lists for the segmented kernels (one launch each).
+void ForwardTasks(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
+                  const Plan& plan, const std::vector<int64_t>& y_off, const at::Tensor& y,
+                  const at::Tensor& delta) {
+  std::vector<MatmulTask> shrink, expand;
+  for (size_t s = 0; s < plan.begin.size(); ++s) {
+    const int64_t n = plan.end[s] - plan.begin[s];
+    const at::Tensor xs = plan.own[s] >= 0 ? own_x[plan.own[s]] : x.narrow(0, plan.begin[s], n);
+    const at::Tensor ys = Block(y, y_off[s], n, a[s].size(0));
+    shrink.push_back({xs, a[s], ys, 1.0});
+    expand.push_back({ys, b[s], delta.narrow(0, plan.begin[s], n), plan.scale[s]});
+  }
+  SegmentedMatmul(shrink);  // y_s = x_s · A_sᵀ
+  SegmentedMatmul(expand);  // delta_s = scale_s · y_s · B_sᵀ
+}
+
+void BackwardTasks(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
+                   const at::Tensor& y, const Plan& plan, const std::vector<int64_t>& y_off,
+                   const at::Tensor& g, const at::Tensor& gy, Grads& grads) {
+  std::vector<MatmulTask> to_gy, to_gx;
+  std::vector<OuterTask> to_weights;
+  for (size_t s = 0; s < plan.begin.size(); ++s) {
+    const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
+    const at::Tensor gs = g.narrow(0, plan.begin[s], n);
+    const at::Tensor ys = Block(y, y_off[s], n, r);
+    const at::Tensor gys = Block(gy, y_off[s], n, r);
+    const int64_t own = plan.own[s];
+    const at::Tensor xs = own >= 0 ? own_x[own] : x.narrow(0, plan.begin[s], n);
+    // grad_y_s = scale_s · g_s · B_s: the expand kernel with B's roles transposed.
+    to_gy.push_back({gs, b[s].t(), gys, plan.scale[s]});
+    // grad_B_s = scale_s · g_sᵀ · y_s and grad_A_s = grad_y_sᵀ · x_s: row reductions.
+    if (grads.b[s].defined()) to_weights.push_back({gs, ys, grads.b[s], plan.scale[s]});
+    if (grads.a[s].defined()) to_weights.push_back({gys, xs, grads.a[s], 1.0});
+    // grad_x_s = grad_y_s · A_s: the shrink kernel with A's roles transposed, written into
+    // x's rows or into the segment's own input's gradient.
+    at::Tensor gx_dest;
+    if (own >= 0 && grads.own[own].defined()) {
+      gx_dest = grads.own[own];
+    } else if (own < 0 && grads.x.defined()) {
+      gx_dest = grads.x.narrow(0, plan.begin[s], n);
+    }
+    if (gx_dest.defined()) to_gx.push_back({gys, a[s].t(), gx_dest, 1.0});
+  }
+  SegmentedMatmul(to_gy);
+  SegmentedOuter(to_weights);
+  SegmentedMatmul(to_gx);
+}
+
 // The multi-LoRA node. Inputs (in autograd's order): x [N, in], A_0..A_{S-1}, B_0..B_{S-1},
 // the segments' own (dropout-applied) inputs, then the plan. All tensors are already in the
 // compute dtype and row-major, so the kernels see dense rows.
@@ -52,24 +179,18 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList a,
                             at::TensorList b, at::TensorList own_x, const Plan& plan) {
-    const size_t num_segments = plan.begin.size();
-    auto segment_x = [&](size_t s) {
-      return plan.own[s] >= 0 ? own_x[plan.own[s]]
-                              : x.narrow(0, plan.begin[s], plan.end[s] - plan.begin[s]);
-    };
     int64_t y_total = 0;
     const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
     const at::Tensor y = at::empty({y_total}, x.options());
-    const at::Tensor delta = at::zeros({x.size(0), plan.out_features}, x.options());
-    std::vector<MatmulTask> shrink, expand;
-    for (size_t s = 0; s < num_segments; ++s) {
-      const int64_t n = plan.end[s] - plan.begin[s];
-      const at::Tensor ys = Block(y, y_off[s], n, a[s].size(0));
-      shrink.push_back({segment_x(s), a[s], ys, 1.0});
-      expand.push_back({ys, b[s], delta.narrow(0, plan.begin[s], n), plan.scale[s]});
+    at::Tensor delta;
+    if (x.is_cpu()) {
+      delta = at::empty({x.size(0), plan.out_features}, x.options());
+      if (x.scalar_type() == at::kFloat) ForwardCpu<float>(x, a, b, own_x, plan, y_off, y, delta);
+      else ForwardCpu<double>(x, a, b, own_x, plan, y_off, y, delta);
+    } else {
+      delta = at::zeros({x.size(0), plan.out_features}, x.options());
+      ForwardTasks(x, a, b, own_x, plan, y_off, y, delta);
     }
-    SegmentedMatmul(shrink);  // y_s = x_s · A_sᵀ
-    SegmentedMatmul(expand);  // delta_s = scale_s · y_s · B_sᵀ
 
     // y is kept rather than recomputed: it is only N × r, and grad_B needs it.
     variable_list saved{x};
@@ -93,6 +214,7 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     plan.end = ctx->saved_data["end"].toIntVector();
     plan.own = ctx->saved_data["own"].toIntVector();
     plan.scale = ctx->saved_data["scale"].toDoubleVector();
+    plan.out_features = grads[0].size(1);
     const size_t num_segments = plan.begin.size();
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
@@ -110,47 +232,32 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
     const at::Tensor gy = at::empty({y_total}, y.options());
 
-    at::Tensor grad_x;
-    if (ctx->needs_input_grad(0)) grad_x = at::zeros_like(x);  // rows no segment reads: 0
-    variable_list grad_a(num_segments), grad_b(num_segments), grad_own(num_own);
-    std::vector<MatmulTask> to_gy, to_gx;
-    std::vector<OuterTask> to_weights;
+    Grads out;
+    out.a.resize(num_segments);
+    out.b.resize(num_segments);
+    out.own.resize(num_own);
     for (size_t s = 0; s < num_segments; ++s) {
-      const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
-      const at::Tensor gs = g.narrow(0, plan.begin[s], n);
-      const at::Tensor ys = Block(y, y_off[s], n, r);
-      const at::Tensor gys = Block(gy, y_off[s], n, r);
+      if (ctx->needs_input_grad(b_in + s)) out.b[s] = at::empty(b[s].sizes(), b[s].options());
+      if (ctx->needs_input_grad(a_in + s)) out.a[s] = at::empty(a[s].sizes(), a[s].options());
       const int64_t own = plan.own[s];
-      const at::Tensor xs = own >= 0 ? own_x[own] : x.narrow(0, plan.begin[s], n);
-      // grad_y_s = scale_s · g_s · B_s: the expand kernel with B's roles transposed.
-      to_gy.push_back({gs, b[s].t(), gys, plan.scale[s]});
-      // grad_B_s = scale_s · g_sᵀ · y_s and grad_A_s = grad_y_sᵀ · x_s: row reductions.
-      if (ctx->needs_input_grad(b_in + s)) {
-        grad_b[s] = at::empty(b[s].sizes(), b[s].options());
-        to_weights.push_back({gs, ys, grad_b[s], plan.scale[s]});
-      }
-      if (ctx->needs_input_grad(a_in + s)) {
-        grad_a[s] = at::empty(a[s].sizes(), a[s].options());
-        to_weights.push_back({gys, xs, grad_a[s], 1.0});
-      }
-      // grad_x_s = grad_y_s · A_s: the shrink kernel with A's roles transposed, written into
-      // x's rows or into the segment's own input's gradient.
-      at::Tensor gx_dest;
       if (own >= 0 && ctx->needs_input_grad(own_in + own)) {
-        gx_dest = grad_own[own] = at::empty(own_x[own].sizes(), own_x[own].options());
-      } else if (own < 0 && grad_x.defined()) {
-        gx_dest = grad_x.narrow(0, plan.begin[s], n);
+        out.own[own] = at::empty(own_x[own].sizes(), own_x[own].options());
       }
-      if (gx_dest.defined()) to_gx.push_back({gys, a[s].t(), gx_dest, 1.0});
     }
-    SegmentedMatmul(to_gy);
-    SegmentedOuter(to_weights);
-    SegmentedMatmul(to_gx);
+    if (x.is_cpu()) {
+      // Rows no segment reads get 0; BackwardCpu writes the others.
+      if (ctx->needs_input_grad(0)) out.x = at::empty_like(x, at::MemoryFormat::Contiguous);
+      if (x.scalar_type() == at::kFloat) BackwardCpu<float>(x, a, b, own_x, y, plan, y_off, g, gy, out);
+      else BackwardCpu<double>(x, a, b, own_x, y, plan, y_off, g, gy, out);
+    } else {
+      if (ctx->needs_input_grad(0)) out.x = at::zeros_like(x);  // rows no segment reads: 0
+      BackwardTasks(x, a, b, own_x, y, plan, y_off, g, gy, out);
+    }
 
-    variable_list result{grad_x};
-    result.insert(result.end(), grad_a.begin(), grad_a.end());
-    result.insert(result.end(), grad_b.begin(), grad_b.end());
-    result.insert(result.end(), grad_own.begin(), grad_own.end());
+    variable_list result{out.x};
+    result.insert(result.end(), out.a.begin(), out.a.end());
+    result.insert(result.end(), out.b.begin(), out.b.end());
+    result.insert(result.end(), out.own.begin(), out.own.end());
     result.emplace_back();  // the plan
     return result;
   }
@@ -185,8 +292,9 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
     plan.begin.push_back(s.row_begin);
     plan.end.push_back(s.row_end);
     plan.scale.push_back(s.scale);
-    a.push_back(s.a);
-    b.push_back(s.b);
+    // Dense rows for the CPU path's BLAS calls (the leaves already are: no copy).
+    a.push_back(s.a.contiguous());
+    b.push_back(s.b.contiguous());
     if (s.x.defined()) {
       TORCH_CHECK(s.x.dim() == 2 && s.x.size(0) == s.row_end - s.row_begin && s.x.size(1) == in,
                   "LoraDelta: a segment's own x must be [", s.row_end - s.row_begin, ", ", in,

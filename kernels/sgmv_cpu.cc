@@ -4,8 +4,70 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <type_traits>
+
+// The Fortran BLAS that LibTorch itself calls for float/double matmuls on CPU (MKL in the
+// x86 wheels, which export it). Weak: a LibTorch without it falls back to ATen's mm below.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b,
+            const int* ldb, const double* beta, double* c, const int* ldc) __attribute__((weak));
+}
+
 namespace twinkle::kernels {
 namespace {
+
+// Column-major C[m, n] = alpha · op(A) · op(B) (beta = 0) through BLAS; false when BLAS is
+// missing or a size does not fit its int arguments (the caller then uses ATen).
+template <typename T>
+bool Blas(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+          const T* b, int64_t ldb, T* c, int64_t ldc) {
+  auto* fn = [] {
+    if constexpr (std::is_same_v<T, float>) return sgemm_;
+    else return dgemm_;
+  }();
+  if (fn == nullptr) return false;
+  for (int64_t v : {m, n, k, lda, ldb, ldc}) {
+    if (v > INT_MAX) return false;
+  }
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
+  const T beta = 0;
+  fn(&ta, &tb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
+  return true;
+}
+
+template <typename T>
+constexpr at::ScalarType kScalar = std::is_same_v<T, float> ? at::kFloat : at::kDouble;
+
+// A [rows, cols] view of raw memory with the given strides, for the ATen fallback.
+template <typename T>
+at::Tensor View(const T* data, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+  return at::from_blob(const_cast<T*>(data), {rows, cols}, {rs, cs},
+                       at::TensorOptions().dtype(kScalar<T>));
+}
+
+// The task API's tensors as raw operands.
+template <typename T>
+void MatmulTaskCpu(const MatmulTask& t) {
+  at::Tensor w = t.w;
+  if (w.size(0) > 1 && w.size(1) > 1 && w.stride(0) != 1 && w.stride(1) != 1) w = w.contiguous();
+  CpuMatmul<T>(t.in.size(0), t.w.size(0), t.w.size(1), t.alpha, t.in.const_data_ptr<T>(),
+               t.in.stride(0), w.const_data_ptr<T>(), w.stride(0), w.stride(1),
+               t.out.mutable_data_ptr<T>(), t.out.stride(0));
+}
+
+template <typename T>
+void OuterTaskCpu(const OuterTask& t) {
+  CpuOuter<T>(t.l.size(0), t.l.size(1), t.r.size(1), t.alpha, t.l.const_data_ptr<T>(),
+              t.l.stride(0), t.r.const_data_ptr<T>(), t.r.stride(0), t.out.mutable_data_ptr<T>());
+}
 
 // Device and dtype every task must share: those of the first task's output.
 void CheckCommon(const at::Tensor& first_out, const at::Tensor& t, const char* what) {
@@ -63,22 +125,78 @@ void CheckTasks(const std::vector<OuterTask>& tasks) {
   }
 }
 
+template <typename T>
+void CpuMatmul(int64_t n, int64_t p, int64_t k, double alpha, const T* in, int64_t ld_in,
+               const T* w, int64_t w_rs, int64_t w_cs, T* out, int64_t ld_out) {
+  if (n == 0 || p == 0) return;
+  if (k == 0) {  // an empty inner dimension: zeros
+    for (int64_t i = 0; i < n; ++i) std::memset(out + i * ld_out, 0, sizeof(T) * p);
+    return;
+  }
+  // Row-major out[n, p] is column-major outᵀ [p, n] = op(w) · inᵀ, and row-major in [n, k]
+  // is column-major inᵀ [k, n] as it lies. w row-major [p, k] (w_cs = 1) is column-major
+  // [k, p]: transpose it; w with w_rs = 1 (a transposed [k, p]) is column-major [p, k].
+  // Strides of extent-1 dims never step, so normalise them; anything BLAS cannot take
+  // (overlapping or broadcast rows) goes to ATen.
+  if (k == 1) w_cs = 1;
+  if (p == 1 && w_cs != 1) w_rs = 1;
+  const bool w_rows = w_cs == 1 && (w_rs >= k || p == 1);
+  const bool w_cols = !w_rows && w_rs == 1 && w_cs >= p;
+  const bool rows_ok = n == 1 || (ld_in >= k && ld_out >= p);
+  if (rows_ok && (w_rows || w_cols)) {
+    const int64_t ldw = w_rows ? std::max<int64_t>(w_rs, k) : std::max<int64_t>(w_cs, p);
+    if (Blas<T>(w_rows ? 'T' : 'N', 'N', p, n, k, static_cast<T>(alpha), w, ldw, in,
+                std::max<int64_t>(ld_in, k), out, std::max<int64_t>(ld_out, p))) {
+      return;
+    }
+  }
+  at::Tensor o = View(out, n, p, ld_out, 1);
+  at::mm_out(o, View(in, n, k, ld_in, 1), View(w, p, k, w_rs, w_cs).t());
+  if (alpha != 1.0) o.mul_(alpha);
+}
+
+template <typename T>
+void CpuOuter(int64_t n, int64_t P, int64_t Q, double alpha, const T* l, int64_t ld_l, const T* r,
+              int64_t ld_r, T* out) {
+  if (P == 0 || Q == 0) return;
+  if (n == 0) {  // an empty segment: a zero gradient
+    std::memset(out, 0, sizeof(T) * P * Q);
+    return;
+  }
+  // Row-major out[P, Q] is column-major outᵀ [Q, P] = rᵀ · l: r row-major [n, Q] is
+  // column-major [Q, n] (no transpose), l row-major [n, P] is column-major [P, n] (transpose).
+  if ((n == 1 || (ld_l >= P && ld_r >= Q)) &&
+      Blas<T>('N', 'T', Q, P, n, static_cast<T>(alpha), r, std::max<int64_t>(ld_r, Q), l,
+              std::max<int64_t>(ld_l, P), out, Q)) {
+    return;
+  }
+  at::Tensor o = View(out, P, Q, Q, 1);
+  at::mm_out(o, View(l, n, P, ld_l, 1).t(), View(r, n, Q, ld_r, 1));
+  if (alpha != 1.0) o.mul_(alpha);
+}
+
+template void CpuMatmul<float>(int64_t, int64_t, int64_t, double, const float*, int64_t,
+                               const float*, int64_t, int64_t, float*, int64_t);
+template void CpuMatmul<double>(int64_t, int64_t, int64_t, double, const double*, int64_t,
+                                const double*, int64_t, int64_t, double*, int64_t);
+template void CpuOuter<float>(int64_t, int64_t, int64_t, double, const float*, int64_t,
+                              const float*, int64_t, float*);
+template void CpuOuter<double>(int64_t, int64_t, int64_t, double, const double*, int64_t,
+                               const double*, int64_t, double*);
+
 void SegmentedMatmulCpu(const std::vector<MatmulTask>& tasks) {
   CheckTasks(tasks);
   for (const MatmulTask& t : tasks) {
-    at::Tensor out = t.out;  // a handle to the same view: mm_out wants a mutable reference
-    at::mm_out(out, t.in, t.w.t());
-    if (t.alpha != 1.0) out.mul_(t.alpha);
+    if (t.out.scalar_type() == at::kFloat) MatmulTaskCpu<float>(t);
+    else MatmulTaskCpu<double>(t);
   }
 }
 
 void SegmentedOuterCpu(const std::vector<OuterTask>& tasks) {
   CheckTasks(tasks);
   for (const OuterTask& t : tasks) {
-    // An empty segment (n = 0) gives a zero gradient: mm over an empty inner dim is zeros.
-    at::Tensor out = t.out;
-    at::mm_out(out, t.l.t(), t.r);
-    if (t.alpha != 1.0) out.mul_(t.alpha);
+    if (t.out.scalar_type() == at::kFloat) OuterTaskCpu<float>(t);
+    else OuterTaskCpu<double>(t);
   }
 }
 
