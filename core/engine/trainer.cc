@@ -48,6 +48,15 @@ absl::Status ApplyHyper(const std::map<std::string, double>& in, OptimizerHyper&
   return absl::OkStatus();
 }
 
+// Whether every id of a freshly read int64 [L] tensor (host memory) is in [0, vocab): a plain
+// loop, where min()/max() and .item() would cost four ATen ops per datum.
+bool TokensInRange(const at::Tensor& ids, int64_t vocab) {
+  const int64_t* p = ids.const_data_ptr<int64_t>();
+  bool ok = true;
+  for (int64_t i = 0, n = ids.numel(); i < n; ++i) ok &= p[i] >= 0 && p[i] < vocab;
+  return ok;
+}
+
 // One op's rows in the packed batch.
 struct OpRows {
   int64_t begin = 0, end = 0;
@@ -162,7 +171,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
       if (in->dim() != 1 || in->numel() == 0 || in->scalar_type() != at::kLong) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": input_tokens must be a non-empty int64 [L]"));
       }
-      if (in->min().item<int64_t>() < 0 || in->max().item<int64_t>() >= vocab) {
+      if (!TokensInRange(*in, vocab)) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": token id outside [0, ", vocab, ")"));
       }
       at::Tensor target;
@@ -172,7 +181,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
         if (t->scalar_type() != at::kLong || !t->sizes().equals(in->sizes())) {
           return absl::InvalidArgumentError(absl::StrCat(where, ": target_tokens must be int64 [L] like input_tokens"));
         }
-        if (t->min().item<int64_t>() < 0 || t->max().item<int64_t>() >= vocab) {
+        if (!TokensInRange(*t, vocab)) {
           return absl::InvalidArgumentError(absl::StrCat(where, ": target token outside [0, ", vocab, ")"));
         }
         target = *t;
@@ -231,6 +240,12 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   const at::Tensor logprobs =
       logits.gather(1, target.unsqueeze(1)).squeeze(1) - at::logsumexp(logits, {-1});
 
+  // Every datum's log-probs as one split: autograd then has one node that concatenates their
+  // gradients, where a narrow per datum would add a full-size [N] gradient per datum.
+  const std::vector<at::Tensor> datum_logprobs =
+      seq_lens.size() == 1 ? std::vector<at::Tensor>{logprobs} : logprobs.split_with_sizes(seq_lens);
+  size_t datum_index = 0;
+
   MethodReply reply;
   ipc::ForwardReply body;
   at::Tensor total;
@@ -243,7 +258,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
     for (size_t d = 0; d < r.datum_lens.size(); ++d) {
       const int64_t len = r.datum_lens[d];
       LossDatum datum;
-      datum.logprobs = logprobs.narrow(0, start, len);
+      datum.logprobs = datum_logprobs[datum_index++];
       for (const auto& [name, desc] : op.datums[d].inputs) {
         absl::StatusOr<at::Tensor> t = ReadTensor(desc, request);
         if (!t.ok()) {

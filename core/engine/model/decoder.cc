@@ -128,8 +128,7 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
   // be exact). Runs never cross groups (ops): the kernel's blocking may depend on the batch,
   // and a tenant's numbers must not depend on who else is in the fused pass.
   // GQA is handled by SDPA itself, without copying k/v per head group.
-  std::vector<at::Tensor> outputs;
-  int64_t start = 0;
+  std::vector<int64_t> run_rows, run_lens;
   for (size_t i = 0; i < seq_lens.size();) {
     const int64_t len = seq_lens[i];
     size_t j = i;
@@ -137,18 +136,28 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
            (seq_groups.empty() || seq_groups[j] == seq_groups[i])) {
       ++j;
     }
-    const int64_t count = static_cast<int64_t>(j - i);
-    auto block = [&](const at::Tensor& t) {
-      return t.narrow(0, start, count * len).view({count, len, t.size(1), d}).transpose(1, 2);
-    };
-    at::Tensor o = at::scaled_dot_product_attention(block(q), block(k), block(v), {}, 0.0,
-                                                    /*is_causal=*/true, /*scale=*/std::nullopt,
-                                                    /*enable_gqa=*/kv_heads != heads);
-    outputs.push_back(o.transpose(1, 2).reshape({count * len, heads * d}));
-    start += count * len;
+    run_rows.push_back(static_cast<int64_t>(j - i) * len);
+    run_lens.push_back(len);
     i = j;
   }
-  const at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  // One split per tensor rather than a narrow per run: autograd then has one node that
+  // concatenates the runs' gradients, instead of a full-size zero-filled gradient per run
+  // summed up (quadratic in the number of runs).
+  const bool single = run_rows.size() == 1;
+  const std::vector<at::Tensor> qs = single ? std::vector<at::Tensor>{q} : q.split_with_sizes(run_rows);
+  const std::vector<at::Tensor> ks = single ? std::vector<at::Tensor>{k} : k.split_with_sizes(run_rows);
+  const std::vector<at::Tensor> vs = single ? std::vector<at::Tensor>{v} : v.split_with_sizes(run_rows);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(run_rows.size());
+  for (size_t r = 0; r < run_rows.size(); ++r) {
+    const int64_t len = run_lens[r], count = run_rows[r] / len;
+    auto block = [&](const at::Tensor& t) { return t.view({count, len, t.size(1), d}).transpose(1, 2); };
+    at::Tensor o = at::scaled_dot_product_attention(block(qs[r]), block(ks[r]), block(vs[r]), {}, 0.0,
+                                                    /*is_causal=*/true, /*scale=*/std::nullopt,
+                                                    /*enable_gqa=*/kv_heads != heads);
+    outputs.push_back(o.transpose(1, 2).reshape({run_rows[r], heads * d}));
+  }
+  const at::Tensor attn = single ? outputs[0] : at::cat(outputs, 0);
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
