@@ -167,6 +167,8 @@ class Housekeeper {
     while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
       state_.coordinator->Housekeep();
       state_.futures->Expire();
+      // Journaled results outlive the process for the same retention.
+      (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
       const training::CoordinatorStats s = state_.coordinator->stats();
       state_.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
       for (const tenancy::Tenant* t : state_.authenticator->registry().tenants()) {
