@@ -10,25 +10,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "tests/unit/core/fake_clock.h"
 
 namespace twinkle {
 namespace {
 
-class FakeClock final : public Clock {
- public:
-  absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
-    return now_;
-  }
-  void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
-    now_ += d;
-  }
-
- private:
-  mutable absl::Mutex mu_;
-  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
-};
+using ::twinkle::testing::FakeClock;
 
 // Long enough never to fire in a passing run; a hang instead shows up as a failure.
 constexpr absl::Duration kLong = absl::Seconds(30);

@@ -4,6 +4,7 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/tenancy/sha256.h"
 #include "core/tenancy/tenant_registry.h"
+#include "tests/unit/core/fake_clock.h"
 
 namespace twinkle::tenancy {
 namespace {
@@ -11,14 +12,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-class FakeClock final : public Clock {
- public:
-  absl::Time Now() const override { return now_; }
-  void Advance(absl::Duration d) { now_ += d; }
-
- private:
-  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
-};
+using ::twinkle::testing::FakeClock;
 
 TEST(Sha256Test, KnownVectors) {
   EXPECT_EQ(Sha256Hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");

@@ -1,0 +1,216 @@
+// TrainingCoordinator: checkpoints — save (snapshot in the queue, write on the I/O thread),
+// load and resume (read and verify on the caller's thread, apply in the queue), and merged
+// export.
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/common/log.h"
+#include "core/storage/names.h"
+#include "core/training/coordinator.h"
+#include "core/training/coordinator_state.h"
+
+namespace twinkle::training {
+
+using coordinator_internal::kLog;
+
+// ---- checkpoints ---------------------------------------------------------------------------
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& tenant, const std::string& name,
+                                                         const SaveArgs& args) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  // Twinkle names an unnamed checkpoint by the time; names are path components.
+  const std::string checkpoint =
+      args.name.empty() ? absl::FormatTime("%Y%m%d_%H%M%S", clock_.Now(), absl::UTCTimeZone()) : args.name;
+  if (absl::Status s = storage::ValidatePathName(checkpoint, "name"); !s.ok()) return s;
+  if (args.consumed_train_samples < 0) {
+    return absl::InvalidArgumentError("consumed_train_samples: must not be negative");
+  }
+  std::shared_ptr<Adapter> a = *adapter;
+  return SubmitControlOp(tenant, a, [this, a, checkpoint, args]() -> FutureResult {
+    SyncGeneration();
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    absl::StatusOr<ipc::Message> state =
+        CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
+    if (!state.ok()) return state.status();
+    absl::StatusOr<ipc::AdapterStateReply> body =
+        ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
+    if (!body.ok()) return body.status();
+    TrainerState trainer;
+    trainer.cur_step = a->backward_count;
+    trainer.gradient_accumulation_steps = a->gradient_accumulation_steps;
+    trainer.consumed_train_samples = args.consumed_train_samples;
+    trainer.lr_scheduler = a->schedule;
+    trainer.lr_steps = a->lr_steps;
+    trainer.optimizer_steps = a->optimizer_steps;
+    trainer.optimizer_kind = a->optimizer_cls;
+    trainer.optimizer_hyper = a->hyper;
+    trainer.loss = a->loss;
+    trainer.micro_batches_since_step = body->micro_batches_since_step;
+    trainer.seed = a->lora.seed;
+    // The snapshot is taken; the write runs on the I/O thread while the adapter's later ops
+    // wait (Block) and every other adapter keeps training.
+    const uint64_t op = current_op_;
+    scheduler_->Block(a->key);
+    auto job = [this, a, op, checkpoint, args, trainer, snapshot = std::make_shared<ipc::Message>(*std::move(state))]() {
+      CheckpointContent content{snapshot.get(), args.save_optimizer, trainer, a->lora};
+      absl::StatusOr<registry::CheckpointRecord> record = options_.checkpoints->Save(
+          a->tenant, a->run_id, args.is_sampler ? CheckpointKind::kSampler : CheckpointKind::kTraining, checkpoint,
+          content);
+      FutureResult result = absl::InternalError("unset");
+      if (!record.ok()) result = record.status();
+      if (record.ok()) {
+        OpOutput out;
+        out.checkpoint_uri = CheckpointPath{a->run_id, args.is_sampler ? CheckpointKind::kSampler
+                                                                       : CheckpointKind::kTraining,
+                                            checkpoint}.uri();
+        out.checkpoint_dir = record->path;
+        result = std::any(std::move(out));
+        LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": saved ", record->checkpoint_id, " of run ", a->run_id));
+        if (options_.registry != nullptr) {
+          (void)options_.registry->TouchRun(a->tenant, a->run_id, absl::Now(), trainer.optimizer_steps);
+        }
+      } else {
+        LogError(kLog, absl::StrCat("tenant ", a->tenant, ": saving ", checkpoint, " of run ", a->run_id,
+                                    " failed: ", record.status().message()));
+      }
+      futures_.Complete(op, std::move(result));
+      scheduler_->Unblock(a->key);
+    };
+    {
+      absl::MutexLock lock(&io_mu_);
+      io_jobs_.push_back(std::move(job));
+    }
+    return std::any(sched::Deferred{});
+  }, {});
+}
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& tenant, const std::string& name,
+                                                         const std::string& path_or_name, LoadMode mode) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  std::shared_ptr<Adapter> a = *adapter;
+  absl::StatusOr<registry::CheckpointRecord> record =
+      options_.checkpoints->Resolve(tenant.id, path_or_name, a->run_id);
+  if (!record.ok()) return record.status();
+  const bool with_optimizer = mode == LoadMode::kWeightsAndOptimizer || mode == LoadMode::kResume;
+  // Read and verify here, on the caller's thread: only applying the state is queued.
+  absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, with_optimizer);
+  if (!loaded.ok()) return loaded.status();
+  if (loaded->lora.rank != a->lora.rank) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", record->checkpoint_id, " has LoRA rank ",
+                                                      loaded->lora.rank, "; adapter '", name, "' has rank ",
+                                                      a->lora.rank));
+  }
+  const bool resume = mode == LoadMode::kResume || mode == LoadMode::kResumeOnlyModel;
+  if (mode == LoadMode::kResume && !loaded->trainer) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", record->checkpoint_id,
+                                                      " holds no trainer state (a sampler checkpoint?)"));
+  }
+  auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
+  return SubmitControlOp(tenant, a, [this, a, data, mode, resume]() -> FutureResult {
+    SyncGeneration();
+    if (a->lost) {  // loading a checkpoint is exactly how a lost adapter comes back
+      a->lost = false;
+      a->resident = false;
+      a->host_state.reset();
+    }
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    ipc::SetAdapterStateRequest req;
+    req.adapter_id = a->key;
+    req.weights = data->weights;
+    req.grads = std::map<std::string, ipc::TensorDesc>{};  // a loaded state starts without gradients
+    const TrainerState* trainer = data->trainer ? &*data->trainer : nullptr;
+    if (mode == LoadMode::kWeightsAndOptimizer || mode == LoadMode::kResume) {
+      req.optimizer = data->optimizer;
+      if (trainer != nullptr) req.optimizer_kind = trainer->optimizer_kind;
+    }
+    if (mode == LoadMode::kResume) req.micro_batches_since_step = trainer->micro_batches_since_step;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(req), data->buffers);
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat("the checkpoint does not fit adapter '", a->name,
+                                                          "': ", r.status().message()));
+    }
+    OpOutput out;
+    if (mode == LoadMode::kResume) {
+      a->backward_count = trainer->cur_step;
+      a->lr_steps = trainer->lr_steps;
+      a->optimizer_steps = trainer->optimizer_steps;
+      a->optimizer_cls = trainer->optimizer_kind;
+      a->hyper = trainer->optimizer_hyper;
+      a->loss = trainer->loss;
+      a->schedule = trainer->lr_scheduler;
+      a->scheduler.reset();
+      if (trainer->lr_scheduler) a->scheduler = *LrScheduler::Create(*trainer->lr_scheduler);
+    } else if (mode == LoadMode::kWeightsAndOptimizer && trainer != nullptr) {
+      a->optimizer_cls = trainer->optimizer_kind;
+      a->optimizer_steps = trainer->optimizer_steps;
+    }
+    if (resume && trainer != nullptr) {
+      out.cur_step = trainer->cur_step;
+      out.consumed_train_samples = trainer->consumed_train_samples;
+      out.gradient_accumulation_steps = trainer->gradient_accumulation_steps;
+    }
+    a->last_forward.reset();
+    a->last_loss.reset();
+    return out;
+  }, {});
+}
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitExport(const TenantContext& tenant,
+                                                           const std::string& checkpoint_path,
+                                                           const std::string& export_name) {
+  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (absl::Status s = storage::ValidatePathName(export_name, "name"); !s.ok()) return s;
+  if (checkpoint_path.find("://") == std::string::npos) {
+    return absl::InvalidArgumentError("checkpoint_path: expected twinkle://<run_id>/weights/<name>");
+  }
+  absl::StatusOr<registry::CheckpointRecord> record =
+      options_.checkpoints->Resolve(tenant.id, checkpoint_path, "");
+  if (!record.ok()) return record.status();
+  absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, false);
+  if (!loaded.ok()) return loaded.status();
+  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
+  auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
+  // A transient engine adapter on a queue of its own ('#' never appears in adapter names).
+  const std::string key = absl::StrCat(tenant.id, "/#export");
+  const std::string parent = (std::filesystem::path(options_.checkpoints->TenantRoot(tenant.id)) / "exports").string();
+  sched::Op op;
+  op.tenant = tenant.id;
+  op.adapter = key;
+  op.kind = sched::OpKind::kOther;
+  op.payload = ControlPayload{[this, data, key, parent, export_name]() -> FutureResult {
+    ipc::CreateAdapterRequest create;
+    create.adapter_id = key;
+    create.rank = data->lora.rank;
+    create.alpha = data->lora.alpha;
+    create.use_rslora = data->lora.use_rslora;
+    create.targets = data->lora.targets;
+    absl::StatusOr<ipc::Message> created = CallEngine(ipc::kMethodCreateAdapter, ipc::Pack(create));
+    if (!created.ok()) return created.status();
+    ipc::SetAdapterStateRequest set;
+    set.adapter_id = key;
+    set.weights = data->weights;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(set), data->buffers);
+    absl::StatusOr<ipc::ExportMergedReply> reply = absl::InternalError("not exported");
+    if (!r.ok()) reply = r.status();
+    if (r.ok()) {
+      r = CallEngine(ipc::kMethodExportMerged,
+                     ipc::Pack(ipc::ExportMergedRequest{key, options_.model_dir, parent, export_name}));
+      reply = r.ok() ? ipc::Unpack<ipc::ExportMergedReply>(r->envelope.body, "export_merged reply")
+                     : absl::StatusOr<ipc::ExportMergedReply>(r.status());
+    }
+    (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key}));
+    if (!reply.ok()) return reply.status();
+    OpOutput out;
+    out.checkpoint_dir = reply->path;
+    out.value = static_cast<double>(reply->bytes);
+    return out;
+  }};
+  return scheduler_->Submit(std::move(op));
+}
+
+}  // namespace twinkle::training

@@ -1,0 +1,297 @@
+// TrainingCoordinator: what runs on the scheduler thread — engine calls, residency
+// (offload/reload), the Twinkle optimizer controls, and fused forward/backward steps.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/common/log.h"
+#include "core/training/coordinator.h"
+#include "core/training/coordinator_state.h"
+#include "core/training/inputs.h"
+
+namespace twinkle::training {
+
+using coordinator_internal::IsTwinkleLoss;
+using coordinator_internal::kLog;
+
+// ---- execution (scheduler thread) ----------------------------------------------------------
+
+absl::StatusOr<ipc::Message> TrainingCoordinator::CallEngine(const char* method, std::string body,
+                                                             std::vector<std::string> buffers) {
+  ipc::Message m;
+  m.envelope.method = method;
+  m.envelope.body = std::move(body);
+  m.buffers = std::move(buffers);
+  return engine_.Call(std::move(m));
+}
+
+void TrainingCoordinator::SyncGeneration() {
+  const uint64_t gen = engine_.generation();
+  if (gen == generation_) return;
+  generation_ = gen;
+  // A new engine process holds no adapters: resident ones lost their state with the old one.
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, a] : adapters_) {
+    if (a->resident) {
+      a->resident = false;
+      a->lost = true;
+      --stats_.resident;
+      LogError(kLog, absl::StrCat("tenant ", a->tenant, ": adapter ", a->name,
+                                  " lost its device state in an engine restart"));
+    }
+  }
+}
+
+absl::Status TrainingCoordinator::CreateOnEngine(Adapter& a) {
+  ipc::CreateAdapterRequest req;
+  req.adapter_id = a.key;
+  req.rank = a.lora.rank;
+  req.alpha = a.lora.alpha;
+  req.dropout = a.lora.dropout;
+  req.use_rslora = a.lora.use_rslora;
+  req.targets = a.lora.targets;
+  req.seed = a.lora.seed;
+  req.optimizer = a.optimizer_cls;
+  absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodCreateAdapter, ipc::Pack(req));
+  if (!r.ok()) return r.status();
+  absl::StatusOr<ipc::CreateAdapterReply> reply =
+      ipc::Unpack<ipc::CreateAdapterReply>(r->envelope.body, "create_adapter reply");
+  if (!reply.ok()) return reply.status();
+  a.num_parameters = reply->num_parameters;
+  return absl::OkStatus();
+}
+
+absl::Status TrainingCoordinator::Offload(Adapter& a) {
+  absl::StatusOr<ipc::Message> state = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a.key}));
+  if (!state.ok()) return state.status();
+  absl::StatusOr<ipc::Message> removed = CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{a.key}));
+  if (!removed.ok()) return removed.status();
+  a.host_state = *std::move(state);
+  a.resident = false;
+  absl::MutexLock lock(&mu_);
+  ++stats_.offloads;
+  --stats_.resident;
+  return absl::OkStatus();
+}
+
+absl::Status TrainingCoordinator::EnsureResident(Adapter& a, const std::vector<const Adapter*>& pinned) {
+  if (a.lost) {
+    // Never continue silently from older weights: the client decides (resume from a
+    // checkpoint, or remove and start over).
+    return absl::AbortedError(absl::StrCat("adapter '", a.name, "': adapter state lost since step ",
+                                           a.optimizer_steps, " (the engine worker restarted); "
+                                           "resume from checkpoint"));
+  }
+  a.last_use = ++use_tick_;
+  if (a.resident) return absl::OkStatus();
+  // Make room: offload the least recently used resident adapter not needed by this step.
+  while (true) {
+    std::vector<std::shared_ptr<Adapter>> resident;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [key, other] : adapters_) {
+        if (other->resident) resident.push_back(other);
+      }
+    }
+    if (static_cast<int32_t>(resident.size()) < options_.max_loras) break;
+    std::shared_ptr<Adapter> victim;
+    for (const auto& other : resident) {
+      if (std::find(pinned.begin(), pinned.end(), other.get()) != pinned.end()) continue;
+      if (!victim || other->last_use < victim->last_use) victim = other;
+    }
+    if (!victim) return absl::ResourceExhaustedError("every resident adapter is in use by this step");
+    if (absl::Status s = Offload(*victim); !s.ok()) return s;
+  }
+  if (absl::Status s = CreateOnEngine(a); !s.ok()) return s;
+  if (a.host_state) {
+    absl::StatusOr<ipc::AdapterStateReply> state =
+        ipc::Unpack<ipc::AdapterStateReply>(a.host_state->envelope.body, "get_adapter_state reply");
+    if (!state.ok()) return state.status();
+    ipc::SetAdapterStateRequest req;
+    req.adapter_id = a.key;
+    req.weights = state->weights;
+    req.optimizer = state->optimizer;
+    req.grads = state->grads;
+    req.micro_batches_since_step = state->micro_batches_since_step;
+    req.optimizer_kind = state->optimizer_kind;
+    absl::StatusOr<ipc::Message> set =
+        CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(req), a.host_state->buffers);
+    if (!set.ok()) {
+      (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{a.key}));
+      return set.status();
+    }
+    a.host_state.reset();
+    absl::MutexLock lock(&mu_);
+    ++stats_.reloads;
+  }
+  a.created_on_engine = true;
+  a.resident = true;
+  a.generation = generation_;
+  absl::MutexLock lock(&mu_);
+  ++stats_.resident;
+  return absl::OkStatus();
+}
+
+FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double max_norm, double norm_type) {
+  SyncGeneration();
+  OpOutput out;
+  if (!a.Synced()) {  // inside a gradient-accumulation window: Twinkle does nothing
+    out.skipped = true;
+    return out;
+  }
+  if (absl::Status s = EnsureResident(a, {&a}); !s.ok()) return s;
+  auto clip = [&]() -> absl::Status {
+    ipc::ClipGradNormRequest req{a.key, max_norm, norm_type};
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodClipGradNorm, ipc::Pack(req));
+    if (!r.ok()) return r.status();
+    absl::StatusOr<ipc::ClipGradNormReply> reply =
+        ipc::Unpack<ipc::ClipGradNormReply>(r->envelope.body, "clip_grad_norm reply");
+    if (!reply.ok()) return reply.status();
+    out.value = reply->total_norm;
+    a.last_grad_norm = reply->total_norm;
+    return absl::OkStatus();
+  };
+  auto step = [&](bool zero_grad) -> absl::Status {
+    ipc::OptimStepRequest req;
+    req.adapter_id = a.key;
+    req.hyper = a.hyper;
+    req.hyper["learning_rate"] = a.LearningRate();
+    req.zero_grad = zero_grad;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodOptimStep, ipc::Pack(req));
+    if (!r.ok()) return r.status();
+    a.last_lr = req.hyper["learning_rate"];
+    ++a.optimizer_steps;
+    return absl::OkStatus();
+  };
+  auto zero = [&]() -> absl::Status {
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodZeroGrad, ipc::Pack(ipc::AdapterRequest{a.key}));
+    return r.status();
+  };
+  absl::Status s;
+  switch (control) {
+    case Control::kClipGradNorm:
+      s = clip();
+      break;
+    case Control::kStep:
+      s = step(false);
+      if (s.ok()) out.value = *a.last_lr;
+      break;
+    case Control::kZeroGrad:
+      s = zero();
+      break;
+    case Control::kLrStep:
+      ++a.lr_steps;
+      out.value = a.LearningRate();
+      break;
+    case Control::kClipGradAndStep:
+      s = clip();
+      if (s.ok()) s = step(true);  // step, then zero_grad
+      if (s.ok()) ++a.lr_steps;
+      break;
+  }
+  if (!s.ok()) return s;
+  return out;
+}
+
+std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const sched::Op*>& batch) {
+  SyncGeneration();
+  const bool backward = batch[0]->kind == sched::OpKind::kForwardBackward;
+  std::vector<FutureResult> results(batch.size(), absl::InternalError("not run"));
+  std::vector<const Adapter*> pinned;
+  for (const sched::Op* op : batch) pinned.push_back(std::any_cast<const FusedPayload&>(op->payload).adapter.get());
+
+  // Each op's engine part; ops that cannot run get their error here and stay out.
+  ipc::Message request;
+  ipc::ForwardRequest body;
+  std::vector<size_t> included;
+  std::vector<const PackedOp*> packed_of(batch.size(), nullptr);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const FusedPayload& p = std::any_cast<const FusedPayload&>(batch[i]->payload);
+    Adapter& a = *p.adapter;
+    const PackedOp* packed = p.packed ? &*p.packed : (a.last_forward ? &*a.last_forward : nullptr);
+    if (packed == nullptr) {
+      results[i] = absl::FailedPreconditionError("backward: no forward has run on this adapter yet");
+      continue;
+    }
+    if (absl::Status s = EnsureResident(a, pinned); !s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    ipc::TrainOpMsg msg = AppendFrames(*packed, request.buffers);
+    msg.adapter_id = a.key;
+    msg.disable_adapter = p.disable_lora;
+    if (p.mode != ForwardMode::kForwardOnly) {
+      msg.loss = a.loss;
+      // Tinker's losses take per-token weights where Twinkle's take a mask.
+      if (!IsTwinkleLoss(a.loss.name)) {
+        for (ipc::DatumMsg& d : msg.datums) {
+          auto mask = d.inputs.find("mask");
+          if (mask == d.inputs.end()) continue;
+          if (a.loss.name == "cross_entropy") d.inputs["weights"] = mask->second;
+          d.inputs.erase("mask");
+        }
+      }
+    }
+    body.ops.push_back(std::move(msg));
+    included.push_back(i);
+    packed_of[i] = packed;
+  }
+  if (included.empty()) return results;
+  // One op's engine error must not fail the others: if a fused step fails, run each alone.
+  request.envelope.method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
+  request.envelope.body = ipc::Pack(body);
+  absl::StatusOr<ipc::Message> reply = engine_.Call(std::move(request));
+  if (!reply.ok() && included.size() > 1) {
+    for (size_t i : included) results[i] = RunFused({batch[i]})[0];
+    return results;
+  }
+  absl::StatusOr<ipc::ForwardReply> parsed =
+      reply.ok() ? ipc::Unpack<ipc::ForwardReply>(reply->envelope.body, "forward reply")
+                 : absl::StatusOr<ipc::ForwardReply>(reply.status());
+  if (parsed.ok() && parsed->ops.size() != included.size()) {
+    parsed = absl::InternalError("engine reply: wrong number of op results");
+  }
+  for (size_t k = 0; k < included.size(); ++k) {
+    const size_t i = included[k];
+    if (!parsed.ok()) {
+      results[i] = parsed.status();
+      continue;
+    }
+    const FusedPayload& p = std::any_cast<const FusedPayload&>(batch[i]->payload);
+    Adapter& a = *p.adapter;
+    const ipc::OpResultMsg& r = parsed->ops[k];
+    OpOutput out;
+    absl::Status s;
+    for (size_t d = 0; d < r.logprobs.size() && s.ok(); ++d) {
+      SequenceResult seq;
+      absl::StatusOr<std::vector<float>> lp = ReadFloats(r.logprobs[d], reply->buffers);
+      if (!lp.ok()) s = lp.status();
+      else seq.logps = *std::move(lp);
+      if (s.ok() && d < r.elementwise.size()) {
+        absl::StatusOr<std::vector<float>> el = ReadFloats(r.elementwise[d], reply->buffers);
+        if (!el.ok()) s = el.status();
+        else seq.loss = *std::move(el);
+      }
+      if (!seq.logps.empty()) seq.logps.back() = 0;  // nothing follows the last token
+      for (float v : seq.loss) out.loss += v;
+      out.sequences.push_back(std::move(seq));
+    }
+    if (!s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    out.metrics = r.metrics;
+    if (p.mode != ForwardMode::kForwardOnly) {
+      a.loss_sum += out.loss;
+      ++a.loss_count;
+    }
+    if (p.mode == ForwardMode::kForward) {
+      a.last_forward = *packed_of[i];
+      a.last_loss = out.loss;
+    }
+    if (backward) ++a.backward_count;
+    results[i] = std::move(out);
+  }
+  return results;
+}
+
+}  // namespace twinkle::training
