@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/engine/export.h"
 #include "core/engine/loss/loss.h"
+#include "core/engine/sampler/sampler.h"
 #include "core/engine/tensor_io.h"
 #include "core/ipc/training_messages.h"
 
@@ -80,6 +81,9 @@ void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodClipGradNorm] = [this](const ipc::Message& r) { return ClipGradNorm(r); };
   m[ipc::kMethodGetAdapterState] = [this](const ipc::Message& r) { return GetAdapterState(r); };
   m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
+  m[ipc::kMethodSample] = [this](const ipc::Message& r) {
+    return Sample(*model_, device_, [this](const std::string& id) { return FindAdapter(id); }, r);
+  };
   m[ipc::kMethodExportMerged] = [this](const ipc::Message& r) -> absl::StatusOr<MethodReply> {
     absl::StatusOr<AdapterCall<ipc::ExportMergedRequest>> call =
         ParseAdapterCall<ipc::ExportMergedRequest>(r, ipc::kMethodExportMerged);

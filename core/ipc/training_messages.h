@@ -176,4 +176,46 @@ struct ExportMergedReply {
   MSGPACK_DEFINE_MAP(path, bytes);
 };
 
+// sample: generation with a KV cache. Rows may name different adapters ("" = base model);
+// they decode together, each with its own LoRA terms and its own seeded generator, so a row's
+// tokens do not depend on the other rows of the request.
+inline constexpr char kMethodSample[] = "sample";
+
+struct SampleRowMsg {
+  std::string adapter_id;          // "" = base model only
+  TensorDesc prompt_tokens;        // int64 [P], P >= 1
+  int64_t max_tokens = 16;
+  double temperature = 1.0;        // 0 = greedy (argmax)
+  double top_p = 1.0;              // 1 = off
+  int64_t top_k = 0;               // 0 (or < 0) = off
+  std::vector<int64_t> stop_token_ids;
+  uint64_t seed = 0;               // sample s of this row draws from a generator seeded by (seed, s)
+  int64_t num_samples = 1;
+  bool want_prompt_logprobs = false;
+  MSGPACK_DEFINE_MAP(adapter_id, prompt_tokens, max_tokens, temperature, top_p, top_k,
+                     stop_token_ids, seed, num_samples, want_prompt_logprobs);
+};
+struct SampleRequest {
+  std::vector<SampleRowMsg> rows;
+  MSGPACK_DEFINE_MAP(rows);
+};
+
+struct SampledSequenceMsg {
+  TensorDesc tokens;        // int64 [T]; a stop token, when one ended it, is the last one
+  TensorDesc logprobs;      // float32 [T]: log p(token) under the model (before any warping)
+  std::string stop_reason;  // "stop" | "length"
+  MSGPACK_DEFINE_MAP(tokens, logprobs, stop_reason);
+};
+struct SampleRowResultMsg {
+  std::vector<SampledSequenceMsg> samples;  // num_samples of them
+  // float32 [P - 1] when asked: log p(prompt[i + 1] | prompt[..i]); the first prompt token
+  // has none. Nil otherwise.
+  std::optional<TensorDesc> prompt_logprobs;
+  MSGPACK_DEFINE_MAP(samples, prompt_logprobs);
+};
+struct SampleReply {
+  std::vector<SampleRowResultMsg> rows;
+  MSGPACK_DEFINE_MAP(rows);
+};
+
 }  // namespace twinkle::ipc

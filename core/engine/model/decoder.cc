@@ -195,4 +195,96 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   return logits.to(at::kFloat);
 }
 
+at::Tensor DecoderModel::CachedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                         const std::vector<int64_t>& seq_lens,
+                                         const std::vector<KvCache*>& caches,
+                                         const at::Tensor& cos, const at::Tensor& sin,
+                                         const LoraSegmentsFn& lora) const {
+  const int64_t n = h.size(0);
+  const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+  const int64_t d = config_.head_dim;
+  at::Tensor q = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, d});
+  at::Tensor k = Linear(layer, index, LinearKind::kK, h, lora).view({n, kv_heads, d});
+  at::Tensor v = Linear(layer, index, LinearKind::kV, h, lora).view({n, kv_heads, d});
+  if (config_.qk_norm) {
+    q = RmsNorm(q, layer.q_norm);
+    k = RmsNorm(k, layer.k_norm);
+  }
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  q = q * c + RotateHalf(q) * s;
+  k = k * c + RotateHalf(k) * s;
+  const std::vector<at::Tensor> qs = q.split_with_sizes(seq_lens);
+  const std::vector<at::Tensor> ks = k.split_with_sizes(seq_lens);
+  const std::vector<at::Tensor> vs = v.split_with_sizes(seq_lens);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(seq_lens.size());
+  for (size_t i = 0; i < seq_lens.size(); ++i) {
+    KvCache& cache = *caches[i];
+    const int64_t past = cache.length, len = seq_lens[i];
+    if (cache.k.size() <= static_cast<size_t>(index)) {
+      cache.k.resize(layers_.size());
+      cache.v.resize(layers_.size());
+    }
+    at::Tensor& ck = cache.k[index];
+    at::Tensor& cv = cache.v[index];
+    ck = ck.defined() ? at::cat({ck, ks[i]}, 0) : ks[i].contiguous();
+    cv = cv.defined() ? at::cat({cv, vs[i]}, 0) : vs[i].contiguous();
+    // Attention per sequence, never batched with others: a row's numbers must not depend on
+    // what else is decoding. A fresh sequence (prefill) takes the training forward's causal
+    // SDPA call; new tokens after cached ones need an explicit mask, because SDPA's is_causal
+    // aligns the diagonal top-left; one new token (a decode step) sees every key, no mask.
+    std::optional<at::Tensor> mask;
+    if (past > 0 && len > 1) {
+      mask = at::arange(past + len, at::TensorOptions().dtype(at::kLong).device(h.device()))
+                 .unsqueeze(0)
+                 .le(at::arange(past, past + len,
+                                at::TensorOptions().dtype(at::kLong).device(h.device()))
+                         .unsqueeze(1));
+    }
+    auto block = [&](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };
+    at::Tensor o = at::scaled_dot_product_attention(
+        block(qs[i]), block(ck), block(cv), mask, 0.0, /*is_causal=*/past == 0 && len > 1,
+        /*scale=*/std::nullopt, /*enable_gqa=*/kv_heads != heads);
+    outputs.push_back(o.transpose(1, 2).reshape({len, heads * d}));
+  }
+  const at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  return Linear(layer, index, LinearKind::kO, attn, lora);
+}
+
+at::Tensor DecoderModel::ForwardWithCache(const at::Tensor& tokens,
+                                          const std::vector<int64_t>& seq_lens,
+                                          const std::vector<KvCache*>& caches,
+                                          const LoraSegmentsFn& lora) const {
+  // Positions continue each sequence's cache; angles in float32 as in Forward.
+  std::vector<at::Tensor> positions;
+  for (size_t i = 0; i < seq_lens.size(); ++i) {
+    positions.push_back(at::arange(caches[i]->length, caches[i]->length + seq_lens[i], at::kLong));
+  }
+  const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
+  const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(embed_.scalar_type());
+  const at::Tensor sin = emb.sin().to(embed_.scalar_type());
+
+  at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    const int64_t index = static_cast<int64_t>(i);
+    x = x + CachedAttention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, caches, cos,
+                            sin, lora);
+    const at::Tensor h = RmsNorm(x, layer.post_norm);
+    const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
+                             Linear(layer, index, LinearKind::kUp, h, lora);
+    x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
+  }
+  for (size_t i = 0; i < seq_lens.size(); ++i) caches[i]->length += seq_lens[i];
+  const at::Tensor h = RmsNorm(x, final_norm_);
+  at::Tensor logits = at::linear(h, lm_head_);
+  if (lora) {
+    std::vector<kernels::LoraSegment> segments = lora(0, LinearKind::kLmHead, h);
+    if (!segments.empty()) logits = logits + kernels::LoraDelta(h, logits.size(-1), segments);
+  }
+  return logits.to(at::kFloat);
+}
+
 }  // namespace twinkle::engine

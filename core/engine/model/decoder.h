@@ -47,6 +47,23 @@ class DecoderModel {
   at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
                      const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
 
+  // Incremental decoding (generation). One sequence's keys and values so far, per layer,
+  // each [length, kv_heads, head_dim] (after RoPE). The simplest correct layout: one
+  // contiguous tensor per sequence and layer, grown by a copy per step (quadratic in the
+  // length); paged blocks shared across sequences (prefix sharing, no copies) come next.
+  struct KvCache {
+    std::vector<at::Tensor> k, v;  // per layer; empty before the first step
+    int64_t length = 0;
+  };
+
+  // tokens: int64 [N], the new tokens of every sequence concatenated (seq_lens[i] of sequence
+  // i, at positions caches[i]->length onwards). Appends their keys and values to each cache
+  // and returns logits [N, vocab] in float32. Linear layers run once over all rows, attention
+  // per sequence against its own cache. Inference only: call under a NoGradGuard.
+  at::Tensor ForwardWithCache(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                              const std::vector<KvCache*>& caches,
+                              const LoraSegmentsFn& lora) const;
+
   // Input and output width of a targetable linear (lm_head: hidden size, vocab size).
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
 
@@ -62,6 +79,11 @@ class DecoderModel {
                        const std::vector<int64_t>& seq_lens,
                        const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
                        const at::Tensor& sin, const LoraSegmentsFn& lora) const;
+
+  at::Tensor CachedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                             const std::vector<int64_t>& seq_lens,
+                             const std::vector<KvCache*>& caches, const at::Tensor& cos,
+                             const at::Tensor& sin, const LoraSegmentsFn& lora) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;
