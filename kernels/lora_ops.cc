@@ -24,6 +24,11 @@ struct Plan {
   std::vector<int64_t> own;  // index into own_x of the segment's own input, or -1: x's rows
   std::vector<double> scale;
   int64_t out_features = 0;
+  // CPU: the weights are not inputs of the node; backward accumulates their gradients into
+  // .grad() itself (see LoraDelta). Then a/b hold them, and which of them want a gradient.
+  bool direct = false;
+  std::vector<at::Tensor> a, b;
+  std::vector<int64_t> a_grad, b_grad;  // 0/1
 };
 
 // Offsets of each segment's [n_s, r_s] block in the flat shrink buffer: ranks differ per
@@ -48,10 +53,34 @@ at::Tensor Block(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t c
 }
 
 // Gradients of one backward: x (undefined when not needed), per segment A and B, per own x.
+// With `direct`, a/b stay empty: the CPU path accumulates into the weights' .grad() itself
+// for the weights whose flag is set.
 struct Grads {
   at::Tensor x;
   variable_list a, b, own;
+  bool direct = false;
+  std::vector<int64_t> a_grad, b_grad;  // 0/1
 };
+
+// grad += lᵀ · r · alpha for a weight whose gradient the CPU path accumulates itself, as
+// AccumulateGrad would: the first gradient becomes .grad(), later ones are added to it.
+template <typename T>
+void AccumulateOuter(const at::Tensor& weight, int64_t n, int64_t P, int64_t Q, double alpha,
+                     const T* l, int64_t ld_l, const T* r, int64_t ld_r) {
+  at::Tensor& grad = const_cast<at::Tensor&>(weight).mutable_grad();
+  if (!grad.defined()) {
+    at::Tensor fresh = at::empty({P, Q}, weight.options().requires_grad(false));
+    CpuOuter<T>(n, P, Q, alpha, l, ld_l, r, ld_r, fresh.mutable_data_ptr<T>());
+    grad = std::move(fresh);
+  } else if (grad.is_contiguous() && grad.scalar_type() == weight.scalar_type() &&
+             grad.is_cpu()) {
+    CpuOuter<T>(n, P, Q, alpha, l, ld_l, r, ld_r, grad.mutable_data_ptr<T>(), /*accumulate=*/true);
+  } else {
+    at::Tensor fresh = at::empty({P, Q}, weight.options().requires_grad(false));
+    CpuOuter<T>(n, P, Q, alpha, l, ld_l, r, ld_r, fresh.mutable_data_ptr<T>());
+    grad.add_(fresh);
+  }
+}
 
 // Zeroes the rows of `t` [N, cols] (contiguous) that no segment covers.
 template <typename T>
@@ -91,6 +120,7 @@ template <typename T>
 void BackwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
                  const at::Tensor& y, const Plan& plan, const std::vector<int64_t>& y_off,
                  const at::Tensor& g, const at::Tensor& gy, Grads& grads) {
+  TORCH_INTERNAL_ASSERT(grads.direct, "LoraDelta: the CPU backward accumulates weight gradients itself");
   const int64_t in = x.size(1), out = plan.out_features;
   const T* xp = x.const_data_ptr<T>();
   const T* yp = y.const_data_ptr<T>();
@@ -109,8 +139,9 @@ void BackwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::Te
     // grad_y_s = scale_s · g_s · B_s (B_s [out, r] seen as the transpose of a [r, out]).
     CpuMatmul<T>(n, r, out, plan.scale[s], gs, out, b[s].const_data_ptr<T>(), 1, r, gys, r);
     // grad_B_s = scale_s · g_sᵀ · y_s and grad_A_s = grad_y_sᵀ · x_s.
-    if (grads.b[s].defined()) CpuOuter<T>(n, out, r, plan.scale[s], gs, out, ys, r, grads.b[s].mutable_data_ptr<T>());
-    if (grads.a[s].defined()) CpuOuter<T>(n, r, in, 1.0, gys, r, xs, in, grads.a[s].mutable_data_ptr<T>());
+    // The CPU path always runs in direct mode: straight into the weights' .grad().
+    if (grads.b_grad[s]) AccumulateOuter<T>(b[s], n, out, r, plan.scale[s], gs, out, ys, r);
+    if (grads.a_grad[s]) AccumulateOuter<T>(a[s], n, r, in, 1.0, gys, r, xs, in);
     // grad_x_s = grad_y_s · A_s, into x's rows or the segment's own input's gradient.
     T* gx = nullptr;
     if (own >= 0) {
@@ -172,13 +203,19 @@ void BackwardTasks(const at::Tensor& x, at::TensorList a, at::TensorList b, at::
   SegmentedMatmul(to_gx);
 }
 
-// The multi-LoRA node. Inputs (in autograd's order): x [N, in], A_0..A_{S-1}, B_0..B_{S-1},
-// the segments' own (dropout-applied) inputs, then the plan. All tensors are already in the
-// compute dtype and row-major, so the kernels see dense rows.
+// The multi-LoRA node. Inputs (in autograd's order): x [N, in], A_0..A_{S-1}, B_0..B_{S-1}
+// (empty lists in direct mode), the segments' own (dropout-applied) inputs, the anchor (a list
+// of none or one: in direct mode while some weight wants a gradient, a scalar leaf that makes
+// autograd record the node even when nothing else it reads requires grad; it never gets a
+// gradient), then the plan. All tensors are already in the compute dtype and row-major, so
+// the kernels see dense rows.
 class SgmvLora : public torch::autograd::Function<SgmvLora> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList a,
-                            at::TensorList b, at::TensorList own_x, const Plan& plan) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList a_in,
+                            at::TensorList b_in, at::TensorList own_x, at::TensorList anchor,
+                            const Plan& plan) {
+    const at::TensorList a = plan.direct ? at::TensorList(plan.a) : a_in;
+    const at::TensorList b = plan.direct ? at::TensorList(plan.b) : b_in;
     int64_t y_total = 0;
     const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
     const at::Tensor y = at::empty({y_total}, x.options());
@@ -192,7 +229,8 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
       ForwardTasks(x, a, b, own_x, plan, y_off, y, delta);
     }
 
-    // y is kept rather than recomputed: it is only N × r, and grad_B needs it.
+    // y is kept rather than recomputed: it is only N × r, and grad_B needs it. The weights
+    // are saved in both modes, so autograd checks that nothing changed them in between.
     variable_list saved{x};
     saved.insert(saved.end(), a.begin(), a.end());
     saved.insert(saved.end(), b.begin(), b.end());
@@ -203,6 +241,12 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     ctx->saved_data["end"] = plan.end;
     ctx->saved_data["own"] = plan.own;
     ctx->saved_data["scale"] = plan.scale;
+    ctx->saved_data["direct"] = plan.direct;
+    ctx->saved_data["anchored"] = !anchor.empty();
+    if (plan.direct) {
+      ctx->saved_data["a_grad"] = plan.a_grad;
+      ctx->saved_data["b_grad"] = plan.b_grad;
+    }
     return delta;
   }
 
@@ -215,6 +259,7 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     plan.own = ctx->saved_data["own"].toIntVector();
     plan.scale = ctx->saved_data["scale"].toDoubleVector();
     plan.out_features = grads[0].size(1);
+    const bool direct = ctx->saved_data["direct"].toBool();
     const size_t num_segments = plan.begin.size();
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
@@ -224,7 +269,8 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     const at::TensorList own_x(saved.data() + 1 + 2 * num_segments, num_own);
     const at::Tensor& y = saved.back();
     // Indices of the inputs in autograd's order, for needs_input_grad.
-    const size_t a_in = 1, b_in = 1 + num_segments, own_in = 1 + 2 * num_segments;
+    const size_t num_weights = direct ? 0 : num_segments;
+    const size_t a_in = 1, b_in = 1 + num_weights, own_in = 1 + 2 * num_weights;
 
     // Materialised by autograd when undefined; any layout may arrive, the kernels need rows.
     const at::Tensor g = grads[0].contiguous();
@@ -233,12 +279,19 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     const at::Tensor gy = at::empty({y_total}, y.options());
 
     Grads out;
-    out.a.resize(num_segments);
-    out.b.resize(num_segments);
+    out.direct = direct;
+    out.a.resize(num_weights);
+    out.b.resize(num_weights);
     out.own.resize(num_own);
-    for (size_t s = 0; s < num_segments; ++s) {
+    if (direct) {
+      out.a_grad = ctx->saved_data["a_grad"].toIntVector();
+      out.b_grad = ctx->saved_data["b_grad"].toIntVector();
+    }
+    for (size_t s = 0; s < num_weights; ++s) {
       if (ctx->needs_input_grad(b_in + s)) out.b[s] = at::empty(b[s].sizes(), b[s].options());
       if (ctx->needs_input_grad(a_in + s)) out.a[s] = at::empty(a[s].sizes(), a[s].options());
+    }
+    for (size_t s = 0; s < num_segments; ++s) {
       const int64_t own = plan.own[s];
       if (own >= 0 && ctx->needs_input_grad(own_in + own)) {
         out.own[own] = at::empty(own_x[own].sizes(), own_x[own].options());
@@ -258,10 +311,18 @@ class SgmvLora : public torch::autograd::Function<SgmvLora> {
     result.insert(result.end(), out.a.begin(), out.a.end());
     result.insert(result.end(), out.b.begin(), out.b.end());
     result.insert(result.end(), out.own.begin(), out.own.end());
+    if (direct && ctx->saved_data["anchored"].toBool()) result.emplace_back();  // never a gradient
     result.emplace_back();  // the plan
     return result;
   }
 };
+
+// The direct mode's anchor: one scalar leaf per thread, shared by every node (so autograd
+// runs its gradient accumulator once per backward, with nothing to accumulate).
+const at::Tensor& Anchor() {
+  thread_local const at::Tensor anchor = at::zeros({}, at::kFloat).requires_grad_(true);
+  return anchor;
+}
 
 }  // namespace
 
@@ -305,9 +366,29 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
       plan.own.push_back(-1);
     }
   }
+  // On CPU the node accumulates the weights' gradients into .grad() itself instead of
+  // handing them to autograd: one AccumulateGrad node per weight per linear is most of the
+  // autograd engine's per-adapter work on a small model. The result is the same (the first
+  // gradient becomes .grad(), later ones add to it). Elsewhere the weights are inputs.
+  const bool direct = x.is_cpu();
+  bool track = false;
+  if (direct) {
+    plan.direct = true;
+    const bool grad_mode = c10::GradMode::is_enabled();
+    for (size_t s = 0; s < a.size(); ++s) {
+      plan.a_grad.push_back(grad_mode && a[s].requires_grad() ? 1 : 0);
+      plan.b_grad.push_back(grad_mode && b[s].requires_grad() ? 1 : 0);
+      track = track || plan.a_grad.back() != 0 || plan.b_grad.back() != 0;
+    }
+    plan.a = std::move(a);
+    plan.b = std::move(b);
+    a.clear();
+    b.clear();
+  }
   // The casts stay outside the node, so autograd casts the gradients back for us.
+  const at::TensorList anchor = track ? at::TensorList(Anchor()) : at::TensorList();
   const at::Tensor delta = SgmvLora::apply(x.to(compute).contiguous(), at::TensorList(a),
-                                           at::TensorList(b), at::TensorList(own_x), plan);
+                                           at::TensorList(b), at::TensorList(own_x), anchor, plan);
   return delta.to(x.scalar_type());
 }
 

@@ -4,9 +4,12 @@
 // segment get no LoRA term. For segment s:
 //   delta[rows_s] = scale_s * (x[rows_s] · A_sᵀ) · B_sᵀ      (shrink to rank r, then expand)
 // Forward and backward are written out by hand as SGMV shrink/expand steps (kernels/sgmv.h)
-// inside one autograd node: on CPU each step is a BLAS call per segment, on CUDA
+// inside one autograd node: on CPU each step is one call per segment on raw memory (BLAS,
+// or plain vectorised loops for small segments, where BLAS's fixed cost dominates), on CUDA
 // (TWINKLE_WITH_CUDA) one kernel launch over all segments; kernels/tests holds the two
-// backends against each other and against a plain ATen composition.
+// backends against each other and against a plain ATen composition. On CPU the node adds
+// the weights' gradients into their .grad() itself (what autograd's AccumulateGrad would do)
+// instead of returning them, which saves autograd two nodes per segment and linear.
 
 #include <ATen/core/Tensor.h>
 

@@ -54,7 +54,8 @@ void SegmentedOuterCuda(const std::vector<OuterTask>& tasks);
 // and nothing else per segment. T is float or double.
 //   CpuMatmul: out[n, p] = alpha · in[n, k] · wᵀ, w [p, k] with strides (w_rs, w_cs), one
 //              of them 1 (w may be a transpose); in/out rows ld_in/ld_out apart.
-//   CpuOuter:  out[P, Q] = alpha · lᵀ · r, l [n, P], r [n, Q]; out contiguous (n = 0: zeros).
+//   CpuOuter:  out[P, Q] = alpha · lᵀ · r, l [n, P], r [n, Q]; out contiguous (n = 0: zeros);
+//              with `accumulate`, out += alpha · lᵀ · r instead (BLAS beta = 1).
 // A segment's result depends only on its own operands (and their 64-byte alignment), never
 // on the other segments, so fused and solo passes round alike.
 template <typename T>
@@ -62,7 +63,7 @@ void CpuMatmul(int64_t n, int64_t p, int64_t k, double alpha, const T* in, int64
                const T* w, int64_t w_rs, int64_t w_cs, T* out, int64_t ld_out);
 template <typename T>
 void CpuOuter(int64_t n, int64_t P, int64_t Q, double alpha, const T* l, int64_t ld_l, const T* r,
-              int64_t ld_r, T* out);
+              int64_t ld_r, T* out, bool accumulate = false);
 
 // Shape/stride/device checks shared by both backends; throw c10::Error on misuse.
 void CheckTasks(const std::vector<MatmulTask>& tasks);

@@ -1,4 +1,5 @@
-// CPU backend of the segmented primitives (one BLAS call per segment) and the dispatch.
+// CPU backend of the segmented primitives (one BLAS call, or one small loop nest, per segment)
+// and the dispatch.
 
 #include "kernels/sgmv.h"
 
@@ -8,6 +9,7 @@
 #include <climits>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 // The Fortran BLAS that LibTorch itself calls for float/double matmuls on CPU (MKL in the
 // x86 wheels, which export it). Weak: a LibTorch without it falls back to ATen's mm below.
@@ -23,11 +25,11 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 namespace twinkle::kernels {
 namespace {
 
-// Column-major C[m, n] = alpha · op(A) · op(B) (beta = 0) through BLAS; false when BLAS is
+// Column-major C[m, n] = alpha · op(A) · op(B) + beta · C through BLAS; false when BLAS is
 // missing or a size does not fit its int arguments (the caller then uses ATen).
 template <typename T>
 bool Blas(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
-          const T* b, int64_t ldb, T* c, int64_t ldc) {
+          const T* b, int64_t ldb, T* c, int64_t ldc, T beta = 0) {
   auto* fn = [] {
     if constexpr (std::is_same_v<T, float>) return sgemm_;
     else return dgemm_;
@@ -38,9 +40,124 @@ bool Blas(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
   }
   const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const int ldai = static_cast<int>(lda), ldbi = static_cast<int>(ldb), ldci = static_cast<int>(ldc);
-  const T beta = 0;
   fn(&ta, &tb, &mi, &ni, &ki, &alpha, a, &ldai, b, &ldbi, &beta, c, &ldci);
   return true;
+}
+
+// Small problems (a LoRA segment of a few dozen rows at rank 8 is ~10^4 multiply-adds) are
+// dominated by BLAS's fixed cost per call (argument checks, threading, packing: 3-10 µs),
+// so below kSmallWork multiply-adds they run as plain loops instead. Every output element
+// is then a sum in a fixed order (over k, first to last, then scaled by alpha), computed
+// without fused multiply-adds in every clone below, so the result does not depend on the
+// machine's vector width, and never on other segments.
+constexpr int64_t kSmallWork = int64_t{1} << 16;
+
+// An AVX2 clone next to the baseline one, picked at load time (x86-64 with GCC/Clang). AVX2
+// brings no FMA, and the file is built with -ffp-contract=off, so both round alike.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TWINKLE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define TWINKLE_CLONES
+#endif
+
+// The loops: out[i, j] = alpha · Σ_kk in(i, kk) · m[kk, j] (+ out[i, j] when accumulating),
+// with in(i, kk) = in[i · in_rs + kk · in_cs] and m row-major [k, p] (row stride ldm). A
+// tile of R rows × NV vectors of columns keeps its sums in registers while kk runs (GCC
+// vector types: 32 bytes, two SSE registers in the baseline clone, one AVX register in the
+// AVX2 one); a remainder of fewer columns than a vector runs one column at a time. Each sum
+// only ever adds its own products in kk order: nothing is reassociated.
+template <typename T, int R, int NV>
+inline __attribute__((always_inline)) void SmallTile(int64_t i, int64_t j, int64_t k, T alpha,
+                                                     const T* __restrict in, int64_t in_rs,
+                                                     int64_t in_cs, const T* __restrict m,
+                                                     int64_t ldm, T* __restrict out,
+                                                     int64_t ld_out, bool accumulate) {
+  typedef T V __attribute__((vector_size(32)));
+  // Unaligned access to a vector's worth of T: plain loads/stores, no staging on the stack.
+  typedef T VU __attribute__((vector_size(32), aligned(alignof(T)), may_alias));
+  constexpr int kLanes = 32 / static_cast<int>(sizeof(T));
+  V acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = V{};
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    V row[NV];
+    for (int v = 0; v < NV; ++v) row[v] = *reinterpret_cast<const VU*>(m + kk * ldm + j + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const T a = in[(i + r) * in_rs + kk * in_cs];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * row[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) {
+      VU* o = reinterpret_cast<VU*>(out + (i + r) * ld_out + j + v * kLanes);
+      const V value = alpha == T(1) ? acc[r][v] : alpha * acc[r][v];
+      *o = accumulate ? *o + value : value;
+    }
+  }
+}
+
+// One column j of R rows.
+template <typename T, int R>
+inline __attribute__((always_inline)) void SmallColumn(int64_t i, int64_t j, int64_t k, T alpha,
+                                                       const T* __restrict in, int64_t in_rs,
+                                                       int64_t in_cs, const T* __restrict m,
+                                                       int64_t ldm, T* __restrict out,
+                                                       int64_t ld_out, bool accumulate) {
+  T acc[R] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const T b = m[kk * ldm + j];
+    for (int r = 0; r < R; ++r) acc[r] += in[(i + r) * in_rs + kk * in_cs] * b;
+  }
+  for (int r = 0; r < R; ++r) {
+    T* o = out + (i + r) * ld_out + j;
+    const T value = alpha == T(1) ? acc[r] : alpha * acc[r];
+    *o = accumulate ? *o + value : value;
+  }
+}
+
+template <typename T, int R>
+inline __attribute__((always_inline)) void SmallRows(int64_t i, int64_t p, int64_t k, T alpha,
+                                                     const T* in, int64_t in_rs, int64_t in_cs,
+                                                     const T* m, int64_t ldm, T* out,
+                                                     int64_t ld_out, bool accumulate) {
+  constexpr int kLanes = 32 / static_cast<int>(sizeof(T));
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= p; j += 2 * kLanes) {
+    SmallTile<T, R, 2>(i, j, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+  }
+  for (; j + kLanes <= p; j += kLanes) {
+    SmallTile<T, R, 1>(i, j, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+  }
+  for (; j < p; ++j) {
+    SmallColumn<T, R>(i, j, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+  }
+}
+
+#define TWINKLE_SMALL_KERNEL(T, NAME)                                                           \
+  TWINKLE_CLONES void NAME(int64_t n, int64_t p, int64_t k, T alpha, const T* in, int64_t in_rs, \
+                           int64_t in_cs, const T* m, int64_t ldm, T* out, int64_t ld_out,       \
+                           bool accumulate) {                                                    \
+    int64_t i = 0;                                                                               \
+    for (; i + 4 <= n; i += 4) {                                                                 \
+      SmallRows<T, 4>(i, p, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);        \
+    }                                                                                            \
+    for (; i < n; ++i) {                                                                         \
+      SmallRows<T, 1>(i, p, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);        \
+    }                                                                                            \
+  }
+TWINKLE_SMALL_KERNEL(float, SmallKernelF)
+TWINKLE_SMALL_KERNEL(double, SmallKernelD)
+#undef TWINKLE_SMALL_KERNEL
+
+template <typename T>
+void SmallKernel(int64_t n, int64_t p, int64_t k, T alpha, const T* in, int64_t in_rs,
+                 int64_t in_cs, const T* m, int64_t ldm, T* out, int64_t ld_out, bool accumulate) {
+  if constexpr (std::is_same_v<T, float>) {
+    SmallKernelF(n, p, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+  } else {
+    SmallKernelD(n, p, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+  }
 }
 
 template <typename T>
@@ -140,6 +257,21 @@ void CpuMatmul(int64_t n, int64_t p, int64_t k, double alpha, const T* in, int64
   // (overlapping or broadcast rows) goes to ATen.
   if (k == 1) w_cs = 1;
   if (p == 1 && w_cs != 1) w_rs = 1;
+  if (n * k * p <= kSmallWork && (n == 1 || ld_out >= p)) {
+    // The loops want w as m = wᵀ [k, p] with unit stride along p: as it lies when w is a
+    // transposed [k, p] (w_rs = 1), else transposed into a small scratch buffer.
+    if (w_rs == 1) {
+      SmallKernel<T>(n, p, k, static_cast<T>(alpha), in, ld_in, 1, w, w_cs, out, ld_out, false);
+    } else {
+      thread_local std::vector<T> wt;
+      wt.resize(static_cast<size_t>(k * p));
+      for (int64_t j = 0; j < p; ++j) {
+        for (int64_t kk = 0; kk < k; ++kk) wt[kk * p + j] = w[j * w_rs + kk * w_cs];
+      }
+      SmallKernel<T>(n, p, k, static_cast<T>(alpha), in, ld_in, 1, wt.data(), p, out, ld_out, false);
+    }
+    return;
+  }
   const bool w_rows = w_cs == 1 && (w_rs >= k || p == 1);
   const bool w_cols = !w_rows && w_rs == 1 && w_cs >= p;
   const bool rows_ok = n == 1 || (ld_in >= k && ld_out >= p);
@@ -157,22 +289,29 @@ void CpuMatmul(int64_t n, int64_t p, int64_t k, double alpha, const T* in, int64
 
 template <typename T>
 void CpuOuter(int64_t n, int64_t P, int64_t Q, double alpha, const T* l, int64_t ld_l, const T* r,
-              int64_t ld_r, T* out) {
+              int64_t ld_r, T* out, bool accumulate) {
   if (P == 0 || Q == 0) return;
   if (n == 0) {  // an empty segment: a zero gradient
-    std::memset(out, 0, sizeof(T) * P * Q);
+    if (!accumulate) std::memset(out, 0, sizeof(T) * P * Q);
+    return;
+  }
+  if (n * P * Q <= kSmallWork) {
+    // Row a of out is l[:, a]ᵀ · r: the kernel with l's column a as its input row.
+    SmallKernel<T>(P, Q, n, static_cast<T>(alpha), l, 1, ld_l, r, ld_r, out, Q, accumulate);
     return;
   }
   // Row-major out[P, Q] is column-major outᵀ [Q, P] = rᵀ · l: r row-major [n, Q] is
   // column-major [Q, n] (no transpose), l row-major [n, P] is column-major [P, n] (transpose).
   if ((n == 1 || (ld_l >= P && ld_r >= Q)) &&
       Blas<T>('N', 'T', Q, P, n, static_cast<T>(alpha), r, std::max<int64_t>(ld_r, Q), l,
-              std::max<int64_t>(ld_l, P), out, Q)) {
+              std::max<int64_t>(ld_l, P), out, Q, static_cast<T>(accumulate ? 1 : 0))) {
     return;
   }
   at::Tensor o = View(out, P, Q, Q, 1);
-  at::mm_out(o, View(l, n, P, ld_l, 1).t(), View(r, n, Q, ld_r, 1));
-  if (alpha != 1.0) o.mul_(alpha);
+  at::Tensor prod = at::mm(View(l, n, P, ld_l, 1).t(), View(r, n, Q, ld_r, 1));
+  if (alpha != 1.0) prod.mul_(alpha);
+  if (accumulate) o.add_(prod);
+  else o.copy_(prod);
 }
 
 template void CpuMatmul<float>(int64_t, int64_t, int64_t, double, const float*, int64_t,
@@ -180,9 +319,9 @@ template void CpuMatmul<float>(int64_t, int64_t, int64_t, double, const float*, 
 template void CpuMatmul<double>(int64_t, int64_t, int64_t, double, const double*, int64_t,
                                 const double*, int64_t, int64_t, double*, int64_t);
 template void CpuOuter<float>(int64_t, int64_t, int64_t, double, const float*, int64_t,
-                              const float*, int64_t, float*);
+                              const float*, int64_t, float*, bool);
 template void CpuOuter<double>(int64_t, int64_t, int64_t, double, const double*, int64_t,
-                               const double*, int64_t, double*);
+                               const double*, int64_t, double*, bool);
 
 void SegmentedMatmulCpu(const std::vector<MatmulTask>& tasks) {
   CheckTasks(tasks);
