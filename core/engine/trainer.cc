@@ -241,8 +241,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   const at::Tensor logits = model_->Forward(input, seq_lens, seq_groups, lora);
   // log p(target) = logit[target] - logsumexp(logits): never materialises the [N, vocab]
   // log-softmax in the forward pass.
-  const at::Tensor logprobs =
-      logits.gather(1, target.unsqueeze(1)).squeeze(1) - at::logsumexp(logits, {-1});
+  const at::Tensor logprobs = TargetLogprobs(logits, target);
 
   // Every datum's log-probs as one split: autograd then has one node that concatenates their
   // gradients, where a narrow per datum would add a full-size [N] gradient per datum.
@@ -268,9 +267,9 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
         if (!t.ok()) {
           return absl::InvalidArgumentError(absl::StrCat("op ", o, " datum ", d, " input '", name, "': ", t.status().message()));
         }
-        datum.inputs[name] = t->to(device_);
+        datum.inputs[name] = t->device() == device_ ? *std::move(t) : t->to(device_);
       }
-      absl::StatusOr<ipc::TensorDesc> lp = AppendTensor(datum.logprobs.detach(), reply);
+      absl::StatusOr<ipc::TensorDesc> lp = AppendTensor(datum.logprobs, reply);
       if (!lp.ok()) return lp.status();
       result.logprobs.push_back(*lp);
       if (req->return_logits) {
@@ -288,7 +287,8 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
           ComputeLoss(spec, datums, LossContext{op.window_tokens, op.window_sequences});
       if (!loss.ok()) return absl::Status(loss.status().code(), absl::StrCat("op ", o, ": ", loss.status().message()));
       for (const at::Tensor& e : loss->elementwise) {
-        absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(e.to(at::kFloat), reply);
+        absl::StatusOr<ipc::TensorDesc> desc =
+            AppendTensor(e.scalar_type() == at::kFloat ? e : e.to(at::kFloat), reply);
         if (!desc.ok()) return desc.status();
         result.elementwise.push_back(*desc);
       }

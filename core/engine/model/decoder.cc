@@ -1,6 +1,8 @@
 #include "core/engine/model/decoder.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 
@@ -14,7 +16,108 @@ at::Tensor RotateHalf(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// See TargetLogprobs. Saves the logits, the targets and the row log-sum-exps.
+class TargetLogprobsFn : public torch::autograd::Function<TargetLogprobsFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets) {
+    const at::Tensor lse = at::logsumexp(logits, {-1});
+    const at::Tensor picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
+    ctx->save_for_backward({logits, targets, lse});
+    return picked - lse;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const c10::NoGradGuard no_grad;
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& logits = saved[0];
+    const at::Tensor& targets = saved[1];
+    const at::Tensor& lse = saved[2];
+    const at::Tensor g = grads[0].unsqueeze(1);
+    // d/dlogits of (logit[t] - lse) = onehot(t) - softmax; the softmax part is what autograd's
+    // logsumexp backward computes, grad · exp(logits - lse), here in place in one buffer.
+    at::Tensor out = at::sub(logits, lse.unsqueeze(1));
+    out.exp_().mul_(-g);
+    out.scatter_add_(1, targets.unsqueeze(1), g);
+    return {out, at::Tensor()};
+  }
+};
+
+// Causal attention within runs of rows, as one autograd node. Run r is count_r sequences of
+// length len_r, rows_r = count_r · len_r rows in a row: its q/k/v rows, viewed as
+// [count, heads, len, d], go to the CPU flash-attention kernel (the one
+// at::scaled_dot_product_attention picks here, with the same arguments, GQA included), and
+// backward calls that kernel's backward per run. As one node, a run costs its kernel calls
+// and a few views, not ten autograd nodes (views, transposes, the SDPA node, a split and a
+// cat around them).
+class PackedAttentionFn : public torch::autograd::Function<PackedAttentionFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& run_rows,
+                            const std::vector<int64_t>& run_lens) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const int64_t heads = q.size(1), d = q.size(2);
+    torch::autograd::variable_list saved{q, k, v};
+    std::vector<at::Tensor> outputs;
+    int64_t start = 0;
+    for (size_t r = 0; r < run_rows.size(); ++r) {
+      auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+          Block(q, start, run_rows[r], run_lens[r]), Block(k, start, run_rows[r], run_lens[r]),
+          Block(v, start, run_rows[r], run_lens[r]), 0.0, /*is_causal=*/true);
+      outputs.push_back(o.transpose(1, 2).reshape({run_rows[r], heads * d}));
+      saved.push_back(o);
+      saved.push_back(lse);
+      start += run_rows[r];
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["rows"] = run_rows;
+    ctx->saved_data["lens"] = run_lens;
+    return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const c10::NoGradGuard no_grad;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const std::vector<int64_t> run_rows = ctx->saved_data["rows"].toIntVector();
+    const std::vector<int64_t> run_lens = ctx->saved_data["lens"].toIntVector();
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    const int64_t heads = q.size(1), d = q.size(2);
+    const at::Tensor g = grads[0].contiguous();
+    std::vector<at::Tensor> gq, gk, gv;
+    int64_t start = 0;
+    for (size_t r = 0; r < run_rows.size(); ++r) {
+      const int64_t rows = run_rows[r], len = run_lens[r];
+      const at::Tensor go = g.narrow(0, start, rows).view({rows / len, len, heads, d}).transpose(1, 2);
+      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          go, Block(q, start, rows, len), Block(k, start, rows, len), Block(v, start, rows, len),
+          saved[3 + 2 * r], saved[4 + 2 * r], 0.0, /*is_causal=*/true);
+      gq.push_back(dq.transpose(1, 2).reshape({rows, q.size(1), d}));
+      gk.push_back(dk.transpose(1, 2).reshape({rows, k.size(1), d}));
+      gv.push_back(dv.transpose(1, 2).reshape({rows, v.size(1), d}));
+      start += rows;
+    }
+    auto join = [](const std::vector<at::Tensor>& parts) {
+      return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+    };
+    return {join(gq), join(gk), join(gv), at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  // Rows [start, start + rows) of t [N, heads, d] as [count, heads, len, d].
+  static at::Tensor Block(const at::Tensor& t, int64_t start, int64_t rows, int64_t len) {
+    return t.narrow(0, start, rows).view({rows / len, len, t.size(1), t.size(2)}).transpose(1, 2);
+  }
+};
+
 }  // namespace
+
+at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets) {
+  return TargetLogprobsFn::apply(logits, targets);
+}
 
 const char* LinearKindName(LinearKind kind) {
   switch (kind) {
@@ -124,10 +227,11 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
   q = q * c + RotateHalf(q) * s;
   k = k * c + RotateHalf(k) * s;
   // Attention within each sequence, causal. Runs of consecutive sequences of equal length in
-  // the same group share one SDPA call as a [B, heads, L, d] batch (a padded batch would not
+  // the same group share one kernel call as a [B, heads, L, d] batch (a padded batch would not
   // be exact). Runs never cross groups (ops): the kernel's blocking may depend on the batch,
   // and a tenant's numbers must not depend on who else is in the fused pass.
-  // GQA is handled by SDPA itself, without copying k/v per head group.
+  // GQA is handled by the kernel itself, without copying k/v per head group. On CPU the runs
+  // form one autograd node (PackedAttentionFn).
   std::vector<int64_t> run_rows, run_lens;
   for (size_t i = 0; i < seq_lens.size();) {
     const int64_t len = seq_lens[i];
@@ -140,24 +244,30 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
     run_lens.push_back(len);
     i = j;
   }
-  // One split per tensor rather than a narrow per run: autograd then has one node that
-  // concatenates the runs' gradients, instead of a full-size zero-filled gradient per run
-  // summed up (quadratic in the number of runs).
-  const bool single = run_rows.size() == 1;
-  const std::vector<at::Tensor> qs = single ? std::vector<at::Tensor>{q} : q.split_with_sizes(run_rows);
-  const std::vector<at::Tensor> ks = single ? std::vector<at::Tensor>{k} : k.split_with_sizes(run_rows);
-  const std::vector<at::Tensor> vs = single ? std::vector<at::Tensor>{v} : v.split_with_sizes(run_rows);
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(run_rows.size());
-  for (size_t r = 0; r < run_rows.size(); ++r) {
-    const int64_t len = run_lens[r], count = run_rows[r] / len;
-    auto block = [&](const at::Tensor& t) { return t.view({count, len, t.size(1), d}).transpose(1, 2); };
-    at::Tensor o = at::scaled_dot_product_attention(block(qs[r]), block(ks[r]), block(vs[r]), {}, 0.0,
-                                                    /*is_causal=*/true, /*scale=*/std::nullopt,
-                                                    /*enable_gqa=*/kv_heads != heads);
-    outputs.push_back(o.transpose(1, 2).reshape({run_rows[r], heads * d}));
+  at::Tensor attn;
+  if (q.is_cpu()) {
+    attn = PackedAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), run_rows,
+                                    run_lens);
+  } else {
+    // Elsewhere SDPA picks the device's kernel. One split per tensor rather than a narrow per
+    // run: autograd then has one node that concatenates the runs' gradients, instead of a
+    // full-size zero-filled gradient per run summed up (quadratic in the number of runs).
+    const bool single = run_rows.size() == 1;
+    const std::vector<at::Tensor> qs = single ? std::vector<at::Tensor>{q} : q.split_with_sizes(run_rows);
+    const std::vector<at::Tensor> ks = single ? std::vector<at::Tensor>{k} : k.split_with_sizes(run_rows);
+    const std::vector<at::Tensor> vs = single ? std::vector<at::Tensor>{v} : v.split_with_sizes(run_rows);
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(run_rows.size());
+    for (size_t r = 0; r < run_rows.size(); ++r) {
+      const int64_t len = run_lens[r], count = run_rows[r] / len;
+      auto block = [&](const at::Tensor& t) { return t.view({count, len, t.size(1), d}).transpose(1, 2); };
+      at::Tensor o = at::scaled_dot_product_attention(block(qs[r]), block(ks[r]), block(vs[r]), {}, 0.0,
+                                                      /*is_causal=*/true, /*scale=*/std::nullopt,
+                                                      /*enable_gqa=*/kv_heads != heads);
+      outputs.push_back(o.transpose(1, 2).reshape({run_rows[r], heads * d}));
+    }
+    attn = single ? outputs[0] : at::cat(outputs, 0);
   }
-  const at::Tensor attn = single ? outputs[0] : at::cat(outputs, 0);
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 

@@ -91,6 +91,13 @@ class DecoderModel {
   at::Tensor inv_freq_;  // [head_dim / 2], float32, RoPE scaling applied
 };
 
+// log p(targets[i]) under softmax(logits[i]) for logits [N, vocab] (float) and int64
+// targets [N]: logits[i, t_i] - logsumexp(logits[i]), as one autograd node whose backward
+// writes the [N, vocab] gradient g_i · (onehot(t_i) - softmax(logits[i])) in one buffer
+// (gather + logsumexp as separate ops would allocate and add several of them). Same values,
+// forward and backward, as that composition.
+at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets);
+
 // RoPE inverse frequencies exactly as transformers computes them (fp32), with linear or
 // llama3 scaling.
 at::Tensor RopeInverseFrequencies(const ModelConfig& config);
