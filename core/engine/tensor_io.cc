@@ -42,7 +42,9 @@ absl::StatusOr<std::string> ToDtypeName(c10::ScalarType type) {
 absl::StatusOr<ipc::TensorDesc> AppendTensor(const at::Tensor& tensor, ipc::Message& message) {
   absl::StatusOr<std::string> dtype = ToDtypeName(tensor.scalar_type());
   if (!dtype.ok()) return dtype.status();
-  const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+  // Host tensors that are already dense are read as they are (no detach/copy dispatches).
+  const at::Tensor cpu =
+      tensor.is_cpu() && tensor.is_contiguous() ? tensor : tensor.detach().to(at::kCPU).contiguous();
   ipc::TensorDesc desc;
   desc.dtype = *dtype;
   desc.shape.assign(cpu.sizes().begin(), cpu.sizes().end());

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -105,25 +106,59 @@ std::string ShapeString(const at::Tensor& t) {
 
 // Checks on tensor values (finite, 0/1 masks, clip bounds) are queued as device booleans and
 // read back with one synchronisation: an .item() per datum and input would stall a GPU
-// hundreds of times per batch.
+// hundreds of times per batch. Host tensors are checked at once by a plain loop instead
+// (AddHost): on a CPU engine the ATen ops of a check cost more than the loop.
 class ValueChecks {
  public:
   void Add(std::string error, const at::Tensor& ok) {
-    errors_.push_back(std::move(error));
+    checks_.push_back({std::move(error), static_cast<int>(oks_.size())});
     oks_.push_back(ok.reshape({}));
   }
+  enum class Check { kFinite, kZeroOrOne };
+  // t: 1-D. Falls back to Add for device tensors and dtypes the loop does not read.
+  void AddHost(std::string error, const at::Tensor& t, Check check) {
+    std::optional<bool> ok;
+    if (t.is_cpu() && t.dim() == 1) {
+      if (t.scalar_type() == at::kFloat) ok = Holds<float>(t, check);
+      else if (t.scalar_type() == at::kDouble) ok = Holds<double>(t, check);
+    }
+    if (!ok.has_value()) {
+      const at::Tensor d = t.detach();
+      Add(std::move(error), check == Check::kFinite ? at::isfinite(d).all() : ((d == 0) | (d == 1)).all());
+    } else {
+      checks_.push_back({std::move(error), *ok ? kPassed : kFailed});
+    }
+  }
+  // The first failed check, in the order they were added.
   absl::Status Run(const LossDef& def) const {
-    if (oks_.empty()) return absl::OkStatus();
-    const at::Tensor ok = at::stack(oks_).cpu();
-    const bool* flags = ok.data_ptr<bool>();
-    for (size_t i = 0; i < errors_.size(); ++i) {
-      if (!flags[i]) return Bad(def, errors_[i]);
+    const bool* flags = nullptr;
+    at::Tensor ok;
+    if (!oks_.empty()) {
+      ok = at::stack(oks_).cpu();
+      flags = ok.data_ptr<bool>();
+    }
+    for (const auto& [error, index] : checks_) {
+      if (index == kFailed || (index >= 0 && !flags[index])) return Bad(def, error);
     }
     return absl::OkStatus();
   }
 
  private:
-  std::vector<std::string> errors_;
+  static constexpr int kPassed = -1, kFailed = -2;  // host checks, done at once
+
+  template <typename T>
+  static bool Holds(const at::Tensor& t, Check check) {
+    const T* p = t.const_data_ptr<T>();
+    const int64_t n = t.size(0), stride = t.stride(0);
+    bool ok = true;
+    for (int64_t i = 0; i < n; ++i) {
+      const T v = p[i * stride];
+      ok &= check == Check::kFinite ? std::isfinite(v) : (v == T(0) || v == T(1));
+    }
+    return ok;
+  }
+
+  std::vector<std::pair<std::string, int>> checks_;  // error, index into oks_ or kPassed/kFailed
   std::vector<at::Tensor> oks_;
 };
 
@@ -155,10 +190,9 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
     if (lp.scalar_type() != first.scalar_type() || lp.device() != first.device()) {
       return Bad(def, absl::StrCat(where, ": logprobs dtype/device differ from datum 0"));
     }
-    checks.Add(absl::StrCat(where, ": logprobs are not all finite"),
-               at::isfinite(lp.detach()).all());
+    checks.AddHost(absl::StrCat(where, ": logprobs are not all finite"), lp, ValueChecks::Check::kFinite);
     PreparedDatum d;
-    d.lp = lp.to(dtype);
+    d.lp = lp.scalar_type() == dtype ? lp : lp.to(dtype);
     for (const auto& [name, tensor] : datums[i].inputs) {
       if (!Contains(accepted, name)) {
         return Bad(def, absl::StrCat(where, ": unknown input '", name,
@@ -170,14 +204,15 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
                                      ", expected [", lp.size(0), "] like logprobs"));
       }
       // Inputs are data, never part of the graph.
-      at::Tensor t = tensor.detach().to(lp.device(), dtype);
-      checks.Add(absl::StrCat(where, ": input '", name, "' has non-finite values"),
-                 at::isfinite(t).all());
+      at::Tensor t = tensor.requires_grad() ? tensor.detach() : tensor;
+      if (t.device() != lp.device() || t.scalar_type() != dtype) t = t.to(lp.device(), dtype);
+      checks.AddHost(absl::StrCat(where, ": input '", name, "' has non-finite values"), t,
+                     ValueChecks::Check::kFinite);
       // Twinkle's losses normalise by the number of unmasked tokens, which is only defined
       // for 0/1 masks; real-valued weights belong to the Tinker losses.
       if (twinkle && (name == "mask" || name == "weights")) {
-        checks.Add(absl::StrCat(where, ": input '", name, "' must be 0 or 1 per token"),
-                   ((t == 0) | (t == 1)).all());
+        checks.AddHost(absl::StrCat(where, ": input '", name, "' must be 0 or 1 per token"), t,
+                       ValueChecks::Check::kZeroOrOne);
       }
       d.in.emplace(name, std::move(t));
     }
