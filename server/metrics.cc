@@ -70,10 +70,31 @@ Metrics::Metrics()
 }
 
 void Metrics::RecordRequest(const std::string& method, const std::string& code, double seconds) {
-  requests_.Add({{"method", method}, {"code", code}}).Increment();
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120};
-  latency_.Add({{"method", method}}, kBuckets).Observe(seconds);
+  prometheus::Histogram* latency = nullptr;
+  prometheus::Counter* requests = nullptr;
+  {
+    std::shared_lock lock(series_mu_);
+    if (auto it = series_.find(method); it != series_.end()) {
+      latency = it->second->latency;
+      if (auto c = it->second->by_code.find(code); c != it->second->by_code.end()) requests = c->second;
+    }
+  }
+  if (requests == nullptr) {  // first request of this (method, code): add its series
+    static const prometheus::Histogram::BucketBoundaries kBuckets = {
+        0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120};
+    std::unique_lock lock(series_mu_);
+    std::unique_ptr<RequestSeries>& series = series_[method];
+    if (series == nullptr) {
+      series = std::make_unique<RequestSeries>();
+      series->latency = &latency_.Add({{"method", method}}, kBuckets);
+    }
+    prometheus::Counter*& counter = series->by_code[code];
+    if (counter == nullptr) counter = &requests_.Add({{"method", method}, {"code", code}});
+    latency = series->latency;
+    requests = counter;
+  }
+  requests->Increment();
+  latency->Observe(seconds);
 }
 
 void Metrics::UpdateWorkers(const std::vector<WorkerSnapshot>& workers) {

@@ -3,7 +3,9 @@
 // the fixed set of RPC and route names, so label cardinality stays bounded.
 
 #include <memory>
+#include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <prometheus/counter.h>
@@ -23,7 +25,9 @@ class Metrics {
   Metrics();
 
   // Records one finished request. `method` is an RPC name ("UtilityService/GetServerInfo")
-  // or an HTTP route ("GET /metrics"); `code` a gRPC code name or an HTTP status.
+  // or an HTTP route ("GET /metrics"); `code` a gRPC code name or an HTTP status. The
+  // series of a (method, code) are looked up once and cached: prometheus-cpp's Family::Add
+  // builds and hashes a label map under the family's lock on every call.
   void RecordRequest(const std::string& method, const std::string& code, double seconds);
 
   // Mirrors the supervisor's view of the workers into twinkle_worker_up/_restarts_total.
@@ -58,6 +62,15 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& adapters_;
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;
+  // RecordRequest's cache of series, per method: its latency histogram and its request
+  // counter per code. Read-mostly: a shared lock on the hot path, exclusive to add a series
+  // (a std::shared_mutex, which costs less per call than absl::Mutex with deadlock detection).
+  struct RequestSeries {
+    prometheus::Histogram* latency = nullptr;
+    std::unordered_map<std::string, prometheus::Counter*> by_code;
+  };
+  std::shared_mutex series_mu_;
+  std::unordered_map<std::string, std::unique_ptr<RequestSeries>> series_;  // by method
   absl::Mutex mu_;
   std::vector<int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
   // Per-tenant label values: the first kMaxTenantLabels tenants seen get their own; the

@@ -1,6 +1,8 @@
 #include "server/grpc/handler.h"
 
 #include <chrono>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -30,6 +32,10 @@ absl::Time ClientDeadline(const grpc::CallbackServerContext& context) {
 
 void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                 const absl::Status& status) {
+  if (status.ok()) {
+    reactor->Finish(grpc::Status::OK);
+    return;
+  }
   if (std::optional<int64_t> wait = tenancy::RetryAfterSeconds(status)) {
     context->AddTrailingMetadata("retry-after", absl::StrCat(*wait));
   }
@@ -37,6 +43,21 @@ void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* 
 }
 
 namespace {
+
+// The metrics label of a status code: absl's name, built once per code rather than per call.
+const std::string& CodeName(absl::StatusCode code) {
+  static const auto* names = [] {
+    auto* v = new std::vector<std::string>();
+    for (int c = 0; c <= static_cast<int>(absl::StatusCode::kUnauthenticated); ++c) {
+      v->push_back(absl::StatusCodeToString(static_cast<absl::StatusCode>(c)));
+    }
+    return v;
+  }();
+  const auto index = static_cast<size_t>(code);
+  if (index < names->size()) return (*names)[index];
+  static const std::string* unknown = new std::string();  // what absl names a non-canonical code
+  return *unknown;
+}
 
 // Draining and authentication, shared by both kinds of handler.
 absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state) {
@@ -52,7 +73,7 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
   RequestTimer timer(state.metrics, method);
   absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
   const absl::Status status = tenant.ok() ? body(**tenant) : tenant.status();
-  timer.set_code(absl::StatusCodeToString(status.code()));
+  timer.set_code(CodeName(status.code()));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   FinishCall(context, reactor, status);
   return reactor;
@@ -66,7 +87,7 @@ grpc::ServerUnaryReactor* HandleQueued(
   auto timer = std::make_shared<RequestTimer>(state.metrics, method);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto finish = [context, reactor, timer](const absl::Status& status) {
-    timer->set_code(absl::StatusCodeToString(status.code()));
+    timer->set_code(CodeName(status.code()));
     FinishCall(context, reactor, status);
   };
   absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
