@@ -153,6 +153,16 @@ const char* StepKindName(sched::OpKind kind) {
   }
 }
 
+// Copies the coordinator's adapter counts and per-tenant queue depths into the metrics.
+// Runs on every housekeeping tick and on every /metrics scrape, so a scrape is current.
+void SampleGauges(ServingState& state) {
+  const training::CoordinatorStats s = state.coordinator->stats();
+  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
+  for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) {
+    state.metrics.SetQueueDepth(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
+  }
+}
+
 // Once a second: expire adapters and futures, and sample the gauges.
 class Housekeeper {
  public:
@@ -169,11 +179,7 @@ class Housekeeper {
       state_.futures->Expire();
       // Journaled results outlive the process for the same retention.
       (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
-      const training::CoordinatorStats s = state_.coordinator->stats();
-      state_.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
-      for (const tenancy::Tenant* t : state_.authenticator->registry().tenants()) {
-        state_.metrics.SetQueueDepth(t->id, state_.coordinator->scheduler().queued_for_tenant(t->id));
-      }
+      SampleGauges(state_);
     }
   }
   ServingState& state_;
@@ -199,6 +205,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
 
 void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grpc_address, bool tls) {
   http.Route("GET", "/metrics", [&state](const HttpRequest&) {
+    SampleGauges(state);
     return HttpResponse{200, "text/plain; version=0.0.4", state.metrics.Render()};
   });
   http.Route("GET", "/healthz", [](const HttpRequest&) {

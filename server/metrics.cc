@@ -67,6 +67,11 @@ Metrics::Metrics()
       .Register(*registry_)
       .Add({{"version", kTwinkleVersion}, {"commit", kTwinkleGitCommit}})
       .Set(1);
+  // Known label values exist from the start (at 0), so a scrape before the first
+  // housekeeping tick still shows every adapter series.
+  for (const char* state : {"all", "resident"}) adapters_.Add({{"state", state}});
+  for (const char* event : {"offload", "reload", "expire"}) adapter_events_.Add({{"event", event}});
+  auth_failures_.Add({});
 }
 
 void Metrics::RecordRequest(const std::string& method, const std::string& code, double seconds) {
