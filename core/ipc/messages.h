@@ -38,7 +38,9 @@ struct LoadModelRequest {
   std::string dtype;   // float32 | bfloat16 | float16
   std::string device;  // cpu | cuda:N
   int64_t max_lora_rank = 0;  // create_adapter refuses larger ranks; 0 = no limit
-  MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank);
+  int64_t kv_cache_blocks = 0;  // sampler KV cache blocks per worker; 0 = 2048
+  int64_t kv_block_size = 0;    // tokens per KV block; 0 = 16
+  MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank, kv_cache_blocks, kv_block_size);
 };
 struct LoadModelReply {
   std::string architecture;
@@ -51,8 +53,12 @@ struct LoadModelReply {
   int64_t hidden_size = 0;
   std::vector<std::string> supported_losses;
   double load_seconds = 0;
+  int64_t kv_cache_blocks = 0;  // the sampler's KV cache, as allocated
+  int64_t kv_block_size = 0;
+  int64_t max_position_embeddings = 0;
   MSGPACK_DEFINE_MAP(architecture, model_type, parameter_count, dtype, device, num_layers,
-                     vocab_size, hidden_size, supported_losses, load_seconds);
+                     vocab_size, hidden_size, supported_losses, load_seconds, kv_cache_blocks,
+                     kv_block_size, max_position_embeddings);
 };
 
 // Describes a tensor travelling as a raw frame: frame index into Message::buffers.

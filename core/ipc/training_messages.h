@@ -218,4 +218,46 @@ struct SampleReply {
   MSGPACK_DEFINE_MAP(rows);
 };
 
+// sample_step: continuous batching over the worker's paged KV cache. One call drops `cancel`
+// (blocks freed; unknown ids ignored), admits and prefills `admit` in order while KV blocks
+// last (FIFO: once one is deferred, every later one in the call is deferred too), then runs
+// up to max_decode_steps decode steps over everything running. A finished request's result is
+// exactly what one-shot `sample` returns for that row. A call with no admits and
+// max_decode_steps 0 does no work and reports the cache occupancy (stats).
+inline constexpr char kMethodSampleStep[] = "sample_step";
+
+struct SampleAdmitMsg {
+  uint64_t request_id = 0;
+  SampleRowMsg row;
+  MSGPACK_DEFINE_MAP(request_id, row);
+};
+struct SampleStepRequest {
+  std::vector<SampleAdmitMsg> admit;  // prefilled in this call, in order, while blocks last
+  std::vector<uint64_t> cancel;       // dropped (blocks freed) before anything else
+  int64_t max_decode_steps = 8;       // decode steps after admission; 0 = admit/prefill only
+  bool reset = false;                 // drop every running request first (coordinator lost track)
+  MSGPACK_DEFINE_MAP(admit, cancel, max_decode_steps, reset);
+};
+struct SampleFinishedMsg {
+  uint64_t request_id = 0;
+  SampleRowResultMsg result;
+  MSGPACK_DEFINE_MAP(request_id, result);
+};
+struct SampleRejectedMsg {
+  uint64_t request_id = 0;
+  std::string error;
+  MSGPACK_DEFINE_MAP(request_id, error);
+};
+struct SampleStepReply {
+  std::vector<SampleFinishedMsg> finished;  // done this call (stop or length); blocks freed
+  std::vector<SampleRejectedMsg> rejected;  // can never run (or its adapter was removed)
+  std::vector<uint64_t> deferred;           // valid, no free blocks now: resubmit later, in order
+  int64_t running = 0;                      // requests still decoding after this call
+  int64_t blocks_in_use = 0;
+  int64_t blocks_total = 0;
+  int64_t block_size = 0;
+  MSGPACK_DEFINE_MAP(finished, rejected, deferred, running, blocks_in_use, blocks_total,
+                     block_size);
+};
+
 }  // namespace twinkle::ipc
