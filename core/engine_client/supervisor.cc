@@ -316,7 +316,8 @@ void Supervisor::HandleMessages(absl::Time now) {
         load.envelope.method = ipc::kMethodLoadModel;
         load.envelope.body =
             ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device,
-                                                options_.max_lora_rank});
+                                                options_.max_lora_rank, options_.kv_cache_blocks,
+                                                options_.kv_block_size});
         absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
         if (s.ok()) s = ipc::SendMessage(zmq_->router, load, w.identity);
         if (!s.ok()) {
@@ -353,7 +354,9 @@ void Supervisor::HandleMessages(absl::Time now) {
         }
         model_info_ = ModelInfo{reply->architecture, reply->model_type, reply->parameter_count,
                                 reply->dtype, reply->num_layers, reply->vocab_size,
-                                reply->hidden_size, reply->supported_losses};
+                                reply->hidden_size, reply->supported_losses,
+                                reply->kv_cache_blocks, reply->kv_block_size,
+                                reply->max_position_embeddings};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
         ++engine_generation_;

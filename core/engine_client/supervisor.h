@@ -32,6 +32,8 @@ struct SupervisorOptions {
   std::string dtype;
   std::string log_level = "info";
   int64_t max_lora_rank = 0;          // passed to the workers, which refuse larger adapters
+  int64_t kv_cache_blocks = 0;        // sampler KV cache blocks per worker (0 = engine default 2048)
+  int64_t kv_block_size = 0;          // tokens per KV block (0 = engine default 16)
   absl::Duration heartbeat_interval = absl::Milliseconds(200);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
   absl::Duration startup_timeout = absl::Seconds(120);
@@ -57,6 +59,9 @@ struct ModelInfo {
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   std::vector<std::string> supported_losses;
+  int64_t kv_cache_blocks = 0;  // the sampler's KV cache per worker, as allocated
+  int64_t kv_block_size = 0;
+  int64_t max_position_embeddings = 0;
 };
 
 class Supervisor {
