@@ -1,0 +1,159 @@
+#pragma once
+// The coordinator's side of the sampler pool, independent of any transport: sampling
+// sessions, adapter snapshots, and the decode loop that feeds the engine's continuous
+// batch (ipc `sample_step`).
+//
+// Snapshots. A snapshot is an immutable copy of an adapter's LoRA weights, living in the
+// engine as an adapter of its own ("snap:<n>") next to the training adapters, plus a host
+// copy here so it can be recreated after an engine restart. Two ways to make one:
+//  - from a checkpoint path (twinkle:// or tinker://, sampler_weights or weights) of the
+//    caller's tenant: loaded once per path and shared by every session on that path;
+//  - from a live adapter (Tinker's save_weights_and_get_sampling_client): captured in the
+//    adapter's own queue, after its earlier ops, so it sees exactly the weights those ops
+//    left; in memory only, never listed as a checkpoint.
+// (A named sampler snapshot, Twinkle's save(is_sampler) / Tinker's save_weights_for_sampler
+// with a path, is a sampler_weights checkpoint written by the training coordinator; a
+// session on its path loads it.) Snapshots are reference counted by the sessions that pin
+// them and removed from the engine when the last one closes or expires.
+//
+// Sampling requests are queued ops of the training scheduler on a per-session queue, so
+// they get future ids, deadlines, idempotency, the tenant's pending-op cap and fair-share
+// accounting like every other op. When the scheduler picks one, it is handed to the decode
+// thread (the op completes later, from there). The decode thread admits waiting requests
+// into the engine's running batch and runs bounded decode chunks; the engine worker serves
+// calls in arrival order, so training steps and decode chunks interleave and neither waits
+// for more than one of the other (see docs/architecture.md, "Sampler").
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/common/clock.h"
+#include "core/futures/future_store.h"
+#include "core/training/checkpoints.h"
+#include "core/training/coordinator.h"
+#include "core/training/engine_link.h"
+#include "core/training/types.h"
+
+namespace twinkle::sampling {
+
+using training::SubmitOptions;
+using training::TenantContext;
+
+struct SamplingParams {
+  int64_t max_tokens = 16;
+  double temperature = 1.0;  // 0 = greedy
+  double top_p = 1.0;        // 1 = off
+  int64_t top_k = 0;         // <= 0 = off
+  std::vector<int64_t> stop_token_ids;
+  // Matched on the decoded text of the generated tokens; the token that completes a stop
+  // string is the last one returned (as for a stop token).
+  std::vector<std::string> stop_strings;
+  std::optional<uint64_t> seed;  // unset: the server draws one (recorded, so a replay after an engine restart is exact)
+  int64_t num_samples = 1;
+  bool prompt_logprobs = false;
+};
+
+struct SampledSequence {
+  std::vector<int64_t> tokens;  // generated tokens only; a stop token that ended it is last
+  std::vector<float> logprobs;  // log p(token) under the model (log-softmax of the raw logits)
+  std::string stop_reason;      // "stop" | "length"
+};
+
+struct PromptOutput {
+  std::vector<SampledSequence> sequences;  // num_samples of them, in order
+  // [P] when asked: prompt_logprobs[i] = log p(prompt[i] | prompt[:i]); [0] is NaN.
+  std::vector<float> prompt_logprobs;
+};
+
+// The future value of SubmitSample: one PromptOutput per prompt, in order.
+struct SampleOutput {
+  std::vector<PromptOutput> prompts;
+};
+
+// The future value of SubmitSnapshotSession.
+struct SnapshotSession {
+  std::string sampling_session_id;
+};
+
+struct SamplingSessionInfo {
+  std::string id;
+  std::string base_model;
+  std::string model_path;  // "" = the base model; for a live snapshot, the adapter it came from
+};
+
+struct SamplerOptions {
+  std::string base_model;
+  int64_t max_decode_steps_per_call = 8;  // one decode chunk; bounds what a training step waits
+  int32_t max_snapshots = 64;             // engine snapshots held at once, server-wide
+  int32_t max_sessions_per_tenant = 64;
+  absl::Duration session_timeout = absl::Seconds(1800);  // unused this long: closed
+  int64_t default_max_tokens = 16;
+};
+
+struct SamplerStats {
+  int64_t sessions = 0;
+  int64_t snapshots = 0;
+  int64_t waiting = 0;   // handed over by the scheduler, not yet admitted
+  int64_t running = 0;   // in the engine's batch
+  int64_t blocks_in_use = 0;
+  int64_t blocks_total = 0;
+  int64_t block_size = 0;
+  int64_t tokens_generated = 0;
+};
+
+class SamplerCoordinator {
+ public:
+  SamplerCoordinator(SamplerOptions options, training::EngineLink& engine,
+                     training::TrainingCoordinator& training, training::CheckpointStore* checkpoints,
+                     FutureStore& futures, const Clock& clock = RealClock());
+  ~SamplerCoordinator();
+
+  void Start();
+  void Stop();
+
+  // A session on the base model (`model_path` empty) or on a checkpoint of the caller's
+  // tenant (another tenant's path is NotFound, like an unknown one).
+  absl::StatusOr<std::string> CreateSession(const TenantContext& tenant, const std::string& model_path);
+  // Snapshots adapter `adapter_name` in its queue and opens a session on the snapshot.
+  // Future value: SnapshotSession.
+  absl::StatusOr<uint64_t> SubmitSnapshotSession(const TenantContext& tenant, const std::string& adapter_name,
+                                                 const SubmitOptions& options);
+  absl::StatusOr<SamplingSessionInfo> GetSession(const TenantContext& tenant, const std::string& session_id);
+  absl::Status CloseSession(const TenantContext& tenant, const std::string& session_id);
+
+  // Future value: SampleOutput. Bad input → INVALID_ARGUMENT naming the field, before
+  // anything is queued (token ids, lengths against the model's positions, parameters).
+  absl::StatusOr<uint64_t> SubmitSample(const TenantContext& tenant, const std::string& session_id,
+                                        std::vector<std::vector<int64_t>> prompts, const SamplingParams& params,
+                                        const SubmitOptions& options);
+
+  // Closes sessions unused for session_timeout. Call periodically.
+  void Housekeep();
+  SamplerStats stats() const;
+
+ private:
+  struct Snapshot;
+  struct Session;
+  struct Request;
+
+  void DecodeLoop();
+  // ...
+  const SamplerOptions options_;
+  training::EngineLink& engine_;
+  training::TrainingCoordinator& training_;
+  training::CheckpointStore* checkpoints_;
+  FutureStore& futures_;
+  const Clock& clock_;
+};
+
+}  // namespace twinkle::sampling
