@@ -1,0 +1,1 @@
+"""Client-side helpers under Twinkle's server module path (twinkle.server.common)."""
