@@ -41,7 +41,8 @@ RequestHandler::RequestHandler(std::string device) : device_(std::move(device)) 
   for (const char* name : {ipc::kMethodCreateAdapter, ipc::kMethodRemoveAdapter, ipc::kMethodForward,
                            ipc::kMethodForwardBackward, ipc::kMethodOptimStep, ipc::kMethodZeroGrad,
                            ipc::kMethodGetAdapterState, ipc::kMethodSetAdapterState,
-                           ipc::kMethodSetOptimizer, ipc::kMethodClipGradNorm, ipc::kMethodExportMerged}) {
+                           ipc::kMethodSetOptimizer, ipc::kMethodClipGradNorm, ipc::kMethodExportMerged,
+                           ipc::kMethodSample, ipc::kMethodSampleStep}) {
     methods_[name] = [name](const ipc::Message&) -> absl::StatusOr<MethodReply> {
       return absl::FailedPreconditionError(absl::StrCat(name, ": no model loaded (load_model first)"));
     };
@@ -88,9 +89,17 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   reply.vocab_size = config.vocab_size;
   reply.hidden_size = config.hidden_size;
   reply.supported_losses = SupportedLossNames();
-  trainer_ = std::make_unique<Trainer>(
+  reply.max_position_embeddings = config.max_position_embeddings;
+  auto trainer = std::make_unique<Trainer>(
       std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device,
       req->max_lora_rank);
+  if (absl::Status s = trainer->InitSampler(*dtype, req->kv_cache_blocks, req->kv_block_size);
+      !s.ok()) {
+    return s;
+  }
+  reply.kv_cache_blocks = trainer->sampler().blocks_total();
+  reply.kv_block_size = trainer->sampler().block_size();
+  trainer_ = std::move(trainer);
   trainer_->RegisterMethods(methods_);
   reply.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   MethodReply out;

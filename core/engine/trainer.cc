@@ -70,6 +70,16 @@ struct OpRows {
 Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank)
     : model_(std::move(model)), device_(device), max_lora_rank_(max_lora_rank) {}
 
+absl::Status Trainer::InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks,
+                                  int64_t kv_block_size) {
+  absl::StatusOr<std::unique_ptr<Sampler>> sampler =
+      Sampler::Create(*model_, device_, dtype, kv_cache_blocks, kv_block_size,
+                      [this](const std::string& id) { return FindAdapter(id); });
+  if (!sampler.ok()) return sampler.status();
+  sampler_ = *std::move(sampler);
+  return absl::OkStatus();
+}
+
 void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodCreateAdapter] = [this](const ipc::Message& r) { return CreateAdapter(r); };
   m[ipc::kMethodRemoveAdapter] = [this](const ipc::Message& r) { return RemoveAdapter(r); };
@@ -81,9 +91,8 @@ void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodClipGradNorm] = [this](const ipc::Message& r) { return ClipGradNorm(r); };
   m[ipc::kMethodGetAdapterState] = [this](const ipc::Message& r) { return GetAdapterState(r); };
   m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
-  m[ipc::kMethodSample] = [this](const ipc::Message& r) {
-    return Sample(*model_, device_, [this](const std::string& id) { return FindAdapter(id); }, r);
-  };
+  m[ipc::kMethodSample] = [this](const ipc::Message& r) { return sampler_->Sample(r); };
+  m[ipc::kMethodSampleStep] = [this](const ipc::Message& r) { return sampler_->SampleStep(r); };
   m[ipc::kMethodExportMerged] = [this](const ipc::Message& r) -> absl::StatusOr<MethodReply> {
     absl::StatusOr<AdapterCall<ipc::ExportMergedRequest>> call =
         ParseAdapterCall<ipc::ExportMergedRequest>(r, ipc::kMethodExportMerged);
@@ -140,9 +149,13 @@ absl::StatusOr<MethodReply> Trainer::RemoveAdapter(const ipc::Message& request) 
   absl::StatusOr<ipc::AdapterRequest> req =
       ipc::Unpack<ipc::AdapterRequest>(request.envelope.body, ipc::kMethodRemoveAdapter);
   if (!req.ok()) return req.status();
-  if (adapters_.erase(req->adapter_id) == 0) {
+  auto it = adapters_.find(req->adapter_id);
+  if (it == adapters_.end()) {
     return absl::NotFoundError(absl::StrCat("no adapter '", req->adapter_id, "'"));
   }
+  // Its running sample_step requests are dropped (reported as "adapter removed").
+  sampler_->AdapterRemoved(it->second.get());
+  adapters_.erase(it);
   return MethodReply{};
 }
 

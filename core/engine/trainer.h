@@ -19,6 +19,7 @@
 #include "core/engine/lora/adapter.h"
 #include "core/engine/model/decoder.h"
 #include "core/engine/request_handler.h"
+#include "core/engine/sampler/sampler.h"
 
 namespace twinkle::engine {
 
@@ -26,6 +27,10 @@ class Trainer {
  public:
   // max_lora_rank: create_adapter refuses larger ranks (0 = no limit).
   Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank = 0);
+
+  // Allocates the sampler's KV cache (0 = defaults); before RegisterMethods.
+  absl::Status InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks, int64_t kv_block_size);
+  const Sampler& sampler() const { return *sampler_; }
 
   // Adds this trainer's methods to the worker's method table.
   void RegisterMethods(std::map<std::string, Method>& methods);
@@ -57,6 +62,8 @@ class Trainer {
   c10::Device device_;
   int64_t max_lora_rank_ = 0;
   std::map<std::string, std::unique_ptr<Adapter>> adapters_;
+  // After adapters_: destroyed first, while the adapters its requests point to still exist.
+  std::unique_ptr<Sampler> sampler_;
 };
 
 }  // namespace twinkle::engine

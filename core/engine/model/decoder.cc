@@ -4,9 +4,11 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/paged_attention.h"
 
 namespace twinkle::engine {
 namespace {
@@ -208,10 +210,9 @@ at::Tensor DecoderModel::Linear(const Layer& layer, int64_t index, LinearKind ki
   return y;
 }
 
-at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::Tensor& h,
-                                   const std::vector<int64_t>& seq_lens,
-                                   const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
-                                   const at::Tensor& sin, const LoraSegmentsFn& lora) const {
+DecoderModel::Qkv DecoderModel::ProjectQkv(const Layer& layer, int64_t index, const at::Tensor& h,
+                                           const at::Tensor& cos, const at::Tensor& sin,
+                                           const LoraSegmentsFn& lora) const {
   const int64_t n = h.size(0);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t d = config_.head_dim;
@@ -226,6 +227,22 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   q = q * c + RotateHalf(q) * s;
   k = k * c + RotateHalf(k) * s;
+  return {q, k, v};
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderModel::Rope(const at::Tensor& pos) const {
+  const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(embed_.scalar_type()), emb.sin().to(embed_.scalar_type())};
+}
+
+at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                   const std::vector<int64_t>& seq_lens,
+                                   const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
+                                   const at::Tensor& sin, const LoraSegmentsFn& lora) const {
+  const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+  const int64_t d = config_.head_dim;
+  auto [q, k, v] = ProjectQkv(layer, index, h, cos, sin, lora);
   // Attention within each sequence, causal. Runs of consecutive sequences of equal length in
   // the same group share one kernel call as a [B, heads, L, d] batch (a padded batch would not
   // be exact). Runs never cross groups (ops): the kernel's blocking may depend on the batch,
@@ -278,10 +295,7 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   std::vector<at::Tensor> positions;
   for (int64_t len : seq_lens) positions.push_back(at::arange(len, at::kLong));
   const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
-  const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(embed_.scalar_type());
-  const at::Tensor sin = emb.sin().to(embed_.scalar_type());
+  const auto [cos, sin] = Rope(pos);
 
   at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -305,94 +319,126 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   return logits.to(at::kFloat);
 }
 
-at::Tensor DecoderModel::CachedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
-                                         const std::vector<int64_t>& seq_lens,
-                                         const std::vector<KvCache*>& caches,
-                                         const at::Tensor& cos, const at::Tensor& sin,
-                                         const LoraSegmentsFn& lora) const {
+at::Tensor DecoderModel::PagedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                        const std::vector<PagedSequence>& seqs, PagedKv& kv,
+                                        const at::Tensor& slots, const at::Tensor& cos,
+                                        const at::Tensor& sin, const LoraSegmentsFn& lora) const {
   const int64_t n = h.size(0);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t d = config_.head_dim;
-  at::Tensor q = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, d});
-  at::Tensor k = Linear(layer, index, LinearKind::kK, h, lora).view({n, kv_heads, d});
-  at::Tensor v = Linear(layer, index, LinearKind::kV, h, lora).view({n, kv_heads, d});
-  if (config_.qk_norm) {
-    q = RmsNorm(q, layer.q_norm);
-    k = RmsNorm(k, layer.k_norm);
-  }
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  q = q * c + RotateHalf(q) * s;
-  k = k * c + RotateHalf(k) * s;
-  const std::vector<at::Tensor> qs = q.split_with_sizes(seq_lens);
-  const std::vector<at::Tensor> ks = k.split_with_sizes(seq_lens);
-  const std::vector<at::Tensor> vs = v.split_with_sizes(seq_lens);
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(seq_lens.size());
-  for (size_t i = 0; i < seq_lens.size(); ++i) {
-    KvCache& cache = *caches[i];
-    const int64_t past = cache.length, len = seq_lens[i];
-    if (cache.k.size() <= static_cast<size_t>(index)) {
-      cache.k.resize(layers_.size());
-      cache.v.resize(layers_.size());
+  auto [q, k, v] = ProjectQkv(layer, index, h, cos, sin, lora);
+  // The new keys and values go to their slots first: a decode step attends to itself too.
+  const at::Tensor& kc = kv.k[index];
+  const at::Tensor& vc = kv.v[index];
+  kc.view({-1, kv_heads, d}).index_copy_(0, slots, k.to(kc.scalar_type()));
+  vc.view({-1, kv_heads, d}).index_copy_(0, slots, v.to(vc.scalar_type()));
+
+  auto decode_view = [](const PagedSequence& s) {
+    return kernels::PagedSequenceView{s.blocks->data(), s.past + 1};
+  };
+  bool all_decode = true;
+  for (const PagedSequence& s : seqs) all_decode = all_decode && s.past > 0 && s.count == 1;
+  at::Tensor attn;
+  if (all_decode) {
+    std::vector<kernels::PagedSequenceView> views;
+    views.reserve(seqs.size());
+    for (const PagedSequence& s : seqs) views.push_back(decode_view(s));
+    attn = kernels::PagedDecodeAttention(q, kc, vc, views).view({n, heads * d});
+  } else {
+    // Per sequence: a prefill attends causally within its own fresh rows (the training
+    // forward's SDPA call, per sequence), a decode row reads its cache.
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(seqs.size());
+    int64_t row = 0;
+    for (const PagedSequence& s : seqs) {
+      TORCH_CHECK(s.past == 0 || s.count == 1,
+                  "ForwardPaged: new tokens after cached ones come one at a time (no chunked prefill)");
+      const at::Tensor qs = q.narrow(0, row, s.count);
+      if (s.past == 0) {
+        auto block = [](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };
+        const at::Tensor o = at::scaled_dot_product_attention(
+            block(qs), block(k.narrow(0, row, s.count)), block(v.narrow(0, row, s.count)), {},
+            0.0, /*is_causal=*/s.count > 1, /*scale=*/std::nullopt,
+            /*enable_gqa=*/kv_heads != heads);
+        outputs.push_back(o.transpose(1, 2).reshape({s.count, heads * d}));
+      } else {
+        outputs.push_back(
+            kernels::PagedDecodeAttention(qs, kc, vc, {decode_view(s)}).view({1, heads * d}));
+      }
+      row += s.count;
     }
-    at::Tensor& ck = cache.k[index];
-    at::Tensor& cv = cache.v[index];
-    ck = ck.defined() ? at::cat({ck, ks[i]}, 0) : ks[i].contiguous();
-    cv = cv.defined() ? at::cat({cv, vs[i]}, 0) : vs[i].contiguous();
-    // Attention per sequence, never batched with others: a row's numbers must not depend on
-    // what else is decoding. A fresh sequence (prefill) takes the training forward's causal
-    // SDPA call; new tokens after cached ones need an explicit mask, because SDPA's is_causal
-    // aligns the diagonal top-left; one new token (a decode step) sees every key, no mask.
-    std::optional<at::Tensor> mask;
-    if (past > 0 && len > 1) {
-      mask = at::arange(past + len, at::TensorOptions().dtype(at::kLong).device(h.device()))
-                 .unsqueeze(0)
-                 .le(at::arange(past, past + len,
-                                at::TensorOptions().dtype(at::kLong).device(h.device()))
-                         .unsqueeze(1));
-    }
-    auto block = [&](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };
-    at::Tensor o = at::scaled_dot_product_attention(
-        block(qs[i]), block(ck), block(cv), mask, 0.0, /*is_causal=*/past == 0 && len > 1,
-        /*scale=*/std::nullopt, /*enable_gqa=*/kv_heads != heads);
-    outputs.push_back(o.transpose(1, 2).reshape({len, heads * d}));
+    attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
   }
-  const at::Tensor attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
-at::Tensor DecoderModel::ForwardWithCache(const at::Tensor& tokens,
-                                          const std::vector<int64_t>& seq_lens,
-                                          const std::vector<KvCache*>& caches,
-                                          const LoraSegmentsFn& lora) const {
-  // Positions continue each sequence's cache; angles in float32 as in Forward.
-  std::vector<at::Tensor> positions;
-  for (size_t i = 0; i < seq_lens.size(); ++i) {
-    positions.push_back(at::arange(caches[i]->length, caches[i]->length + seq_lens[i], at::kLong));
+at::Tensor DecoderModel::ForwardPaged(const at::Tensor& tokens,
+                                      const std::vector<PagedSequence>& seqs, PagedKv& kv,
+                                      const std::vector<int64_t>* logit_rows,
+                                      const LoraSegmentsFn& lora) const {
+  TORCH_CHECK(kv.block_size > 0 && kv.k.size() == layers_.size() && kv.v.size() == layers_.size(),
+              "ForwardPaged: the KV cache does not fit the model");
+  // Positions continue each sequence; each new token's slot in the cache.
+  const int64_t block_size = kv.block_size;
+  std::vector<float> positions;
+  std::vector<int64_t> slots;
+  for (const PagedSequence& s : seqs) {
+    TORCH_CHECK(s.blocks != nullptr && s.count >= 1 &&
+                    (s.past + s.count + block_size - 1) / block_size <=
+                        static_cast<int64_t>(s.blocks->size()),
+                "ForwardPaged: a sequence's blocks do not cover its tokens");
+    for (int64_t t = s.past; t < s.past + s.count; ++t) {
+      positions.push_back(static_cast<float>(t));
+      slots.push_back((*s.blocks)[t / block_size] * block_size + t % block_size);
+    }
   }
-  const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
-  const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(embed_.scalar_type());
-  const at::Tensor sin = emb.sin().to(embed_.scalar_type());
+  const int64_t n = static_cast<int64_t>(slots.size());
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == n, "ForwardPaged: ", tokens.sizes(),
+              " tokens for ", n, " new positions");
+  const c10::Device device = embed_.device();
+  const at::Tensor pos = at::from_blob(positions.data(), {n}, at::kFloat).to(device, /*non_blocking=*/false, /*copy=*/true);
+  const at::Tensor slot = at::from_blob(slots.data(), {n}, at::kLong).to(device, false, true);
+  const auto [cos, sin] = Rope(pos);
 
-  at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
+  at::Tensor x = at::embedding(embed_, tokens.to(device));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     const int64_t index = static_cast<int64_t>(i);
-    x = x + CachedAttention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, caches, cos,
-                            sin, lora);
+    x = x + PagedAttention(layer, index, RmsNorm(x, layer.input_norm), seqs, kv, slot, cos, sin,
+                           lora);
     const at::Tensor h = RmsNorm(x, layer.post_norm);
     const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
                              Linear(layer, index, LinearKind::kUp, h, lora);
     x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
   }
-  for (size_t i = 0; i < seq_lens.size(); ++i) caches[i]->length += seq_lens[i];
+  // Only the rows whose logits are wanted go through the final norm and lm_head; the
+  // lm_head LoRA segments (over the N packed rows) are mapped onto the kept rows.
+  std::function<int64_t(int64_t)> kept = [](int64_t row) { return row; };
+  if (logit_rows != nullptr) {
+    TORCH_CHECK(std::is_sorted(logit_rows->begin(), logit_rows->end()) &&
+                    (logit_rows->empty() || (logit_rows->front() >= 0 && logit_rows->back() < n)),
+                "ForwardPaged: logit_rows must be sorted and inside [0, ", n, ")");
+    const at::Tensor index = at::from_blob(const_cast<int64_t*>(logit_rows->data()),
+                                           {static_cast<int64_t>(logit_rows->size())}, at::kLong)
+                                 .to(device, false, true);
+    x = x.index_select(0, index);
+    kept = [logit_rows](int64_t row) {
+      return static_cast<int64_t>(
+          std::lower_bound(logit_rows->begin(), logit_rows->end(), row) - logit_rows->begin());
+    };
+  }
   const at::Tensor h = RmsNorm(x, final_norm_);
   at::Tensor logits = at::linear(h, lm_head_);
   if (lora) {
     std::vector<kernels::LoraSegment> segments = lora(0, LinearKind::kLmHead, h);
-    if (!segments.empty()) logits = logits + kernels::LoraDelta(h, logits.size(-1), segments);
+    std::vector<kernels::LoraSegment> mapped;
+    for (kernels::LoraSegment& s : segments) {
+      TORCH_CHECK(!s.x.defined(), "ForwardPaged: LoRA segments with their own input (dropout)");
+      s.row_begin = kept(s.row_begin);
+      s.row_end = kept(s.row_end);
+      if (s.row_end > s.row_begin) mapped.push_back(std::move(s));
+    }
+    if (!mapped.empty()) logits = logits + kernels::LoraDelta(h, logits.size(-1), mapped);
   }
   return logits.to(at::kFloat);
 }

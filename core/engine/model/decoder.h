@@ -47,22 +47,32 @@ class DecoderModel {
   at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
                      const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
 
-  // Incremental decoding (generation). One sequence's keys and values so far, per layer,
-  // each [length, kv_heads, head_dim] (after RoPE). The simplest correct layout: one
-  // contiguous tensor per sequence and layer, grown by a copy per step (quadratic in the
-  // length); paged blocks shared across sequences (prefix sharing, no copies) come next.
-  struct KvCache {
-    std::vector<at::Tensor> k, v;  // per layer; empty before the first step
-    int64_t length = 0;
+  // Incremental decoding (generation) over a paged KV cache: per layer K and V, each
+  // [num_blocks, block_size, kv_heads, head_dim] (after RoPE), in the model's dtype and on
+  // its device. Token t of a sequence lives in block (*blocks)[t / block_size], slot
+  // t % block_size. The cache's owner (the sampler's block pool) hands out the blocks.
+  struct PagedKv {
+    std::vector<at::Tensor> k, v;  // per layer
+    int64_t block_size = 0;
+  };
+  struct PagedSequence {
+    const std::vector<int64_t>* blocks = nullptr;  // covers past + count tokens
+    int64_t past = 0;   // tokens already in the cache: 0 = prefill
+    int64_t count = 0;  // new tokens in this pass: a prefill's prompt, or 1 (a decode step)
   };
 
-  // tokens: int64 [N], the new tokens of every sequence concatenated (seq_lens[i] of sequence
-  // i, at positions caches[i]->length onwards). Appends their keys and values to each cache
-  // and returns logits [N, vocab] in float32. Linear layers run once over all rows, attention
-  // per sequence against its own cache. Inference only: call under a NoGradGuard.
-  at::Tensor ForwardWithCache(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
-                              const std::vector<KvCache*>& caches,
-                              const LoraSegmentsFn& lora) const;
+  // tokens: int64 [N], the new tokens of every sequence concatenated (count of each, at
+  // positions past onwards). Writes their keys and values into the blocks. A prefill
+  // (past 0) attends causally within its tokens through the same SDPA call as Forward; a
+  // decode step (count 1) attends to the sequence's whole cache through
+  // kernels::PagedDecodeAttention, in place. Linear layers run once over all N rows,
+  // attention per sequence, never batched across sequences. Returns float32 logits
+  // [R, vocab] for the rows `logit_rows` (sorted, into [0, N); null = all N rows); the
+  // lm_head LoRA segments, given over the N rows, are mapped onto those. Inference only:
+  // call under a NoGradGuard.
+  at::Tensor ForwardPaged(const at::Tensor& tokens, const std::vector<PagedSequence>& seqs,
+                          PagedKv& kv, const std::vector<int64_t>* logit_rows,
+                          const LoraSegmentsFn& lora) const;
 
   // Input and output width of a targetable linear (lm_head: hidden size, vocab size).
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
@@ -80,10 +90,18 @@ class DecoderModel {
                        const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
                        const at::Tensor& sin, const LoraSegmentsFn& lora) const;
 
-  at::Tensor CachedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
-                             const std::vector<int64_t>& seq_lens,
-                             const std::vector<KvCache*>& caches, const at::Tensor& cos,
-                             const at::Tensor& sin, const LoraSegmentsFn& lora) const;
+  // q [N, heads, d], k and v [N, kv_heads, d]: projections, q/k norm and RoPE.
+  struct Qkv {
+    at::Tensor q, k, v;
+  };
+  Qkv ProjectQkv(const Layer& layer, int64_t index, const at::Tensor& h, const at::Tensor& cos,
+                 const at::Tensor& sin, const LoraSegmentsFn& lora) const;
+  at::Tensor PagedAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                            const std::vector<PagedSequence>& seqs, PagedKv& kv,
+                            const at::Tensor& slots, const at::Tensor& cos,
+                            const at::Tensor& sin, const LoraSegmentsFn& lora) const;
+  // RoPE cos/sin [N, head_dim] in the model's dtype for float positions [N] (fp32 angles).
+  std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;

@@ -5,12 +5,16 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <exception>
+#include <limits>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/engine/tensor_io.h"
-#include "core/ipc/training_messages.h"
 
 namespace twinkle::engine {
 namespace {
@@ -23,18 +27,7 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-struct Sequence {
-  size_t row = 0;
-  Adapter* adapter = nullptr;  // null: base model
-  DecoderModel::KvCache cache;
-  at::Generator generator;
-  std::vector<int64_t> tokens;
-  std::vector<float> logprobs;
-  std::string stop_reason;
-  bool done = false;
-};
-
-// One token from a float32 [vocab] row of logits (host memory), as the header describes.
+// One token from a float32 [vocab] row of logits (host memory), as sampler.h describes.
 int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::Generator& gen) {
   if (row.temperature == 0) return logits.argmax().item<int64_t>();
   at::Tensor scores = logits / row.temperature;
@@ -57,187 +50,500 @@ int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::
   return at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
 }
 
-absl::Status CheckRow(const ipc::SampleRowMsg& row, const at::Tensor& prompt, int64_t vocab,
-                      size_t index) {
-  const std::string where = absl::StrCat("row ", index);
-  if (prompt.dim() != 1 || prompt.numel() == 0 || prompt.scalar_type() != at::kLong) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": prompt_tokens must be a non-empty int64 [P]"));
+}  // namespace
+
+// One (request, sample) sequence.
+struct SampleSeq {
+  at::Generator generator;
+  BlockTable table;
+  int64_t length = 0;  // tokens in the cache
+  std::vector<int64_t> tokens;
+  std::vector<float> logprobs;
+  std::string stop_reason;
+  bool done = false;
+};
+
+struct GenRequest {
+  uint64_t id = 0;
+  ipc::SampleRowMsg row;   // the parameters (row.prompt_tokens is not used)
+  Adapter* adapter = nullptr;  // null: base model
+  at::Tensor prompt;       // int64 [P], host
+  int64_t blocks_needed = 0;
+  std::vector<SampleSeq> samples;
+  at::Tensor prompt_logprobs;  // float32 [P - 1] when asked
+
+  int64_t prompt_len() const { return prompt.numel(); }
+  bool done() const {
+    return std::all_of(samples.begin(), samples.end(), [](const SampleSeq& s) { return s.done; });
   }
-  const int64_t* p = prompt.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < prompt.numel(); ++i) {
+};
+
+namespace {
+
+using RequestPtr = std::unique_ptr<GenRequest>;
+
+// floor(P / B) shared prompt blocks + per sample the rest of ceil((P + M) / B); saturates
+// at int64 max instead of overflowing (such a request is rejected anyway).
+int64_t BlocksNeeded(int64_t prompt, int64_t max_tokens, int64_t samples, int64_t block) {
+  const int64_t shared = prompt / block;
+  const int64_t per_sample = (prompt + max_tokens + block - 1) / block - shared;
+  if (per_sample > 0 && samples > (std::numeric_limits<int64_t>::max() - shared) / per_sample) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return shared + samples * per_sample;
+}
+
+// Checks a row and builds its request (no blocks yet). The message names the problem;
+// NotFound for an unknown adapter, InvalidArgument otherwise.
+absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
+                                   const ipc::Message& message, const ModelConfig& config,
+                                   const KvBlockPool& pool, const AdapterLookup& find_adapter) {
+  absl::StatusOr<at::Tensor> prompt = ReadTensor(row.prompt_tokens, message);
+  if (!prompt.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_tokens: ", prompt.status().message()));
+  }
+  if (prompt->dim() != 1 || prompt->numel() == 0 || prompt->scalar_type() != at::kLong) {
+    return absl::InvalidArgumentError("prompt_tokens must be a non-empty int64 [P]");
+  }
+  const int64_t vocab = config.vocab_size;
+  const int64_t* p = prompt->const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < prompt->numel(); ++i) {
     if (p[i] < 0 || p[i] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": prompt token outside [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("prompt token ", p[i], " at position ", i,
+                                                     " is outside [0, ", vocab, ")"));
     }
   }
-  if (row.max_tokens < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": max_tokens must be >= 0"));
-  if (!(row.temperature >= 0)) return absl::InvalidArgumentError(absl::StrCat(where, ": temperature must be >= 0"));
-  if (!(row.top_p > 0 && row.top_p <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": top_p must be in (0, 1]"));
+  if (row.max_tokens < 0) return absl::InvalidArgumentError("max_tokens must be >= 0");
+  if (!(row.temperature >= 0) || std::isinf(row.temperature)) {
+    return absl::InvalidArgumentError("temperature must be finite and >= 0");
   }
-  if (row.num_samples < 1) return absl::InvalidArgumentError(absl::StrCat(where, ": num_samples must be >= 1"));
-  return absl::OkStatus();
+  if (!(row.top_p > 0 && row.top_p <= 1)) return absl::InvalidArgumentError("top_p must be in (0, 1]");
+  if (row.num_samples < 1) return absl::InvalidArgumentError("num_samples must be >= 1");
+  const int64_t prompt_len = prompt->numel();
+  const int64_t max_pos = config.max_position_embeddings;
+  if (max_pos > 0 && row.max_tokens > max_pos - prompt_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt + max_tokens = ", prompt_len + row.max_tokens, " (", prompt_len, " + ",
+        row.max_tokens, ") exceeds max_position_embeddings ", max_pos));
+  }
+  const int64_t capacity = pool.total() * pool.block_size();
+  if (row.max_tokens > capacity) {  // also keeps P + max_tokens far from overflowing
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens (", row.max_tokens,
+                                                   ") exceeds the KV cache (", capacity, " tokens)"));
+  }
+  const int64_t needed = BlocksNeeded(prompt_len, row.max_tokens, row.num_samples, pool.block_size());
+  if (needed > pool.total()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt (", prompt_len, " tokens) + max_tokens (", row.max_tokens, ") x num_samples (",
+        row.num_samples, ") needs ", needed, " KV blocks of ", pool.block_size(),
+        " tokens, the cache has only ", pool.total()));
+  }
+  auto request = std::make_unique<GenRequest>();
+  if (!row.adapter_id.empty()) {
+    absl::StatusOr<Adapter*> adapter = find_adapter(row.adapter_id);
+    if (!adapter.ok()) return adapter.status();
+    request->adapter = *adapter;
+  }
+  request->id = id;
+  request->row = row;
+  request->row.prompt_tokens = {};
+  request->prompt = *std::move(prompt);
+  request->blocks_needed = needed;
+  return request;
 }
 
 }  // namespace
 
-absl::StatusOr<MethodReply> Sample(const DecoderModel& model, c10::Device device,
-                                   const AdapterLookup& find_adapter, const ipc::Message& request) {
+// A set of running requests over the shared pool: admission (blocks), prefill, decode.
+class GenerationBatch {
+ public:
+  GenerationBatch(const DecoderModel& model, c10::Device device, KvBlockPool& pool)
+      : model_(model), device_(device), pool_(pool) {}
+
+  bool empty() const { return running_.empty(); }
+  int64_t running() const { return static_cast<int64_t>(running_.size()); }
+  bool Contains(uint64_t id) const {
+    return std::any_of(running_.begin(), running_.end(), [id](const RequestPtr& r) { return r->id == id; });
+  }
+
+  // Takes the request's blocks and makes its samples (the caller checked pool.free()).
+  void Reserve(GenRequest& r) {
+    const int64_t block = pool_.block_size(), p = r.prompt_len();
+    const int64_t shared_count = p / block;
+    const int64_t per_sample = (p + r.row.max_tokens + block - 1) / block - shared_count;
+    const std::vector<int64_t> shared = pool_.Take(shared_count);
+    r.samples.clear();
+    r.samples.reserve(r.row.num_samples);
+    for (int64_t s = 0; s < r.row.num_samples; ++s) {
+      SampleSeq seq;
+      seq.table = BlockTable(&pool_);
+      for (int64_t b : shared) {
+        if (s > 0) pool_.Retain(b);
+        seq.table.Append(b);
+      }
+      for (int64_t b : pool_.Take(per_sample)) seq.table.Append(b);
+      seq.generator = at::make_generator<at::CPUGeneratorImpl>(
+          Mix(Mix(r.row.seed) ^ static_cast<uint64_t>(s)));
+      r.samples.push_back(std::move(seq));
+    }
+  }
+
+  // Prefills `admitted` (reserved) in one packed pass and picks every sample's first token.
+  // Requests that are already done come back; the others join the batch.
+  std::vector<RequestPtr> Prefill(std::vector<RequestPtr> admitted) {
+    std::vector<RequestPtr> finished;
+    if (admitted.empty()) return finished;
+    std::vector<at::Tensor> tokens;
+    std::vector<DecoderModel::PagedSequence> seqs;
+    std::vector<int64_t> logit_rows, begins;
+    int64_t n = 0;
+    for (const RequestPtr& r : admitted) {
+      const int64_t p = r->prompt_len();
+      tokens.push_back(r->prompt);
+      // The prompt goes once into sample 0's blocks; the others share or copy them below.
+      seqs.push_back({&r->samples[0].table.blocks(), 0, p});
+      begins.push_back(n);
+      for (int64_t i = r->row.want_prompt_logprobs ? 0 : p - 1; i < p; ++i) logit_rows.push_back(n + i);
+      n += p;
+    }
+    const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
+      std::vector<kernels::LoraSegment> segments;
+      for (size_t i = 0; i < admitted.size(); ++i) {
+        const Adapter* a = admitted[i]->adapter;
+        if (a == nullptr || !a->targets(kind)) continue;
+        segments.push_back(kernels::LoraSegment{begins[i], begins[i] + admitted[i]->prompt_len(),
+                                                a->a(layer, kind), a->b(layer, kind), a->scale(), {}});
+      }
+      return segments;
+    };
+    const at::Tensor logits =
+        model_.ForwardPaged(at::cat(tokens).to(device_), seqs, pool_.kv(), &logit_rows, lora)
+            .to(at::kCPU)
+            .contiguous();
+    const at::Tensor lse = at::logsumexp(logits, {1}).contiguous();
+
+    int64_t row = 0;  // into logits
+    for (RequestPtr& r : admitted) {
+      const int64_t p = r->prompt_len();
+      if (r->row.want_prompt_logprobs) {
+        const at::Tensor rows = logits.narrow(0, row, p - 1);
+        const at::Tensor targets = r->prompt.narrow(0, 1, p - 1);
+        r->prompt_logprobs =
+            (rows.gather(1, targets.unsqueeze(1)).squeeze(1) - lse.narrow(0, row, p - 1)).contiguous();
+        row += p - 1;
+      }
+      const int64_t last = row++;
+      // Samples other than 0 get the prompt's partly filled last block copied.
+      const int64_t block = pool_.block_size();
+      if (p % block != 0) {
+        const int64_t from = r->samples[0].table.blocks()[p / block];
+        for (size_t s = 1; s < r->samples.size(); ++s) {
+          pool_.CopySlots(from, r->samples[s].table.blocks()[p / block], p % block);
+        }
+      }
+      for (SampleSeq& seq : r->samples) {
+        seq.length = p;
+        if (r->row.max_tokens == 0) Finish(seq, "length");
+        else Advance(*r, seq, logits, lse, last);
+      }
+      if (r->done()) finished.push_back(std::move(r));
+      else running_.push_back(std::move(r));
+    }
+    return finished;
+  }
+
+  // One decode step over every running sequence; returns the requests it finished.
+  std::vector<RequestPtr> Decode() {
+    struct Active {
+      GenRequest* request;
+      SampleSeq* seq;
+    };
+    std::vector<Active> active;
+    std::vector<int64_t> input;
+    std::vector<DecoderModel::PagedSequence> seqs;
+    for (RequestPtr& r : running_) {
+      for (SampleSeq& s : r->samples) {
+        if (s.done) continue;
+        active.push_back({r.get(), &s});
+        input.push_back(s.tokens.back());
+        seqs.push_back({&s.table.blocks(), s.length, 1});
+      }
+    }
+    std::vector<RequestPtr> finished;
+    if (active.empty()) return finished;
+    const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
+      // One segment per sequence, also for neighbours on the same adapter: a segment's
+      // arithmetic then never depends on how many rows share its adapter.
+      std::vector<kernels::LoraSegment> segments;
+      for (size_t i = 0; i < active.size(); ++i) {
+        const Adapter* a = active[i].request->adapter;
+        if (a == nullptr || !a->targets(kind)) continue;
+        const int64_t row = static_cast<int64_t>(i);
+        segments.push_back(kernels::LoraSegment{row, row + 1, a->a(layer, kind), a->b(layer, kind),
+                                                a->scale(), {}});
+      }
+      return segments;
+    };
+    const at::Tensor tokens =
+        at::from_blob(input.data(), {static_cast<int64_t>(input.size())}, at::kLong).to(device_, false, true);
+    const at::Tensor logits =
+        model_.ForwardPaged(tokens, seqs, pool_.kv(), nullptr, lora).to(at::kCPU).contiguous();
+    const at::Tensor lse = at::logsumexp(logits, {1}).contiguous();
+    for (size_t i = 0; i < active.size(); ++i) {
+      ++active[i].seq->length;
+      Advance(*active[i].request, *active[i].seq, logits, lse, static_cast<int64_t>(i));
+    }
+    std::vector<RequestPtr> still;
+    for (RequestPtr& r : running_) {
+      if (r->done()) finished.push_back(std::move(r));
+      else still.push_back(std::move(r));
+    }
+    running_ = std::move(still);
+    return finished;
+  }
+
+  bool Cancel(uint64_t id) {
+    for (auto it = running_.begin(); it != running_.end(); ++it) {
+      if ((*it)->id == id) {
+        running_.erase(it);  // its block tables release their blocks
+        return true;
+      }
+    }
+    return false;
+  }
+
+  std::vector<uint64_t> DropAdapter(const Adapter* adapter) {
+    std::vector<uint64_t> dropped;
+    std::vector<RequestPtr> still;
+    for (RequestPtr& r : running_) {
+      if (r->adapter == adapter) dropped.push_back(r->id);
+      else still.push_back(std::move(r));
+    }
+    running_ = std::move(still);
+    return dropped;
+  }
+
+  // Drops everything; returns the ids that were running.
+  std::vector<uint64_t> Clear() {
+    std::vector<uint64_t> ids;
+    for (const RequestPtr& r : running_) ids.push_back(r->id);
+    running_.clear();
+    return ids;
+  }
+
+ private:
+  void Finish(SampleSeq& seq, const char* reason) {
+    seq.done = true;
+    seq.stop_reason = reason;
+    seq.table.Clear();  // its blocks go back now (shared ones when the last sample lets go)
+  }
+
+  // Picks the sequence's next token from logits row `row` and checks for its end.
+  void Advance(const GenRequest& r, SampleSeq& seq, const at::Tensor& logits, const at::Tensor& lse,
+               int64_t row) {
+    const at::Tensor l = logits.select(0, row);
+    const int64_t token = ChooseToken(l, r.row, seq.generator);
+    // The training forward's formula: logit[token] - logsumexp(logits).
+    seq.logprobs.push_back(l.const_data_ptr<float>()[token] - lse.const_data_ptr<float>()[row]);
+    seq.tokens.push_back(token);
+    const std::vector<int64_t>& stops = r.row.stop_token_ids;
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      Finish(seq, "stop");
+    } else if (static_cast<int64_t>(seq.tokens.size()) >= r.row.max_tokens) {
+      Finish(seq, "length");
+    }
+  }
+
+  const DecoderModel& model_;
+  c10::Device device_;
+  KvBlockPool& pool_;
+  std::vector<RequestPtr> running_;  // in admission order
+};
+
+namespace {
+
+absl::StatusOr<ipc::SampleRowResultMsg> ToResult(const GenRequest& r, MethodReply& reply) {
+  ipc::SampleRowResultMsg out;
+  for (const SampleSeq& seq : r.samples) {
+    ipc::SampledSequenceMsg s;
+    const int64_t t = static_cast<int64_t>(seq.tokens.size());
+    absl::StatusOr<ipc::TensorDesc> tokens =
+        AppendTensor(at::from_blob(const_cast<int64_t*>(seq.tokens.data()), {t}, at::kLong), reply);
+    if (!tokens.ok()) return tokens.status();
+    absl::StatusOr<ipc::TensorDesc> logprobs =
+        AppendTensor(at::from_blob(const_cast<float*>(seq.logprobs.data()), {t}, at::kFloat), reply);
+    if (!logprobs.ok()) return logprobs.status();
+    s.tokens = *tokens;
+    s.logprobs = *logprobs;
+    s.stop_reason = seq.stop_reason;
+    out.samples.push_back(std::move(s));
+  }
+  if (r.prompt_logprobs.defined()) {
+    absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(r.prompt_logprobs, reply);
+    if (!desc.ok()) return desc.status();
+    out.prompt_logprobs = *desc;
+  }
+  return out;
+}
+
+std::string ErrorText(const std::exception& e) {
+  // c10::Error::what() carries a C++ backtrace; the first line is the message.
+  std::string what = e.what();
+  const size_t nl = what.find('\n');
+  return nl == std::string::npos ? what : what.substr(0, nl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(const DecoderModel& model,
+                                                         c10::Device device, at::ScalarType dtype,
+                                                         int64_t kv_cache_blocks,
+                                                         int64_t kv_block_size,
+                                                         AdapterLookup find_adapter) {
+  absl::StatusOr<std::unique_ptr<KvBlockPool>> pool =
+      KvBlockPool::Create(model.config(), kv_cache_blocks, kv_block_size, dtype, device);
+  if (!pool.ok()) return pool.status();
+  return std::unique_ptr<Sampler>(
+      new Sampler(model, device, *std::move(pool), std::move(find_adapter)));
+}
+
+Sampler::Sampler(const DecoderModel& model, c10::Device device, std::unique_ptr<KvBlockPool> pool,
+                 AdapterLookup find_adapter)
+    : model_(model),
+      device_(device),
+      pool_(std::move(pool)),
+      find_adapter_(std::move(find_adapter)),
+      running_(std::make_unique<GenerationBatch>(model_, device_, *pool_)) {}
+
+Sampler::~Sampler() {
+  running_.reset();  // releases its blocks while the pool still exists
+}
+
+void Sampler::AdapterRemoved(const Adapter* adapter) {
+  for (uint64_t id : running_->DropAdapter(adapter)) {
+    pending_rejected_.push_back({id, "adapter removed"});
+  }
+}
+
+absl::StatusOr<MethodReply> Sampler::Sample(const ipc::Message& request) {
   absl::StatusOr<ipc::SampleRequest> req =
       ipc::Unpack<ipc::SampleRequest>(request.envelope.body, ipc::kMethodSample);
   if (!req.ok()) return req.status();
   if (req->rows.empty()) return absl::InvalidArgumentError("sample: no rows");
-  const int64_t vocab = model.config().vocab_size;
 
-  std::vector<at::Tensor> prompts;
-  std::vector<Sequence> seqs;
-  for (size_t r = 0; r < req->rows.size(); ++r) {
-    const ipc::SampleRowMsg& row = req->rows[r];
-    absl::StatusOr<at::Tensor> prompt = ReadTensor(row.prompt_tokens, request);
-    if (!prompt.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("row ", r, " prompt_tokens: ", prompt.status().message()));
+  std::vector<RequestPtr> queue;
+  for (size_t i = 0; i < req->rows.size(); ++i) {
+    absl::StatusOr<RequestPtr> r = Prepare(i, req->rows[i], request, model_.config(), *pool_, find_adapter_);
+    if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat("row ", i, ": ", r.status().message()));
+    queue.push_back(*std::move(r));
+  }
+
+  const c10::NoGradGuard no_grad;
+  // A private batch: the rows are admitted in order as blocks allow and stepped to the end.
+  GenerationBatch batch(model_, device_, *pool_);
+  std::vector<RequestPtr> done(queue.size());
+  size_t next = 0;
+  while (next < queue.size() || !batch.empty()) {
+    std::vector<RequestPtr> admitted;
+    while (next < queue.size() && queue[next]->blocks_needed <= pool_->free()) {
+      batch.Reserve(*queue[next]);
+      admitted.push_back(std::move(queue[next++]));
     }
-    if (absl::Status s = CheckRow(row, *prompt, vocab, r); !s.ok()) return s;
-    Adapter* adapter = nullptr;
-    if (!row.adapter_id.empty()) {
-      absl::StatusOr<Adapter*> found = find_adapter(row.adapter_id);
-      if (!found.ok()) return found.status();
-      adapter = *found;
+    if (admitted.empty() && batch.empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "sample: row ", next, " needs ", queue[next]->blocks_needed, " KV blocks, ",
+          pool_->free(), " of ", pool_->total(), " are free (the rest hold running sample_step requests)"));
     }
-    prompts.push_back(*prompt);
-    for (int64_t s = 0; s < row.num_samples; ++s) {
-      Sequence seq;
-      seq.row = r;
-      seq.adapter = adapter;
-      seq.generator = at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(row.seed) ^ static_cast<uint64_t>(s)));
-      if (row.max_tokens == 0) {
-        seq.done = true;
-        seq.stop_reason = "length";
-      }
-      seqs.push_back(std::move(seq));
+    for (RequestPtr& r : batch.Prefill(std::move(admitted))) done[r->id] = std::move(r);
+    if (!batch.empty()) {
+      for (RequestPtr& r : batch.Decode()) done[r->id] = std::move(r);
     }
   }
 
-  c10::NoGradGuard no_grad;
   MethodReply reply;
   ipc::SampleReply body;
-  body.rows.resize(req->rows.size());
+  for (const RequestPtr& r : done) {
+    absl::StatusOr<ipc::SampleRowResultMsg> result = ToResult(*r, reply);
+    if (!result.ok()) return result.status();
+    body.rows.push_back(*std::move(result));
+  }
+  reply.envelope.body = ipc::Pack(body);
+  return reply;
+}
 
-  // Runs one batched step over `active` (indices into seqs) with `lens` new tokens each;
-  // returns the logits on the host.
-  auto step = [&](const std::vector<size_t>& active, const std::vector<at::Tensor>& inputs,
-                  const std::vector<int64_t>& lens) {
-    std::vector<DecoderModel::KvCache*> caches;
-    std::vector<std::pair<int64_t, int64_t>> bounds;
-    int64_t n = 0;
-    for (size_t i = 0; i < active.size(); ++i) {
-      caches.push_back(&seqs[active[i]].cache);
-      bounds.emplace_back(n, n + lens[i]);
-      n += lens[i];
-    }
-    const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
-      std::vector<kernels::LoraSegment> segments;
-      for (size_t i = 0; i < active.size(); ++i) {
-        const Adapter* a = seqs[active[i]].adapter;
-        if (a == nullptr || !a->targets(kind)) continue;
-        segments.push_back(kernels::LoraSegment{bounds[i].first, bounds[i].second, a->a(layer, kind),
-                                                a->b(layer, kind), a->scale(), {}});
-      }
-      return segments;
-    };
-    const at::Tensor tokens = at::cat(inputs).to(device);
-    return model.ForwardWithCache(tokens, lens, caches, lora).to(at::kCPU);
-  };
+absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
+  absl::StatusOr<ipc::SampleStepRequest> req =
+      ipc::Unpack<ipc::SampleStepRequest>(request.envelope.body, ipc::kMethodSampleStep);
+  if (!req.ok()) return req.status();
+  if (req->max_decode_steps < 0) {
+    return absl::InvalidArgumentError("sample_step: max_decode_steps must be >= 0");
+  }
+  const c10::NoGradGuard no_grad;
+  ipc::SampleStepReply body;
+  MethodReply reply;
+  if (req->reset) {
+    running_->Clear();
+    pending_rejected_.clear();
+  }
+  for (uint64_t id : req->cancel) running_->Cancel(id);
+  body.rejected = std::move(pending_rejected_);
+  pending_rejected_.clear();
 
-  // Picks each active sequence's next token from its last logits row; marks finished ones.
-  auto advance = [&](const std::vector<size_t>& active, const at::Tensor& logits,
-                     const std::vector<int64_t>& last_rows) {
-    for (size_t i = 0; i < active.size(); ++i) {
-      Sequence& seq = seqs[active[i]];
-      const ipc::SampleRowMsg& row = req->rows[seq.row];
-      const at::Tensor l = logits.select(0, last_rows[i]);
-      const int64_t token = ChooseToken(l, row, seq.generator);
-      // The training forward's formula: logit[token] - logsumexp(logits).
-      seq.logprobs.push_back((l.select(0, token) - at::logsumexp(l, {0})).item<float>());
-      seq.tokens.push_back(token);
-      if (std::find(row.stop_token_ids.begin(), row.stop_token_ids.end(), token) != row.stop_token_ids.end()) {
-        seq.done = true;
-        seq.stop_reason = "stop";
-      } else if (static_cast<int64_t>(seq.tokens.size()) >= row.max_tokens) {
-        seq.done = true;
-        seq.stop_reason = "length";
-      }
+  std::vector<RequestPtr> finished;
+  // Admission, FIFO: once one request waits for blocks, every later one waits too.
+  std::vector<RequestPtr> admitted;
+  std::set<uint64_t> seen;
+  bool deferring = false;
+  for (const ipc::SampleAdmitMsg& a : req->admit) {
+    if (running_->Contains(a.request_id) || !seen.insert(a.request_id).second) {
+      body.rejected.push_back({a.request_id, absl::StrCat("request_id ", a.request_id, " is already running")});
+      continue;
     }
-  };
-
-  // Prefill: every sequence's prompt in one packed pass (the prompt logprobs come from it too).
-  {
-    std::vector<size_t> all;
-    std::vector<at::Tensor> inputs;
-    std::vector<int64_t> lens, last_rows;
-    int64_t n = 0;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      all.push_back(i);
-      inputs.push_back(prompts[seqs[i].row]);
-      lens.push_back(prompts[seqs[i].row].numel());
-      n += lens.back();
-      last_rows.push_back(n - 1);
+    absl::StatusOr<RequestPtr> r = Prepare(a.request_id, a.row, request, model_.config(), *pool_, find_adapter_);
+    if (!r.ok()) {
+      body.rejected.push_back({a.request_id, std::string(r.status().message())});
+      continue;
     }
-    const at::Tensor logits = step(all, inputs, lens);
-    int64_t begin = 0;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      const size_t r = seqs[i].row;
-      const int64_t p = lens[i];
-      if (req->rows[r].want_prompt_logprobs && !body.rows[r].prompt_logprobs.has_value()) {
-        const at::Tensor rows = logits.narrow(0, begin, p - 1);
-        const at::Tensor targets = prompts[r].narrow(0, 1, p - 1);
-        const at::Tensor lp = rows.gather(1, targets.unsqueeze(1)).squeeze(1) - at::logsumexp(rows, {-1});
-        absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(lp.contiguous(), reply);
-        if (!desc.ok()) return desc.status();
-        body.rows[r].prompt_logprobs = *desc;
-      }
-      begin += p;
+    if (deferring || (*r)->blocks_needed > pool_->free()) {
+      deferring = true;
+      body.deferred.push_back(a.request_id);
+      continue;
     }
-    std::vector<size_t> live;
-    std::vector<int64_t> live_rows;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      if (!seqs[i].done) {
-        live.push_back(i);
-        live_rows.push_back(last_rows[i]);
-      }
-    }
-    advance(live, logits, live_rows);
+    running_->Reserve(**r);
+    admitted.push_back(*std::move(r));
   }
 
-  // Decode: every unfinished sequence advances by one token per batched step.
-  while (true) {
-    std::vector<size_t> active;
-    std::vector<at::Tensor> inputs;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      if (seqs[i].done) continue;
-      active.push_back(i);
-      inputs.push_back(at::full({1}, seqs[i].tokens.back(), at::kLong));
+  // LibTorch errors inside a pass drop the requests the pass touched (their cache is
+  // suspect) and report them as rejected; everything else stays as it was.
+  std::vector<uint64_t> admitted_ids;
+  for (const RequestPtr& r : admitted) admitted_ids.push_back(r->id);
+  try {
+    for (RequestPtr& r : running_->Prefill(std::move(admitted))) finished.push_back(std::move(r));
+  } catch (const std::exception& e) {
+    for (uint64_t id : admitted_ids) {
+      running_->Cancel(id);
+      body.rejected.push_back({id, absl::StrCat("engine error in prefill: ", ErrorText(e))});
     }
-    if (active.empty()) break;
-    const std::vector<int64_t> lens(active.size(), 1);
-    std::vector<int64_t> last_rows(active.size());
-    for (size_t i = 0; i < active.size(); ++i) last_rows[i] = static_cast<int64_t>(i);
-    advance(active, step(active, inputs, lens), last_rows);
+  }
+  for (int64_t step = 0; step < req->max_decode_steps && !running_->empty(); ++step) {
+    try {
+      for (RequestPtr& r : running_->Decode()) finished.push_back(std::move(r));
+    } catch (const std::exception& e) {
+      for (uint64_t id : running_->Clear()) {
+        body.rejected.push_back({id, absl::StrCat("engine error in decode: ", ErrorText(e))});
+      }
+    }
   }
 
-  for (Sequence& seq : seqs) {
-    ipc::SampledSequenceMsg out;
-    const int64_t t = static_cast<int64_t>(seq.tokens.size());
-    absl::StatusOr<ipc::TensorDesc> tokens =
-        AppendTensor(at::tensor(seq.tokens, at::kLong).view({t}), reply);
-    if (!tokens.ok()) return tokens.status();
-    absl::StatusOr<ipc::TensorDesc> logprobs =
-        AppendTensor(at::tensor(seq.logprobs, at::kFloat).view({t}), reply);
-    if (!logprobs.ok()) return logprobs.status();
-    out.tokens = *tokens;
-    out.logprobs = *logprobs;
-    out.stop_reason = seq.stop_reason;
-    body.rows[seq.row].samples.push_back(std::move(out));
+  for (const RequestPtr& r : finished) {
+    absl::StatusOr<ipc::SampleRowResultMsg> result = ToResult(*r, reply);
+    if (!result.ok()) return result.status();
+    body.finished.push_back({r->id, *std::move(result)});
   }
+  body.running = running_->running();
+  body.blocks_in_use = pool_->in_use();
+  body.blocks_total = pool_->total();
+  body.block_size = pool_->block_size();
   reply.envelope.body = ipc::Pack(body);
   return reply;
 }

@@ -1,0 +1,94 @@
+#include "core/engine/sampler/kv_cache.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace twinkle::engine {
+
+absl::StatusOr<std::unique_ptr<KvBlockPool>> KvBlockPool::Create(const ModelConfig& config,
+                                                                 int64_t num_blocks,
+                                                                 int64_t block_size,
+                                                                 at::ScalarType dtype,
+                                                                 c10::Device device) {
+  if (num_blocks < 0 || block_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_cache_blocks (", num_blocks,
+                                                   ") and kv_block_size (", block_size,
+                                                   ") must be >= 0 (0 = default)"));
+  }
+  if (num_blocks == 0) num_blocks = kDefaultKvCacheBlocks;
+  if (block_size == 0) block_size = kDefaultKvBlockSize;
+  if (block_size > 4096 || num_blocks > (int64_t{1} << 31) / block_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV cache of ", num_blocks, " blocks x ", block_size,
+        " tokens is too large (at most 4096 tokens a block and 2^31 tokens in all)"));
+  }
+  std::unique_ptr<KvBlockPool> pool(new KvBlockPool());
+  pool->kv_.block_size = block_size;
+  const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(device);
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    // Uninitialised: every slot is written before it is read. On CPU the pages are only
+    // committed as blocks are first used.
+    pool->kv_.k.push_back(at::empty(
+        {num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
+    pool->kv_.v.push_back(at::empty(
+        {num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
+  }
+  pool->refs_.assign(num_blocks, 0);
+  pool->free_.reserve(num_blocks);
+  for (int64_t b = num_blocks - 1; b >= 0; --b) pool->free_.push_back(b);  // block 0 first
+  return pool;
+}
+
+std::vector<int64_t> KvBlockPool::Take(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= free(), "KvBlockPool: ", n, " blocks asked, ", free(), " free");
+  std::vector<int64_t> out;
+  out.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(free_.back());
+    free_.pop_back();
+    refs_[out.back()] = 1;
+  }
+  return out;
+}
+
+void KvBlockPool::Retain(int64_t block) {
+  TORCH_CHECK(refs_.at(block) > 0, "KvBlockPool: retain of free block ", block);
+  ++refs_[block];
+}
+
+bool KvBlockPool::Release(int64_t block) {
+  if (block < 0 || block >= total() || refs_[block] <= 0) return false;
+  if (--refs_[block] == 0) free_.push_back(block);
+  return true;
+}
+
+void KvBlockPool::CopySlots(int64_t from, int64_t to, int64_t tokens) {
+  for (size_t l = 0; l < kv_.k.size(); ++l) {
+    kv_.k[l].select(0, to).narrow(0, 0, tokens).copy_(kv_.k[l].select(0, from).narrow(0, 0, tokens));
+    kv_.v[l].select(0, to).narrow(0, 0, tokens).copy_(kv_.v[l].select(0, from).narrow(0, 0, tokens));
+  }
+}
+
+BlockTable::BlockTable(BlockTable&& other) noexcept
+    : pool_(other.pool_), blocks_(std::move(other.blocks_)) {
+  other.blocks_.clear();
+}
+
+BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
+  if (this != &other) {
+    Clear();
+    pool_ = other.pool_;
+    blocks_ = std::move(other.blocks_);
+    other.blocks_.clear();
+  }
+  return *this;
+}
+
+void BlockTable::Clear() {
+  for (int64_t b : blocks_) pool_->Release(b);
+  blocks_.clear();
+}
+
+}  // namespace twinkle::engine
