@@ -166,6 +166,7 @@ def test_optimizer_calls_checkpoints_and_retry_keeps_the_idempotency_key(client,
 
 def test_model_needs_a_connection(monkeypatch):
     monkeypatch.delenv("TWINKLE_SERVER_URL", raising=False)
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
     _context.set_current(None)
     with pytest.raises(NotConnectedError, match="init_twinkle_client"):
         MultiLoraTransformersModel("ms://Qwen/Qwen3.5-4B")

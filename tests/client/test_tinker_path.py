@@ -15,7 +15,8 @@ from twinkle.template import Qwen3_5Template
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in ("TINKER_BASE_URL", "TINKER_API_KEY", "TWINKLE_SERVER_URL", "TWINKLE_SERVER_TOKEN", "TWINKLE_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "placeholder")  # recorded, so the test's own settings are undone
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

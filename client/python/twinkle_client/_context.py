@@ -27,21 +27,27 @@ def set_current(client: TwinkleClient | None) -> None:
 
 
 def current(required: bool = True) -> TwinkleClient | None:
-    """The client init_twinkle_client made, or one made from TWINKLE_SERVER_URL / _TOKEN."""
+    """The client init_twinkle_client made, else one made from TWINKLE_SERVER_URL / _TOKEN, else
+    (for tinker-SDK scripts) from TINKER_BASE_URL / TINKER_API_KEY."""
     global _current
     with _lock:
         if _current is not None and not _current.closed:
             return _current
+    from twinkle_client.manager import TwinkleClient
+
     url = os.environ.get("TWINKLE_SERVER_URL")
     if url:
-        from twinkle_client.manager import TwinkleClient
-
         client = TwinkleClient(url, os.environ.get("TWINKLE_SERVER_TOKEN") or os.environ.get("TWINKLE_API_KEY"))
+        set_current(client)
+        return client
+    tinker_url = os.environ.get("TINKER_BASE_URL")
+    if tinker_url:  # the Tinker path (init_tinker_client): the same server answers gRPC too
+        client = TwinkleClient(tinker_url, os.environ.get("TINKER_API_KEY"), create_session=False)
         set_current(client)
         return client
     if required:
         raise NotConnectedError("no twinkle-server connection: call init_twinkle_client(base_url, api_key) "
-                                "first (or set TWINKLE_SERVER_URL)")
+                                "first (or set TWINKLE_SERVER_URL; tinker-SDK scripts: init_tinker_client(base_url, ...))")
     return None
 
 
