@@ -32,8 +32,8 @@ class ModelOutput(TypedDict, total=False):
     """What forward / forward_only / forward_backward return.
 
     loss: the batch loss (0.0 without a loss, e.g. forward_only).
-    logps: per sequence, a float32 numpy array aligned with labels: logps[i] is the log-prob of
-        labels[i] (the next token) at position i; 0.0 at the last position.
+    logps: per input row, a float32 numpy array aligned with the shifted labels: logps[i] is
+        log p(input_ids[i + 1] | input_ids[:i + 1]); 0.0 at the last position.
     metrics: the server's numbers for the call (token counts, ...).
     """
 

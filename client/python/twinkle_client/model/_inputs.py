@@ -145,11 +145,12 @@ def _logprob(entry: Any) -> float:
 
 
 def model_output(result: Any, encoded: Encoded) -> dict[str, Any]:
-    """The reply as Twinkle's ModelOutput: loss, per-row logps aligned with shifted labels."""
+    """The reply as Twinkle's ModelOutput: loss, per-row logps aligned with shifted labels.
+
+    The server's logps[i] is already log p(input_ids[i + 1] | input_ids[:i + 1]) (0 at the last
+    position), i.e. aligned with Twinkle's shifted labels; packed rows are joined again."""
     per_row: dict[int, list[np.ndarray]] = {}
     for seq, row in zip(result.sequences, encoded.row_of):
-        values = np.asarray(seq.logps, dtype=np.float32)
-        shifted = np.concatenate([values[1:], np.zeros(1, dtype=np.float32)]) if len(values) else values
-        per_row.setdefault(row, []).append(shifted)
+        per_row.setdefault(row, []).append(np.asarray(seq.logps, dtype=np.float32))
     logps = [np.concatenate(parts) for _, parts in sorted(per_row.items())]
     return {"loss": float(result.loss), "logps": logps, "metrics": dict(result.metrics)}
