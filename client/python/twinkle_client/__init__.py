@@ -39,7 +39,7 @@ def init_twinkle_client(base_url: str | None = None, api_key: str | None = None,
     through GET /api/v1/twinkle/endpoints), or grpc://host:port / grpcs://host:port. Default:
     TWINKLE_SERVER_URL. api_key: default TWINKLE_SERVER_TOKEN. Other options: see TwinkleClient.
     """
-    previous = _context.current(required=False) if _context._current is not None else None
+    previous = _context._current
     client = TwinkleClient(base_url, api_key, root_certificates=root_certificates, **kwargs)
     _context.set_current(client)
     if previous is not None and previous is not client:

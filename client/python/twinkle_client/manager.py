@@ -72,7 +72,11 @@ class TwinkleClient:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         if create_session:
-            self.create_session()
+            try:
+                self.create_session()
+            except BaseException:
+                self.close()
+                raise
             self._start_heartbeat(session_heartbeat_interval)
         atexit.register(_close_quietly, weakref.ref(self))
 
