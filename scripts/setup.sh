@@ -66,10 +66,12 @@ client_hash=$( (find client/python proto -type f \( -name '*.py' -o -name '*.tom
 if [ "$(cat "$VENV/.twinkle-client-hash" 2>/dev/null)" != "$client_hash" ] || \
    [ ! -d client/python/twinkle_client/_proto ]; then
   "$PY" client/python/generate_protos.py
+  # The distribution was called twinkle-client before; both would claim twinkle_client/.
+  "$VENV/bin/pip" uninstall -q -y twinkle-client 2>/dev/null || true
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./client/python
   rm -rf client/python/build
   echo "$client_hash" > "$VENV/.twinkle-client-hash"
-  echo "   installed twinkle-client ($client_hash)"
+  echo "   installed twinkle-server-client ($client_hash)"
 else
   echo "   up to date ($client_hash)"
 fi

@@ -16,6 +16,11 @@ ctest --test-dir build --output-on-failure -j 2
 echo "== test: ctest took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
+echo "== test: pytest tests/client (the Python SDK's client-side components)"
+"$ROOT/.venv/bin/python" -m pytest tests/client -q "$@"
+echo "== test: pytest tests/client took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
 echo "== test: pytest tests/e2e (the server as a whole)"
 "$ROOT/.venv/bin/python" -m pytest tests/e2e -q "$@"
 echo "== test: pytest tests/e2e took $(( $(date +%s) - t )) s"
