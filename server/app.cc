@@ -29,6 +29,7 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
+#include "server/grpc/sampler_service.h"
 #include "server/grpc/training_service.h"
 #include "server/grpc/utility_service.h"
 #include "server/http/http_server.h"
@@ -118,6 +119,10 @@ class SupervisorEngineLink final : public training::EngineLink {
     std::optional<ModelInfo> info = supervisor_.model_info();
     return info ? info->vocab_size : 0;
   }
+  int64_t max_position_embeddings() const override {
+    std::optional<ModelInfo> info = supervisor_.model_info();
+    return info ? info->max_position_embeddings : 0;
+  }
   std::vector<std::string> supported_losses() const override {
     std::optional<ModelInfo> info = supervisor_.model_info();
     return info ? info->supported_losses : std::vector<std::string>{};
@@ -176,6 +181,7 @@ class Housekeeper {
   void Loop() {
     while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
       state_.coordinator->Housekeep();
+      state_.sampler->Housekeep();
       state_.futures->Expire();
       // Journaled results outlive the process for the same retention.
       (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
@@ -195,6 +201,8 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.dtype = c.model.dtype;
   o.log_level = c.logging.level;
   o.max_lora_rank = c.limits.max_lora_rank;
+  o.kv_cache_blocks = c.sampler.kv_cache_blocks;
+  o.kv_block_size = c.sampler.kv_block_size;
   o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
   o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
   o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);
@@ -282,6 +290,17 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     for (const auto& [tenant, wait] : step.waits) waits.emplace_back(tenant, absl::ToDoubleSeconds(wait));
     metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, waits);
   });
+  sampling::SamplerOptions sampler_options;
+  sampler_options.base_model = config.model.name;
+  sampler_options.model_dir = config.model.path;
+  sampler_options.max_decode_steps_per_call = config.sampler.max_decode_steps_per_call;
+  sampler_options.max_snapshots = config.sampler.max_snapshots;
+  sampler_options.max_sessions_per_tenant = config.sampler.max_sessions_per_tenant;
+  sampler_options.session_timeout = absl::Seconds(config.sessions.adapter_timeout_s);
+  sampler_options.default_max_tokens = config.sampler.default_max_tokens;
+  sampler_options.max_num_samples = config.sampler.max_num_samples;
+  sampling::SamplerCoordinator sampler(sampler_options, engine_link, coordinator, &checkpoints, futures);
+  state.sampler = &sampler;
   state.authenticator = authenticator->get();
   state.rate_limiter = &rate_limiter;
   state.futures = &futures;
@@ -310,6 +329,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (!config.auth.enabled) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   UtilityServiceImpl utility(state);
   TrainingServiceImpl training_service(state);
+  SamplerServiceImpl sampler_service(state);
   TestingServiceImpl testing_service(state);
   grpc::ServerBuilder builder;
   int grpc_port = 0;
@@ -320,6 +340,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
   builder.RegisterService(&utility);
   builder.RegisterService(&training_service);
+  builder.RegisterService(&sampler_service);
   if (config.testing.hooks) builder.RegisterService(&testing_service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   if (!grpc_server || grpc_port == 0) {
@@ -360,6 +381,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   });
 
   coordinator.Start();
+  sampler.Start();
   Housekeeper housekeeper(state);
   absl::Status started = supervisor.Start([&](const std::vector<WorkerSnapshot>& workers) {
     metrics.UpdateWorkers(workers);
@@ -381,6 +403,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   grpc_server->Shutdown(std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(config.server.drain_timeout_s * 1000)));
   http.Stop();
+  sampler.Stop();      // running sampling requests fail with UNAVAILABLE
   coordinator.Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
   supervisor.Stop(absl::Seconds(5));
   LogInfo(kLog, exit_code == 0 ? "stopped cleanly" : "stopped after a startup error");

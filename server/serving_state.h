@@ -7,6 +7,7 @@
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
+#include "core/sampling/sampler_coordinator.h"
 #include "core/storage/filesystem.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
@@ -33,6 +34,7 @@ struct ServingState {
   tenancy::TokenRateLimiter* rate_limiter = nullptr;
   FutureStore* futures = nullptr;
   training::TrainingCoordinator* coordinator = nullptr;
+  sampling::SamplerCoordinator* sampler = nullptr;
   registry::Registry* registry = nullptr;
   training::CheckpointStore* checkpoints = nullptr;
   storage::FaultInjectingFileSystem* faults = nullptr;  // checkpoint I/O; armed by test hooks

@@ -42,6 +42,7 @@
 #include "core/training/checkpoints.h"
 #include "core/training/coordinator.h"
 #include "core/training/engine_link.h"
+#include "core/sampling/token_text.h"
 #include "core/training/types.h"
 
 namespace twinkle::sampling {
@@ -93,11 +94,13 @@ struct SamplingSessionInfo {
 
 struct SamplerOptions {
   std::string base_model;
+  std::string model_dir;  // its tokenizer.json decodes tokens for stop strings
   int64_t max_decode_steps_per_call = 8;  // one decode chunk; bounds what a training step waits
   int32_t max_snapshots = 64;             // engine snapshots held at once, server-wide
   int32_t max_sessions_per_tenant = 64;
   absl::Duration session_timeout = absl::Seconds(1800);  // unused this long: closed
   int64_t default_max_tokens = 16;
+  int64_t max_num_samples = 128;
 };
 
 struct SamplerStats {
@@ -145,15 +148,59 @@ class SamplerCoordinator {
   struct Snapshot;
   struct Session;
   struct Request;
+  struct Row;
 
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(const TenantContext& tenant, const std::string& id);
+  std::shared_ptr<Snapshot> NewSnapshot(const std::string& tenant, const std::string& source,
+                                        training::TrainingCoordinator::CapturedWeights weights)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string AddSession(const std::string& tenant, const std::string& model_path,
+                         std::shared_ptr<Snapshot> snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckSnapshotRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Scheduler thread: the op's turn came; its rows wait for the decode thread.
+  void Enqueue(std::shared_ptr<Request> request);
+
+  // Decode thread.
   void DecodeLoop();
-  // ...
+  absl::Status EnsureOnEngine(Snapshot& snapshot);
+  void RemoveDeadSnapshots();
+  void Finish(Request& request, FutureResult result);
+  void Collect(Row& row, const ipc::SampleRowResultMsg& result, const std::vector<std::string>& buffers);
+
   const SamplerOptions options_;
   training::EngineLink& engine_;
   training::TrainingCoordinator& training_;
   training::CheckpointStore* checkpoints_;
   FutureStore& futures_;
   const Clock& clock_;
+  std::optional<TokenText> token_text_;  // stop strings; unset when the model has no tokenizer.json
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::weak_ptr<Snapshot>> snapshots_by_source_ ABSL_GUARDED_BY(mu_);  // tenant + path
+  std::deque<std::shared_ptr<Row>> waiting_ ABSL_GUARDED_BY(mu_);  // FIFO, not yet in the engine
+  std::map<uint64_t, std::shared_ptr<Row>> running_ ABSL_GUARDED_BY(mu_);  // by engine request id
+  std::map<std::string, int64_t> in_flight_by_tenant_ ABSL_GUARDED_BY(mu_);  // requests handed over
+  std::vector<uint64_t> cancel_ ABSL_GUARDED_BY(mu_);  // engine rows of failed requests, to drop
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_snapshot_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_row_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  SamplerStats engine_stats_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar wake_;  // with mu_: work arrived or stop
+  std::thread decode_thread_;
+
+  // Snapshots die wherever their last holder lets go (often under mu_), so their engine ids
+  // go to a list of their own, emptied by the decode thread.
+  struct Graveyard {
+    absl::Mutex mu;
+    std::vector<std::string> engine_ids ABSL_GUARDED_BY(mu);
+    int64_t live ABSL_GUARDED_BY(mu) = 0;
+  };
+  std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
+  // Decode thread only.
+  uint64_t generation_ = 0;
+  bool reset_engine_ = false;
 };
 
 }  // namespace twinkle::sampling

@@ -400,6 +400,51 @@ absl::Status TrainingCoordinator::CheckPending(const TenantContext& tenant) cons
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitWithWeights(const TenantContext& tenant,
+                                                                const std::string& name,
+                                                                std::function<FutureResult(CapturedWeights)> then,
+                                                                const SubmitOptions& options) {
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  std::shared_ptr<Adapter> a = *adapter;
+  return SubmitControlOp(tenant, a, [this, a, then = std::move(then)]() -> FutureResult {
+    SyncGeneration();
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    absl::StatusOr<ipc::Message> state = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
+    if (!state.ok()) return state.status();
+    absl::StatusOr<ipc::AdapterStateReply> body =
+        ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
+    if (!body.ok()) return body.status();
+    // Keep the weights only (the reply also carries gradients and optimizer state).
+    CapturedWeights captured;
+    captured.config = body->config;
+    for (const auto& [key, desc] : body->weights) {
+      if (absl::Status s = ipc::ValidateTensor(desc, state->buffers); !s.ok()) return s;
+      ipc::TensorDesc copy = desc;
+      copy.frame = static_cast<uint32_t>(captured.buffers.size());
+      captured.buffers.push_back(std::move(state->buffers[desc.frame]));
+      captured.weights.emplace(key, std::move(copy));
+    }
+    return then(std::move(captured));
+  }, options);
+}
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitTask(const TenantContext& tenant, const std::string& queue,
+                                                         int64_t tokens, std::function<FutureResult(uint64_t)> run,
+                                                         const SubmitOptions& options) {
+  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
+  sched::Op op;
+  op.tenant = tenant.id;
+  op.adapter = TaskQueue(tenant.id, queue);
+  op.kind = sched::OpKind::kOther;
+  op.tokens = tokens;
+  op.deadline = options.deadline;
+  op.seq_id = options.seq_id;
+  op.idempotency_key = options.idempotency_key;
+  op.payload = ControlPayload{[this, run = std::move(run)]() -> FutureResult { return run(current_op_); }};
+  return scheduler_->Submit(std::move(op));
+}
+
 absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControlOp(const TenantContext& tenant,
                                                               const std::shared_ptr<Adapter>& adapter,
                                                               std::function<FutureResult()> run,

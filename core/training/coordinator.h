@@ -33,6 +33,7 @@
 #include "core/futures/future_store.h"
 #include "core/scheduler/scheduler.h"
 #include "core/registry/registry.h"
+#include "core/ipc/training_messages.h"
 #include "core/training/checkpoints.h"
 #include "core/training/engine_link.h"
 #include "core/training/types.h"
@@ -121,6 +122,31 @@ class TrainingCoordinator {
   // directory under the tenant's exports/<export_name>/ (utility RPC, for vLLM users).
   absl::StatusOr<uint64_t> SubmitExport(const TenantContext& tenant, const std::string& checkpoint_path,
                                         const std::string& export_name);
+
+  // ---- For the sampler (core/sampling), which shares the scheduler and the engine. ----
+
+  // An adapter's LoRA weights as its earlier ops left them, with the create_adapter body
+  // that rebuilds an adapter of the same shape (PEFT keys; frames index `buffers`).
+  struct CapturedWeights {
+    ipc::CreateAdapterRequest config;
+    std::map<std::string, ipc::TensorDesc> weights;
+    std::vector<std::string> buffers;
+  };
+  // Queues, in adapter `name`'s FIFO, an op that captures its weights and hands them to
+  // `then` on the scheduler thread; the op's result is what `then` returns.
+  absl::StatusOr<uint64_t> SubmitWithWeights(const TenantContext& tenant, const std::string& name,
+                                             std::function<FutureResult(CapturedWeights)> then,
+                                             const SubmitOptions& options);
+  // Queues `run` in the tenant's private queue `queue` ('#' + queue never collides with an
+  // adapter name), charged `tokens` for fair share. It runs on the scheduler thread with its
+  // op id and may return sched::Deferred{} and complete the future itself later.
+  absl::StatusOr<uint64_t> SubmitTask(const TenantContext& tenant, const std::string& queue, int64_t tokens,
+                                      std::function<FutureResult(uint64_t op_id)> run,
+                                      const SubmitOptions& options);
+  // The scheduler queue key of SubmitTask's `queue` (for Scheduler::DropAdapter).
+  static std::string TaskQueue(const std::string& tenant, const std::string& queue) {
+    return tenant + "/#" + queue;
+  }
 
   // Releases adapters whose session went silent for adapter_timeout or whose lifetime
   // ended, and forgets silent sessions. Call periodically.

@@ -21,6 +21,8 @@ class EngineLink {
   virtual uint64_t generation() const = 0;
   // The loaded model's vocabulary size (token ids are validated against it).
   virtual int64_t vocab_size() const = 0;
+  // The model's max_position_embeddings (0 = unknown): prompt + max_tokens must fit.
+  virtual int64_t max_position_embeddings() const { return 0; }
   // Loss names the engine implements.
   virtual std::vector<std::string> supported_losses() const = 0;
 };

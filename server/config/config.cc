@@ -98,6 +98,15 @@ template <typename V> void VisitFields(V& v, SchedulerSection& c) {
   v.Field("queue_cap", c.queue_cap, Range(1, 1e6));
   v.Field("max_loras", c.max_loras, Range(1, 4096));
 }
+template <typename V> void VisitFields(V& v, SamplerSection& c) {
+  v.Field("kv_cache_blocks", c.kv_cache_blocks, Range(1, 1e8));
+  v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
+  v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
+  v.Field("max_snapshots", c.max_snapshots, Range(1, 1e5));
+  v.Field("max_sessions_per_tenant", c.max_sessions_per_tenant, Range(1, 1e5));
+  v.Field("default_max_tokens", c.default_max_tokens, Range(1, 1e7));
+  v.Field("max_num_samples", c.max_num_samples, Range(1, 1e5));
+}
 template <typename V> void VisitFields(V& v, SessionsSection& c) {
   v.Field("adapter_timeout_s", c.adapter_timeout_s, Range(1, 1e8));
   v.Field("adapter_max_lifetime_s", c.adapter_max_lifetime_s, Range(1, 1e8));
@@ -120,6 +129,7 @@ template <typename V> void VisitFields(V& v, Config& c) {
   v.Section("limits", c.limits);
   v.Section("auth", c.auth);
   v.Section("scheduler", c.scheduler);
+  v.Section("sampler", c.sampler);
   v.Section("sessions", c.sessions);
   v.Section("storage", c.storage);
   v.Section("testing", c.testing);

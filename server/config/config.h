@@ -76,6 +76,18 @@ struct SchedulerSection {
   int32_t max_loras = 16;              // adapters resident in device slots at once
 };
 
+// The sampler pool (core/sampling, core/engine/sampler): colocated with the training workers,
+// sharing their base weights; decode chunks interleave with training steps.
+struct SamplerSection {
+  int64_t kv_cache_blocks = 2048;         // KV cache blocks per worker
+  int32_t kv_block_size = 16;             // tokens per block
+  int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
+  int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide
+  int32_t max_sessions_per_tenant = 64;   // open sampling sessions per tenant
+  int32_t default_max_tokens = 16;        // when a request leaves max_tokens unset
+  int32_t max_num_samples = 128;          // completions per prompt in one request
+};
+
 struct SessionsSection {
   double adapter_timeout_s = 1800;        // an adapter idle this long is unloaded
   double adapter_max_lifetime_s = 36000;  // an adapter is unloaded this long after creation
@@ -105,6 +117,7 @@ struct Config {
   LimitsSection limits;
   AuthSection auth;
   SchedulerSection scheduler;
+  SamplerSection sampler;
   SessionsSection sessions;
   StorageSection storage;
   TestingSection testing;

@@ -79,11 +79,10 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
   return reactor;
 }
 
-grpc::ServerUnaryReactor* HandleQueued(
+grpc::ServerUnaryReactor* HandleQueuedAny(
     grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
-    std::function<void(uint64_t)> set_future_id,
-    std::function<absl::Status(const training::OpOutput&)> fill) {
+    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const std::any&)> fill) {
   auto timer = std::make_shared<RequestTimer>(state.metrics, method);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto finish = [context, reactor, timer](const absl::Status& status) {
@@ -103,14 +102,23 @@ grpc::ServerUnaryReactor* HandleQueued(
   }
   absl::Status watched = state.futures->OnComplete(
       *id, (*tenant)->id, [finish, fill = std::move(fill)](const FutureResult& result) {
-        if (!result.ok()) {
-          finish(result.status());
-          return;
-        }
-        finish(fill(std::any_cast<const training::OpOutput&>(*result)));
+        finish(result.ok() ? fill(*result) : result.status());
       });
   if (!watched.ok()) finish(watched);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* HandleQueued(
+    grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
+    const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
+    std::function<void(uint64_t)> set_future_id,
+    std::function<absl::Status(const training::OpOutput&)> fill) {
+  return HandleQueuedAny(context, state, method, return_future, submit, std::move(set_future_id),
+                         [fill = std::move(fill)](const std::any& result) {
+                           const auto* out = std::any_cast<training::OpOutput>(&result);
+                           if (out == nullptr) return absl::InternalError("the op produced an unexpected result type");
+                           return fill(*out);
+                         });
 }
 
 }  // namespace twinkle

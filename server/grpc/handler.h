@@ -6,6 +6,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <any>
 #include <functional>
 #include <memory>
 #include <string>
@@ -41,5 +42,10 @@ grpc::ServerUnaryReactor* HandleQueued(
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
     std::function<void(uint64_t)> set_future_id,
     std::function<absl::Status(const training::OpOutput&)> fill);
+// HandleQueued for ops whose result is not an OpOutput (sampling): `fill` gets the value.
+grpc::ServerUnaryReactor* HandleQueuedAny(
+    grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
+    const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
+    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const std::any&)> fill);
 
 }  // namespace twinkle

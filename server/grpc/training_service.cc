@@ -341,7 +341,12 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureRespon
     if (!r.ok()) return r.status();
     if (!r->ok()) return r->status();
     response->set_done(true);
-    const OpOutput& out = std::any_cast<const OpOutput&>(**r);
+    const auto* found = std::any_cast<OpOutput>(&**r);
+    if (found == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("future ", request->future_id(),
+                                                     " is not a training op (a sampling future? use WaitSample)"));
+    }
+    const OpOutput& out = *found;
     if (!out.sequences.empty()) {
       FillModelOutput(out, response->mutable_forward()->mutable_result());
     } else {

@@ -1,0 +1,143 @@
+#include "server/grpc/sampler_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/grpc/handler.h"
+
+namespace twinkle {
+namespace {
+
+namespace v1 = twinkle::v1;
+
+#define TWINKLE_RPC_DEF(Name, Request, Response)                                   \
+  grpc::ServerUnaryReactor* SamplerServiceImpl::Name(grpc::CallbackServerContext* context, \
+                                                     const v1::Request* request, v1::Response* response)
+
+training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* context, const v1::RequestOptions& o) {
+  training::SubmitOptions s;
+  s.deadline = ClientDeadline(*context);
+  s.seq_id = o.seq_id() > 0 ? o.seq_id() : -1;
+  s.idempotency_key = o.idempotency_key();
+  return s;
+}
+
+sampling::SamplingParams ToParams(const v1::SamplingParams& p) {
+  sampling::SamplingParams s;
+  s.max_tokens = p.max_tokens();
+  s.temperature = p.has_temperature() ? p.temperature() : 1.0;
+  s.top_p = p.top_p();
+  s.top_k = p.top_k();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.stop_strings.assign(p.stop().begin(), p.stop().end());
+  if (p.has_seed()) s.seed = p.seed();
+  s.num_samples = p.num_samples();
+  s.prompt_logprobs = p.prompt_logprobs();
+  return s;
+}
+
+void FillSession(const sampling::SamplingSessionInfo& info, v1::SamplingSession* out) {
+  out->set_sampling_session_id(info.id);
+  out->set_base_model(info.base_model);
+  out->set_model_path(info.model_path);
+}
+
+absl::Status FillSample(const std::any& value, v1::SampleResponse* response) {
+  const auto* out = std::any_cast<sampling::SampleOutput>(&value);
+  if (out == nullptr) return absl::InvalidArgumentError("the future is not a sampling request's (use WaitFuture)");
+  for (const sampling::PromptOutput& p : out->prompts) {
+    v1::PromptResult* r = response->add_results();
+    for (const sampling::SampledSequence& s : p.sequences) {
+      v1::SampledSequence* seq = r->add_sequences();
+      seq->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
+      seq->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
+      seq->set_stop_reason(s.stop_reason);
+    }
+    r->mutable_prompt_logprobs()->Add(p.prompt_logprobs.begin(), p.prompt_logprobs.end());
+  }
+  response->set_done(true);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+TWINKLE_RPC_DEF(CreateSamplingSession, CreateSamplingSessionRequest, SamplingSession) {
+  return HandleNow(context, state_, "SamplerService/CreateSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
+    const training::TenantContext tenant = ToTenantContext(t);
+    absl::StatusOr<std::string> id = state_.sampler->CreateSession(tenant, request->model_path());
+    if (!id.ok()) return id.status();
+    absl::StatusOr<sampling::SamplingSessionInfo> info = state_.sampler->GetSession(tenant, *id);
+    if (!info.ok()) return info.status();
+    FillSession(*info, response);
+    return absl::OkStatus();
+  });
+}
+
+TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
+  auto tenant = std::make_shared<training::TenantContext>();
+  return HandleQueuedAny(
+      context, state_, "SamplerService/SnapshotAdapter", false,
+      [&](const tenancy::Tenant& t) {
+        *tenant = ToTenantContext(t);
+        return state_.sampler->SubmitSnapshotSession(*tenant, request->adapter_name(),
+                                                     ToSubmitOptions(context, request->options()));
+      },
+      [](uint64_t) {},
+      [this, tenant, response](const std::any& value) -> absl::Status {
+        const auto* snapshot = std::any_cast<sampling::SnapshotSession>(&value);
+        if (snapshot == nullptr) return absl::InternalError("snapshot: unexpected result type");
+        absl::StatusOr<sampling::SamplingSessionInfo> info =
+            state_.sampler->GetSession(*tenant, snapshot->sampling_session_id);
+        if (!info.ok()) return info.status();
+        FillSession(*info, response);
+        response->set_model_path("");
+        return absl::OkStatus();
+      });
+}
+
+TWINKLE_RPC_DEF(GetSamplingSession, SamplingSessionRequest, SamplingSession) {
+  return HandleNow(context, state_, "SamplerService/GetSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
+    absl::StatusOr<sampling::SamplingSessionInfo> info =
+        state_.sampler->GetSession(ToTenantContext(t), request->sampling_session_id());
+    if (!info.ok()) return info.status();
+    FillSession(*info, response);
+    return absl::OkStatus();
+  });
+}
+
+TWINKLE_RPC_DEF(CloseSamplingSession, SamplingSessionRequest, Empty) {
+  return HandleNow(context, state_, "SamplerService/CloseSamplingSession", [&](const tenancy::Tenant& t) {
+    return state_.sampler->CloseSession(ToTenantContext(t), request->sampling_session_id());
+  });
+}
+
+TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
+  return HandleQueuedAny(
+      context, state_, "SamplerService/Sample", request->options().return_future(),
+      [&](const tenancy::Tenant& t) {
+        std::vector<std::vector<int64_t>> prompts;
+        for (const v1::Prompt& p : request->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
+        return state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(), std::move(prompts),
+                                            ToParams(request->params()), ToSubmitOptions(context, request->options()));
+      },
+      [response](uint64_t id) { response->set_future_id(id); },
+      [response](const std::any& value) { return FillSample(value, response); });
+}
+
+TWINKLE_RPC_DEF(WaitSample, WaitFutureRequest, SampleResponse) {
+  return HandleNow(context, state_, "SamplerService/WaitSample", [&](const tenancy::Tenant& t) -> absl::Status {
+    absl::Duration timeout = request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms()) : absl::Seconds(30);
+    const absl::Time deadline = ClientDeadline(*context);
+    if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
+    absl::StatusOr<FutureResult> r = state_.futures->Wait(request->future_id(), t.id, timeout);
+    if (absl::IsUnavailable(r.status())) {
+      response->set_done(false);
+      return absl::OkStatus();
+    }
+    if (!r.ok()) return r.status();
+    if (!r->ok()) return r->status();
+    return FillSample(**r, response);
+  });
+}
+
+}  // namespace twinkle
