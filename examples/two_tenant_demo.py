@@ -10,7 +10,9 @@ curves are printed side by side.
     TWINKLE_KEY_A=tml-... TWINKLE_KEY_B=tml-... python examples/two_tenant_demo.py --base-url http://host:8000
 
 Tenant A teaches the model that it is "twinkle model" by "ModelScope Community"; tenant B
-that it is "Orion" by "Acme Labs", with another learning rate and LoRA rank.
+that it is "Orion" by "Acme Labs", with another learning rate and LoRA rank. (The rates are
+higher than the guide's 1e-4 so that the default server's tiny random model moves visibly in
+a short run.)
 """
 import argparse
 import os
@@ -31,8 +33,8 @@ from twinkle_client.model import MultiLoraTransformersModel
 logger = get_logger()
 
 TENANTS = {
-    'A': {'model_name': 'twinkle model', 'model_author': 'ModelScope Community', 'lr': 1e-4, 'r': 8},
-    'B': {'model_name': 'Orion', 'model_author': 'Acme Labs', 'lr': 2e-4, 'r': 16},
+    'A': {'model_name': 'twinkle model', 'model_author': 'ModelScope Community', 'lr': 2e-3, 'r': 8},
+    'B': {'model_name': 'Orion', 'model_author': 'Acme Labs', 'lr': 5e-3, 'r': 16},
 }
 
 
@@ -99,7 +101,7 @@ def train_tenant(args, tenant, client: TwinkleClient, dataset, curve, errors):
 def print_curves(curves):
     """Both curves side by side (every micro-batch) and a one-line sketch of each."""
     names = sorted(curves)
-    print('\nstep  ' + '  '.join(f'tenant {n:>3}' for n in names))
+    print('\nstep  ' + '  '.join(f'{"tenant " + n:>10}' for n in names))
     for i in range(max(len(c) for c in curves.values())):
         cells = [f'{curves[n][i]:10.4f}' if i < len(curves[n]) else ' ' * 10 for n in names]
         print(f'{i:4d}  ' + '  '.join(cells))

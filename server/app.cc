@@ -30,11 +30,13 @@
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
 #include "server/grpc/sampler_service.h"
+#include "server/grpc/tinker_service.h"
 #include "server/grpc/training_service.h"
 #include "server/grpc/utility_service.h"
 #include "server/http/http_server.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
+#include "server/tinker/http_routes.h"
 #include "twinkle_version.h"
 
 namespace twinkle {
@@ -166,6 +168,9 @@ void SampleGauges(ServingState& state) {
   for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) {
     state.metrics.SetQueueDepth(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
   }
+  const sampling::SamplerStats z = state.sampler->stats();
+  state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
+                            z.tokens_generated});
 }
 
 // Once a second: expire adapters and futures, and sample the gauges.
@@ -225,7 +230,7 @@ void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grp
                         serving ? R"({"status":"serving"})" : R"({"status":"not_serving"})"};
   });
   const std::string endpoints =
-      nlohmann::json{{"grpc_address", grpc_address}, {"tls", tls}}.dump();
+      nlohmann::json{{"grpc", grpc_address}, {"grpc_address", grpc_address}, {"tls", tls}}.dump();
   http.Route("GET", "/api/v1/twinkle/endpoints", [endpoints](const HttpRequest&) {
     return HttpResponse{200, "application/json", endpoints};
   });
@@ -327,6 +332,23 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   // Reflection lets grpcurl discover the API; with auth on it is left out, so that nothing
   // but health answers a caller without a key.
   if (!config.auth.enabled) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // The Tinker API (tinker-protocol.md, server/tinker): HTTP under /api/v1 and tinker.v1.TinkerService.
+  tinker::TinkerOptions tinker_options;
+  tinker_options.base_model = config.model.name;
+  tinker_options.model_dir = std::filesystem::absolute(config.model.path).string();
+  tinker_options.max_lora_rank = config.limits.max_lora_rank;
+  tinker_options.retention = absl::Seconds(config.sessions.future_retention_s);
+  tinker_options.architecture = [&supervisor] {
+    std::optional<ModelInfo> info = supervisor.model_info();
+    return info ? info->architecture : std::string();
+  };
+  tinker_options.max_context_length = [&supervisor] {
+    std::optional<ModelInfo> info = supervisor.model_info();
+    return info ? info->max_position_embeddings : int64_t{0};
+  };
+  tinker::TinkerApi tinker_api(tinker_options, coordinator, futures, registry->get(), &checkpoints, &rate_limiter,
+                               state.sampler);
+  TinkerServiceImpl tinker_service(state, tinker_api);
   UtilityServiceImpl utility(state);
   TrainingServiceImpl training_service(state);
   SamplerServiceImpl sampler_service(state);
@@ -340,6 +362,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
   builder.RegisterService(&utility);
   builder.RegisterService(&training_service);
+  builder.RegisterService(&tinker_service);
   builder.RegisterService(&sampler_service);
   if (config.testing.hooks) builder.RegisterService(&testing_service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
@@ -354,6 +377,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
                                           config.server.tls.client_ca_file});
   const std::string grpc_address = HostPort(config.server.host, grpc_port);
   AddHttpRoutes(http, state, grpc_address, tls);
+  tinker::AddTinkerRoutes(http, tinker_api, state);
   absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);
   if (!http_port.ok()) {
     grpc_server->Shutdown();

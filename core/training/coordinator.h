@@ -109,6 +109,14 @@ class TrainingCoordinator {
   // The adapter's LoRA weights by PEFT key (fp32).
   absl::StatusOr<uint64_t> SubmitGetStateDict(const TenantContext& tenant, const std::string& name);
 
+  // Tinker's optim_step: applies the adapter's optimizer with these hyper-parameters
+  // (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm; omitted ones keep the
+  // engine's defaults), then clears the gradients. Result metrics: grad_norm:mean,
+  // learning_rate:mean. Not gated by gradient accumulation.
+  absl::StatusOr<uint64_t> SubmitOptimStep(const TenantContext& tenant, const std::string& name,
+                                           const std::map<std::string, double>& hyper,
+                                           const SubmitOptions& options);
+
   // Checkpoints. Save snapshots the adapter in its queue, then writes off the scheduler
   // thread: the adapter's later ops wait for the write, other adapters keep training.
   absl::StatusOr<uint64_t> SubmitSave(const TenantContext& tenant, const std::string& name, const SaveArgs& args);

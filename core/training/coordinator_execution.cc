@@ -1,6 +1,8 @@
 // TrainingCoordinator: what runs on the scheduler thread — engine calls, residency
 // (offload/reload), the Twinkle optimizer controls, and fused forward/backward steps.
 #include <algorithm>
+#include <cmath>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "core/common/log.h"
@@ -220,13 +222,14 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
     msg.adapter_id = a.key;
     msg.disable_adapter = p.disable_lora;
     if (p.mode != ForwardMode::kForwardOnly) {
-      msg.loss = a.loss;
+      // A loss named by the call itself (Tinker) wins over the adapter's SetLoss.
+      if (msg.loss.name.empty()) msg.loss = a.loss;
       // Tinker's losses take per-token weights where Twinkle's take a mask.
-      if (!IsTwinkleLoss(a.loss.name)) {
+      if (!IsTwinkleLoss(msg.loss.name)) {
         for (ipc::DatumMsg& d : msg.datums) {
           auto mask = d.inputs.find("mask");
           if (mask == d.inputs.end()) continue;
-          if (a.loss.name == "cross_entropy") d.inputs["weights"] = mask->second;
+          if (msg.loss.name == "cross_entropy") d.inputs["weights"] = mask->second;
           d.inputs.erase("mask");
         }
       }
@@ -271,7 +274,8 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
         if (!el.ok()) s = el.status();
         else seq.loss = *std::move(el);
       }
-      if (!seq.logps.empty()) seq.logps.back() = 0;  // nothing follows the last token
+      // Nothing follows the last token (unless the caller gave its target: Tinker).
+      if (!seq.logps.empty() && !packed_of[i]->explicit_targets) seq.logps.back() = 0;
       for (float v : seq.loss) out.loss += v;
       out.sequences.push_back(std::move(seq));
     }
@@ -292,6 +296,44 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
     results[i] = std::move(out);
   }
   return results;
+}
+
+}  // namespace twinkle::training
+
+namespace twinkle::training {
+
+absl::StatusOr<uint64_t> TrainingCoordinator::SubmitOptimStep(const TenantContext& tenant, const std::string& name,
+                                                              const std::map<std::string, double>& hyper,
+                                                              const SubmitOptions& options) {
+  static const char* const kKeys[] = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"};
+  for (const auto& [key, value] : hyper) {
+    if (std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return key == k; }) == std::end(kKeys)) {
+      return absl::InvalidArgumentError(absl::StrCat("adam_params.", key, ": unknown parameter"));
+    }
+    if (!std::isfinite(value)) return absl::InvalidArgumentError(absl::StrCat("adam_params.", key, ": not finite"));
+  }
+  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
+  if (!adapter.ok()) return adapter.status();
+  std::shared_ptr<Adapter> a = *adapter;
+  return SubmitControlOp(tenant, a, [this, a, hyper]() -> FutureResult {
+    SyncGeneration();
+    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    ipc::OptimStepRequest req;
+    req.adapter_id = a->key;
+    req.hyper = hyper;
+    req.zero_grad = true;
+    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodOptimStep, ipc::Pack(req));
+    if (!r.ok()) return r.status();
+    absl::StatusOr<ipc::OptimStepReply> reply = ipc::Unpack<ipc::OptimStepReply>(r->envelope.body, "optim_step reply");
+    if (!reply.ok()) return reply.status();
+    ++a->optimizer_steps;
+    a->last_grad_norm = reply->grad_norm;
+    a->last_lr = reply->learning_rate;
+    OpOutput out;
+    out.value = reply->learning_rate;
+    out.metrics = {{"grad_norm:mean", reply->grad_norm}, {"learning_rate:mean", reply->learning_rate}};
+    return out;
+  }, options);
 }
 
 }  // namespace twinkle::training

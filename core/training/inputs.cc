@@ -47,7 +47,62 @@ absl::StatusOr<std::vector<float>> Scatter(const std::vector<float>& values,
 
 }  // namespace
 
+namespace {
+
+// Tinker datums: targets and loss inputs are given per position, as they are.
+absl::StatusOr<PackedOp> PackDatums(const ForwardArgs& args, int64_t vocab_size, int64_t max_tokens) {
+  PackedOp op;
+  if (!args.inputs.empty()) return absl::InvalidArgumentError("inputs and datums: give one of them, not both");
+  for (size_t s = 0; s < args.datums.size(); ++s) {
+    const TokenDatum& d = args.datums[s];
+    const std::string where = absl::StrCat("data[", s, "]");
+    const int64_t len = static_cast<int64_t>(d.input_tokens.size());
+    if (len == 0) return absl::InvalidArgumentError(absl::StrCat(where, ".model_input: empty sequence"));
+    for (const auto* tokens : {&d.input_tokens, &d.target_tokens}) {
+      const char* field = tokens == &d.input_tokens ? "model_input" : "loss_fn_inputs.target_tokens";
+      for (size_t i = 0; i < tokens->size(); ++i) {
+        const int64_t t = (*tokens)[i];
+        if (t < 0 || t >= vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ".", field, "[", i, "]: token id ", t,
+                                                         " outside [0, ", vocab_size, ")"));
+        }
+      }
+    }
+    if (static_cast<int64_t>(d.target_tokens.size()) != len) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ".loss_fn_inputs.target_tokens: length ",
+                                                     d.target_tokens.size(), " differs from the model_input length ",
+                                                     len));
+    }
+    op.tokens += len;
+    if (op.tokens > max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("data: the request holds more than ", max_tokens,
+                                                     " tokens (limits.max_tokens_per_request)"));
+    }
+    ipc::DatumMsg datum;
+    datum.input_tokens = AddFrame(d.input_tokens, "int64", op.buffers);
+    datum.target_tokens = AddFrame(d.target_tokens, "int64", op.buffers);
+    for (const auto& [name, values] : d.inputs) {
+      const std::string field = absl::StrCat(where, ".loss_fn_inputs.", name);
+      if (static_cast<int64_t>(values.size()) != len) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": length ", values.size(),
+                                                       " differs from the model_input length ", len));
+      }
+      if (absl::Status st = CheckFinite(values, field); !st.ok()) return st;
+      datum.inputs[name] = AddFrame(values, "float32", op.buffers);
+    }
+    op.trained_tokens += len;
+    op.msg.datums.push_back(std::move(datum));
+    op.lengths.push_back(len);
+  }
+  if (args.loss) op.msg.loss = ipc::LossSpecMsg{args.loss->name, args.loss->config, args.loss->string_config};
+  op.explicit_targets = true;
+  return op;
+}
+
+}  // namespace
+
 absl::StatusOr<PackedOp> PackForward(const ForwardArgs& args, int64_t vocab_size, int64_t max_tokens) {
+  if (!args.datums.empty()) return PackDatums(args, vocab_size, max_tokens);
   if (args.inputs.empty()) return absl::InvalidArgumentError("inputs: empty batch (no sequences)");
   const size_t n = args.inputs.size();
   if (!args.advantages.empty() && args.advantages.size() != n) {
@@ -128,6 +183,7 @@ absl::StatusOr<PackedOp> PackForward(const ForwardArgs& args, int64_t vocab_size
     op.msg.datums.push_back(std::move(datum));
     op.lengths.push_back(len);
   }
+  if (args.loss) op.msg.loss = ipc::LossSpecMsg{args.loss->name, args.loss->config, args.loss->string_config};
   return op;
 }
 

@@ -24,6 +24,8 @@ struct PackedOp {
   int64_t tokens = 0;                 // sum of sequence lengths
   int64_t trained_tokens = 0;         // positions with a label
   std::vector<int64_t> lengths;
+  // Tinker datums: every position has a real target (the last one too).
+  bool explicit_targets = false;
 };
 
 // max_tokens: the server's hard limit on one request (sum of sequence lengths).

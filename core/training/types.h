@@ -51,7 +51,25 @@ struct Feature {
   std::vector<int64_t> labels;
 };
 
+// Tinker's datum: explicit per-position targets and loss inputs (no label shifting).
+struct TokenDatum {
+  std::vector<int64_t> input_tokens;   // [N]
+  std::vector<int64_t> target_tokens;  // [N]: position i predicts target_tokens[i]
+  // weights, logprobs, advantages, clip_low_threshold, clip_high_threshold: [N] each.
+  std::map<std::string, std::vector<float>> inputs;
+};
+
+// A loss for one call, instead of the adapter's SetLoss (Tinker names a loss per call).
+struct LossOverride {
+  std::string name;  // an engine loss name: cross_entropy, importance_sampling, ppo, cispo, dro
+  std::map<std::string, double> config;
+  std::map<std::string, std::string> string_config;
+};
+
 struct ForwardArgs {
+  // Either `inputs` (Twinkle, HF labels) or `datums` (Tinker), not both.
+  std::vector<TokenDatum> datums;
+  std::optional<LossOverride> loss;
   std::vector<Feature> inputs;
   std::vector<float> advantages;               // one per sequence, or empty
   std::vector<std::vector<float>> old_logps;   // per sequence, one per trained token, or empty

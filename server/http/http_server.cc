@@ -1,5 +1,7 @@
 #include "server/http/http_server.h"
 
+#include <algorithm>
+#include <atomic>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -29,7 +31,14 @@ constexpr size_t kMaxBodyBytes = 64 << 20;
 constexpr auto kIdleTimeout = std::chrono::seconds(120);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
-using Routes = std::map<std::pair<std::string, std::string>, HttpHandler>;
+struct Routes {
+  std::map<std::pair<std::string, std::string>, AsyncHttpHandler> exact;
+  struct Prefix {
+    std::string method, prefix;
+    AsyncHttpHandler handler;
+  };
+  std::vector<Prefix> prefixes;  // longest prefix first
+};
 
 // One connection: (TLS handshake,) read a request, answer it, repeat while keep-alive.
 template <bool kTls>
@@ -106,16 +115,32 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                               std::string(field.value()));
     }
     request.body = std::move(req.body());
+    Dispatch(request, req.version(), req.keep_alive());
+  }
 
-    HttpResponse response = Dispatch(request);
-    auto res = std::make_shared<http::response<http::string_body>>(
-        static_cast<http::status>(response.status), req.version());
+  // The responder a handler gets: the first call writes the response on this session's
+  // strand, whatever thread it comes from; later calls are ignored.
+  HttpResponder MakeResponder(std::string label, unsigned version, bool keep_alive) {
+    auto timer = std::make_shared<RequestTimer>(metrics_, std::move(label));
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    return [self = this->shared_from_this(), timer, done, version, keep_alive](HttpResponse response) {
+      if (done->exchange(true)) return;
+      timer->set_code(absl::StrCat(response.status));
+      asio::post(self->stream_.get_executor(), [self, response = std::move(response), version, keep_alive]() mutable {
+        self->Write(std::move(response), version, keep_alive);
+      });
+    };
+  }
+
+  void Write(HttpResponse response, unsigned version, bool keep_alive) {
+    auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(response.status),
+                                                                   version);
     res->set(http::field::server, "twinkle-server");
     res->set(http::field::content_type, response.content_type);
     for (const auto& [name, value] : response.headers) res->set(name, value);
-    res->keep_alive(req.keep_alive());
+    res->keep_alive(keep_alive);
     res->body() = std::move(response.body);
-    res->prepare_payload();
+    res->prepare_payload();  // always an explicit Content-Length (the tinker SDK needs it on 4xx)
     http::async_write(stream_, *res,
                       [self = this->shared_from_this(), res](beast::error_code ec, size_t) {
                         if (ec) return;
@@ -124,22 +149,30 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                       });
   }
 
-  HttpResponse Dispatch(const HttpRequest& request) {
-    auto it = routes_.find({request.method, request.path});
-    if (it == routes_.end()) {
-      bool path_known = false;
-      for (const auto& [key, handler] : routes_) path_known |= key.second == request.path;
-      RequestTimer timer(metrics_, "HTTP other");
-      const int status = path_known ? 405 : 404;
-      timer.set_code(absl::StrCat(status));
-      const nlohmann::json body = {{"error", path_known ? "method not allowed" : "not found"},
-                                   {"path", request.path.substr(0, 200)}};
-      return {status, "application/json", body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
+  void Dispatch(HttpRequest& request, unsigned version, bool keep_alive) {
+    auto it = routes_.exact.find({request.method, request.path});
+    if (it != routes_.exact.end()) {
+      it->second(request, MakeResponder(absl::StrCat(request.method, " ", request.path), version, keep_alive));
+      return;
     }
-    RequestTimer timer(metrics_, absl::StrCat(request.method, " ", request.path));
-    HttpResponse response = it->second(request);
-    timer.set_code(absl::StrCat(response.status));
-    return response;
+    bool path_known = false;
+    for (const auto& [key, handler] : routes_.exact) path_known |= key.second == request.path;
+    for (const Routes::Prefix& p : routes_.prefixes) {
+      if (request.path.size() <= p.prefix.size() || request.path.compare(0, p.prefix.size(), p.prefix) != 0) continue;
+      if (p.method != request.method) {
+        path_known = true;
+        continue;
+      }
+      request.path_tail = UrlDecode(absl::string_view(request.path).substr(p.prefix.size()), false);
+      p.handler(request, MakeResponder(absl::StrCat(request.method, " ", p.prefix, "*"), version, keep_alive));
+      return;
+    }
+    const int status = path_known ? 405 : 404;
+    const nlohmann::json body = {{"error", path_known ? "method not allowed" : "not found"},
+                                 {"detail", path_known ? "method not allowed" : "not found"},
+                                 {"path", request.path.substr(0, 200)}};
+    MakeResponder("HTTP other", version, keep_alive)(
+        {status, "application/json", body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)});
   }
 
   Stream stream_;
@@ -216,7 +249,59 @@ HttpServer::HttpServer(Metrics& metrics, HttpTlsOptions tls)
 HttpServer::~HttpServer() { Stop(); }
 
 void HttpServer::Route(const std::string& method, const std::string& path, HttpHandler handler) {
-  impl_->routes[{method, path}] = std::move(handler);
+  RouteAsync(method, path, [handler = std::move(handler)](const HttpRequest& request, HttpResponder respond) {
+    respond(handler(request));
+  });
+}
+
+void HttpServer::RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler) {
+  impl_->routes.exact[{method, path}] = std::move(handler);
+}
+
+void HttpServer::RoutePrefix(const std::string& method, const std::string& prefix, AsyncHttpHandler handler) {
+  auto& v = impl_->routes.prefixes;
+  v.push_back({method, prefix, std::move(handler)});
+  std::stable_sort(v.begin(), v.end(), [](const Routes::Prefix& a, const Routes::Prefix& b) {
+    return a.prefix.size() > b.prefix.size();
+  });
+}
+
+std::string UrlDecode(absl::string_view text, bool plus_is_space) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '%' && i + 2 < text.size() && hex(text[i + 1]) >= 0 &&
+        hex(text[i + 2]) >= 0) {
+      out.push_back(static_cast<char>(hex(text[i + 1]) * 16 + hex(text[i + 2])));
+      i += 2;
+    } else if (c == '+' && plus_is_space) {
+      out.push_back(' ');
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> HttpRequest::QueryParam(absl::string_view name) const {
+  absl::string_view rest(query);
+  while (!rest.empty()) {
+    const size_t amp = rest.find('&');
+    absl::string_view part = rest.substr(0, amp);
+    rest = amp == absl::string_view::npos ? absl::string_view() : rest.substr(amp + 1);
+    const size_t eq = part.find('=');
+    const std::string key = UrlDecode(part.substr(0, eq), true);
+    if (key != name) continue;
+    return eq == absl::string_view::npos ? std::string() : UrlDecode(part.substr(eq + 1), true);
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int threads) {

@@ -1,17 +1,21 @@
 #pragma once
 // A small asynchronous HTTP/1.1 server on Boost.Beast: a fixed pool of I/O threads serves
-// any number of connections, so long-polls to come will not hold a thread each. Routes map
-// (method, exact path) to a handler; everything else is 404 / 405. With a certificate it
-// serves HTTPS only (Beast's ssl_stream), optionally requiring client certificates (mTLS).
+// any number of connections. Routes map (method, exact path) or (method, path prefix) to a
+// handler; everything else is 404 / 405. A handler either returns its response at once, or
+// (RouteAsync) gets a responder it may call later from any thread, so a long-poll holds no
+// thread while it waits. With a certificate it serves HTTPS only (Beast's ssl_stream),
+// optionally requiring client certificates (mTLS).
 
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace twinkle {
 
@@ -23,15 +27,24 @@ using HttpHeaders = std::map<std::string, std::string>;
 struct HttpRequest {
   std::string method;  // "GET", "POST", ...
   std::string path;    // without the query string
-  std::string query;
+  std::string query;  // raw, without the '?'
   std::string body;
   HttpHeaders headers;
+  // Prefix routes: the part of `path` after the prefix (URL-decoded); empty otherwise.
+  std::string path_tail;
   // Returns the header's value, or nullptr; `lower_name` must be lower-case.
   const std::string* Header(const std::string& lower_name) const {
     auto it = headers.find(lower_name);
     return it == headers.end() ? nullptr : &it->second;
   }
+  // The URL-decoded value of query parameter `name` (the first one when it repeats), or
+  // nullopt when absent.
+  std::optional<std::string> QueryParam(absl::string_view name) const;
 };
+
+// Decodes %XX escapes and '+' (as a space when `plus_is_space`); malformed escapes stay as
+// they are.
+std::string UrlDecode(absl::string_view text, bool plus_is_space);
 
 struct HttpResponse {
   int status = 200;
@@ -50,6 +63,9 @@ struct HttpTlsOptions {
 };
 
 using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
+// Sends the response; call it exactly once, from any thread (later calls are ignored).
+using HttpResponder = std::function<void(HttpResponse)>;
+using AsyncHttpHandler = std::function<void(const HttpRequest&, HttpResponder)>;
 
 class HttpServer {
  public:
@@ -58,6 +74,11 @@ class HttpServer {
 
   // Routes must be added before Start.
   void Route(const std::string& method, const std::string& path, HttpHandler handler);
+  void RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler);
+  // Every path that starts with `prefix` (which should end in '/') and is longer than it;
+  // the handler finds the rest in HttpRequest::path_tail. Exact routes win; among prefix
+  // routes the longest prefix wins.
+  void RoutePrefix(const std::string& method, const std::string& prefix, AsyncHttpHandler handler);
 
   // Binds host:port (0 = any free port), starts `threads` I/O threads, returns the port.
   // With TLS, first loads the certificate, key and client CA (InvalidArgument naming the

@@ -1,0 +1,231 @@
+#include "server/tinker/http_routes.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/tenancy/rate_limiter.h"
+
+namespace twinkle::tinker {
+namespace {
+
+constexpr char kApi[] = "/api/v1";
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+HttpResponse JsonResponse(const Json& j, int status = 200) { return {status, "application/json", Dump(j)}; }
+
+// Every error has a JSON body with an explicit length (the SDK treats an empty 400 as a
+// proxy failure and retries it) and says whether a retry can help.
+HttpResponse ErrorResponse(const absl::Status& status) {
+  const int code = HttpStatusFor(status);
+  HttpResponse r = JsonResponse({{"detail", std::string(status.message())},
+                                 {"code", absl::StatusCodeToString(status.code())},
+                                 {"category", ErrorCategory(status)}},
+                                code);
+  const bool retry = code == 429 || code == 503 || code == 504;
+  r.headers.emplace_back("x-should-retry", retry ? "true" : "false");
+  if (code == 429) {
+    const int64_t wait = tenancy::RetryAfterSeconds(status).value_or(1);
+    r.headers.emplace_back("Retry-After", absl::StrCat(std::max<int64_t>(wait, 1)));
+  }
+  return r;
+}
+
+HttpResponse Answer(const absl::StatusOr<Json>& result) {
+  return result.ok() ? JsonResponse(*result) : ErrorResponse(result.status());
+}
+
+absl::StatusOr<Json> ParseBody(const HttpRequest& request) {
+  if (request.body.empty()) return Json::object();
+  Json j = Json::parse(request.body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
+  return j;
+}
+
+int32_t QueryInt(const HttpRequest& request, const char* name, int32_t fallback) {
+  std::optional<std::string> v = request.QueryParam(name);
+  int32_t parsed = 0;
+  if (v && absl::SimpleAtoi(*v, &parsed) && parsed >= 0) return parsed;
+  return fallback;
+}
+
+// What every handler needs; shared by the handlers, so it lives as long as the server.
+struct Context {
+  TinkerApi& api;
+  ServingState& state;
+  // The caller's tenant, or the error to answer instead.
+  absl::StatusOr<const tenancy::Tenant*> Admit(const HttpRequest& request) const {
+    if (state.draining.load()) return absl::UnavailableError("server is shutting down");
+    return state.authenticator->AuthenticateHttp(request.headers);
+  }
+};
+
+class Routes {
+ public:
+  Routes(HttpServer& http, TinkerApi& api, ServingState& state)
+      : http_(http), api_(api), ctx_(std::make_shared<Context>(Context{api, state})) {}
+
+  // A JSON-bodied call answered at once.
+  void Post(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)> fn) {
+    http_.Route("POST", absl::StrCat(kApi, path), [ctx = ctx_, fn = std::move(fn)](const HttpRequest& request) {
+      absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
+      if (!tenant.ok()) return ErrorResponse(tenant.status());
+      absl::StatusOr<Json> body = ParseBody(request);
+      if (!body.ok()) return ErrorResponse(body.status());
+      return Answer(fn(**tenant, *body));
+    });
+  }
+
+  void Get(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const HttpRequest&)> fn) {
+    http_.Route("GET", absl::StrCat(kApi, path), [ctx = ctx_, fn = std::move(fn)](const HttpRequest& request) {
+      absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
+      if (!tenant.ok()) return ErrorResponse(tenant.status());
+      return Answer(fn(**tenant, request));
+    });
+  }
+
+  void Prefix(const char* method, const char* prefix,
+              std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const HttpRequest&)> fn) {
+    http_.RoutePrefix(method, absl::StrCat(kApi, prefix),
+                      [ctx = ctx_, fn = std::move(fn)](const HttpRequest& request, HttpResponder respond) {
+                        absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
+                        if (!tenant.ok()) return respond(ErrorResponse(tenant.status()));
+                        respond(Answer(fn(**tenant, request)));
+                      });
+  }
+
+  void AddAll() {
+    TinkerApi& api = api_;
+    // Configuration and sessions.
+    Post("/client/config", [&api](const tenancy::Tenant&, const Json&) { return api.ClientConfig(); });
+    Post("/client/dynamic_config", [&api](const tenancy::Tenant&, const Json&) { return api.DynamicConfig(); });
+    Post("/create_session", [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateSession(t, b); });
+    Post("/session_heartbeat", [&api](const tenancy::Tenant& t, const Json& b) { return api.SessionHeartbeat(t, b); });
+    // Telemetry is accepted and dropped, with or without a valid key: the SDK retries a
+    // refused post every second for ever.
+    http_.Route("POST", absl::StrCat(kApi, "/telemetry"), [&api](const HttpRequest&) {
+      return JsonResponse(api.Telemetry(Json::object()));
+    });
+    Get("/get_server_capabilities", [&api](const tenancy::Tenant&, const HttpRequest&) { return api.Capabilities(); });
+    http_.Route("GET", absl::StrCat(kApi, "/healthz"), [](const HttpRequest&) {
+      return JsonResponse({{"status", "ok"}});
+    });
+    Prefix("POST", "/sessions/", [](const tenancy::Tenant&, const HttpRequest& r) -> absl::StatusOr<Json> {
+      // sessions/{id}/finish: models end with their session's heartbeats anyway.
+      std::vector<std::string> parts = absl::StrSplit(r.path_tail, '/');
+      return Json{{"session_id", parts[0]}};
+    });
+    Get("/sessions", [&api](const tenancy::Tenant& t, const HttpRequest&) { return api.ListSessions(t); });
+    Prefix("GET", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+      std::vector<std::string> parts = absl::StrSplit(r.path_tail, '/');
+      return api.GetSession(t, parts[0]);
+    });
+
+    // Training.
+    Post("/create_model", [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateModel(t, b); });
+    Post("/get_info", [&api](const tenancy::Tenant& t, const Json& b) { return api.GetInfo(t, b); });
+    Post("/unload_model", [&api](const tenancy::Tenant& t, const Json& b) { return api.UnloadModel(t, b); });
+    http_.Route("POST", absl::StrCat(kApi, "/forward_backward"), [ctx = ctx_](const HttpRequest& request) {
+      absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
+      if (!tenant.ok()) return ErrorResponse(tenant.status());
+      if (const std::string* enc = request.Header("content-encoding"); enc != nullptr && !enc->empty() && *enc != "identity") {
+        return ErrorResponse(absl::InvalidArgumentError(absl::StrCat("Content-Encoding '", *enc, "' is not supported")));
+      }
+      const std::string* type = request.Header("content-type");
+      if (type != nullptr && absl::StrContains(*type, "json")) {
+        absl::StatusOr<Json> body = ParseBody(request);
+        if (!body.ok()) return ErrorResponse(body.status());
+        return Answer(ctx->api.ForwardBackwardJson(**tenant, *body, false));
+      }
+      v1::ForwardBackwardRequest proto;
+      if (!proto.ParseFromString(request.body)) {
+        return ErrorResponse(absl::InvalidArgumentError("body: not a ForwardBackwardRequest protobuf"));
+      }
+      return Answer(ctx->api.ForwardBackward(**tenant, proto));
+    });
+    Post("/forward", [&api](const tenancy::Tenant& t, const Json& b) { return api.ForwardBackwardJson(t, b, true); });
+    Post("/optim_step", [&api](const tenancy::Tenant& t, const Json& b) { return api.OptimStep(t, b); });
+    Post("/save_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeights(t, b); });
+    Post("/load_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.LoadWeights(t, b); });
+    Post("/save_weights_for_sampler",
+         [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsForSampler(t, b); });
+    Post("/weights_info", [&api](const tenancy::Tenant& t, const Json& b) { return api.WeightsInfo(t, b); });
+
+    // Sampling.
+    Post("/create_sampling_session",
+         [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateSamplingSession(t, b); });
+    Post("/asample", [&api](const tenancy::Tenant& t, const Json& b) { return api.ASample(t, b); });
+    Prefix("GET", "/samplers/", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+      return api.GetSampler(t, r.path_tail);
+    });
+
+    // Futures: the long-poll answers from a completion callback or a timer, holding no thread.
+    http_.RouteAsync("POST", absl::StrCat(kApi, "/retrieve_future"), [ctx = ctx_](const HttpRequest& request,
+                                                                           HttpResponder respond) {
+      absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
+      if (!tenant.ok()) return respond(ErrorResponse(tenant.status()));
+      absl::StatusOr<Json> body = ParseBody(request);
+      if (!body.ok()) return respond(ErrorResponse(body.status()));
+      const std::string* accept = request.Header("accept");
+      const bool proto = accept != nullptr && absl::StrContains(*accept, "application/x-protobuf");
+      ctx->api.RetrieveFuture(**tenant, *body, [respond, proto](absl::StatusOr<Poll> poll) {
+        if (!poll.ok()) return respond(ErrorResponse(poll.status()));
+        if (poll->outcome == nullptr) {
+          return respond(JsonResponse(
+              {{"type", "try_again"}, {"request_id", poll->request_id}, {"queue_state", poll->queue_state}}));
+        }
+        const Outcome& o = *poll->outcome;
+        if (o.error.ok() && proto && !o.proto.empty()) {
+          return respond(HttpResponse{200, "application/x-protobuf", o.proto});
+        }
+        respond(JsonResponse(o.ToJson()));
+      });
+    });
+
+    // REST.
+    Get("/training_runs", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+      return api.ListTrainingRuns(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0));
+    });
+    Get("/checkpoints", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+      return api.ListUserCheckpoints(t, QueryInt(r, "limit", 100), QueryInt(r, "offset", 0));
+    });
+    // training_runs/{id}, training_runs/{id}/checkpoints, .../checkpoints/{checkpoint_id},
+    // where checkpoint ids contain a slash (weights/<name>).
+    Prefix("GET", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+      const std::string& tail = r.path_tail;
+      const size_t slash = tail.find('/');
+      const std::string run = tail.substr(0, slash);
+      if (slash == std::string::npos) return api.GetTrainingRun(t, run);
+      const std::string rest = tail.substr(slash + 1);
+      if (rest == "checkpoints") return api.ListCheckpoints(t, run);
+      return absl::NotFoundError(absl::StrCat("no route GET /api/v1/training_runs/", tail));
+    });
+    Prefix("DELETE", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+      const std::string& tail = r.path_tail;
+      const size_t slash = tail.find('/');
+      constexpr absl::string_view kCheckpoints = "checkpoints/";
+      if (slash == std::string::npos || !absl::StartsWith(absl::string_view(tail).substr(slash + 1), kCheckpoints)) {
+        return absl::NotFoundError(absl::StrCat("no route DELETE /api/v1/training_runs/", tail));
+      }
+      return api.DeleteCheckpoint(t, tail.substr(0, slash), tail.substr(slash + 1 + kCheckpoints.size()));
+    });
+  }
+
+ private:
+  HttpServer& http_;
+  TinkerApi& api_;
+  std::shared_ptr<Context> ctx_;
+};
+
+}  // namespace
+
+void AddTinkerRoutes(HttpServer& http, TinkerApi& api, ServingState& state) {
+  Routes(http, api, state).AddAll();
+}
+
+}  // namespace twinkle::tinker

@@ -1,0 +1,202 @@
+#pragma once
+// The Tinker API (../shared/reference/tinker-protocol.md), independent of the transport:
+// the HTTP routes (http_routes.cc) and the gRPC tinker.v1.TinkerService
+// (server/grpc/tinker_service.cc) are thin layers over this class.
+//
+// Requests come in as the SDK's JSON bodies (the gRPC service converts its messages to the
+// same JSON) or, for forward_backward, as the protobuf ForwardBackwardRequest. Answers are
+// JSON, or for forward_backward / sample results a serialised protobuf as well.
+//
+// What lives here and nowhere else:
+//  - Tinker model ids: a model is an adapter of the caller's tenant created through
+//    TrainingCoordinator::AddAdapter (lora_alpha 32, rsLoRA off, targets from
+//    train_attn/train_mlp/train_unembed); its model_id is the adapter's run id, so
+//    tinker://<model_id>/weights/<name> resolves through the checkpoint registry.
+//  - Sessions: the coordinator's sessions; models die with a session that stops beating.
+//  - seq_id ordering per model: an op whose seq_id is ahead of the next expected one waits
+//    in a reorder buffer (the SDK posts the chunks of one forward_backward concurrently,
+//    the first one last); a gap that is not filled within seq_gap_timeout is skipped.
+//  - Idempotency: (session, model_seq_id), (model_id, seq_id), (session,
+//    sampling_session_seq_id) and (sampling session, seq_id) return the first request id.
+//  - Futures: request ids ("tk-…") over the coordinator's futures; retrieve_future
+//    long-polls without a thread (a completion callback or a timer answers).
+//  - Errors: absl codes; transports map them (tinker_api.h's HttpStatusFor). A failure
+//    inside a future is {"error", "category": "user" | "server"}.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/futures/future_store.h"
+#include "core/registry/registry.h"
+#include "core/tenancy/rate_limiter.h"
+#include "core/tenancy/tenant.h"
+#include "core/training/checkpoints.h"
+#include "core/training/coordinator.h"
+#include "tinker/v1/tinker_public.pb.h"
+
+namespace twinkle::sampling {
+class SamplerCoordinator;
+}  // namespace twinkle::sampling
+
+namespace twinkle::tinker {
+
+namespace v1 = ::tinker::v1;  // the generated wire messages
+
+using Json = nlohmann::json;
+
+// What a finished future answers.
+struct Outcome {
+  absl::Status error;  // not OK: the op failed
+  Json json;           // OK: the result as JSON
+  std::string proto;   // OK, forward_backward / sample: the serialised protobuf result
+  static Outcome Failed(absl::Status status) {
+    Outcome o;
+    o.error = std::move(status);
+    return o;
+  }
+  // The body of retrieve_future for this outcome, as JSON ({"error", "category"} on failure).
+  Json ToJson() const;
+};
+
+// "user" for errors the caller caused (bad input, unknown names, quotas), "server" otherwise.
+const char* ErrorCategory(const absl::Status& status);
+
+// The HTTP status for a direct call's error (tinker-protocol.md §1.5): bad input 400, unknown
+// 404, auth 401, lasting limits 403, transient limits 429 (with Retry-After), 5xx for
+// conditions that clear. Never 409 (the SDK retries it).
+int HttpStatusFor(const absl::Status& status);
+
+// retrieve_future's answer.
+struct Poll {
+  std::shared_ptr<const Outcome> outcome;  // null: still pending (answer try_again)
+  std::string request_id;
+  std::string queue_state = "active";
+};
+
+struct TinkerOptions {
+  std::string base_model;          // the served model's name (config model.name)
+  std::string model_dir;           // its HF directory: get_info's tokenizer_id
+  // The loaded model's architecture (get_info's arch) and context length (capabilities),
+  // known once the engine has loaded it.
+  std::function<std::string()> architecture;
+  std::function<int64_t()> max_context_length;
+  int32_t max_lora_rank = 64;
+  absl::Duration long_poll = absl::Seconds(25);
+  absl::Duration seq_gap_timeout = absl::Seconds(30);
+  absl::Duration retention = absl::Hours(24);  // completed futures stay fetchable this long
+  int64_t fwdbwd_max_chunk_len = 1024;
+  int64_t sample_max_concurrent_requests = 128;
+};
+
+class TinkerApi {
+ public:
+  TinkerApi(TinkerOptions options, training::TrainingCoordinator& coordinator, FutureStore& futures,
+            registry::Registry* registry, training::CheckpointStore* checkpoints,
+            tenancy::TokenRateLimiter* rate_limiter, sampling::SamplerCoordinator* sampler);
+  ~TinkerApi();
+
+  // ---- configuration, sessions (direct) ----
+  Json ClientConfig() const;
+  Json DynamicConfig() const;
+  Json Capabilities() const;
+  absl::StatusOr<Json> CreateSession(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
+  Json Telemetry(const Json& body) const;
+
+  // ---- training (futures: {"request_id", "model_id"}) ----
+  absl::StatusOr<Json> CreateModel(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> UnloadModel(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& request);
+  // The JSON form of forward_backward (≤0.24 SDKs): {"forward_backward_input" | "forward_input":
+  // {"data", "loss_fn", "loss_fn_config"}, "model_id", "seq_id"}.
+  absl::StatusOr<Json> ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body, bool forward_only);
+  absl::StatusOr<Json> OptimStep(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> SaveWeights(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> LoadWeights(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> SaveWeightsForSampler(const tenancy::Tenant& tenant, const Json& body);
+
+  // ---- training (direct) ----
+  absl::StatusOr<Json> GetInfo(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> WeightsInfo(const tenancy::Tenant& tenant, const Json& body);
+
+  // ---- sampling ----
+  absl::StatusOr<Json> CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> ASample(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<Json> GetSampler(const tenancy::Tenant& tenant, const std::string& sampler_id);
+
+  // ---- futures ----
+  // Calls `done` once: with the outcome when the future completes within long_poll, else
+  // with a pending Poll. NotFound for an unknown request id or another tenant's. `done`
+  // may run on this thread, a completion thread or the timer thread.
+  void RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
+                      std::function<void(absl::StatusOr<Poll>)> done);
+
+  // ---- REST ----
+  absl::StatusOr<Json> ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
+  absl::StatusOr<Json> GetTrainingRun(const tenancy::Tenant& tenant, const std::string& run_id);
+  absl::StatusOr<Json> ListCheckpoints(const tenancy::Tenant& tenant, const std::string& run_id);
+  absl::StatusOr<Json> ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
+  absl::StatusOr<Json> DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
+                                        const std::string& checkpoint_id);
+  absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant);
+  absl::StatusOr<Json> GetSession(const tenancy::Tenant& tenant, const std::string& session_id);
+
+  const TinkerOptions& options() const { return options_; }
+
+ private:
+  struct Entry;
+  struct Model;
+  class Worker;
+  using Encoder = std::function<Outcome(const std::any&)>;
+  // Submits to the coordinator (returns the future id) or fails.
+  using Submit = std::function<absl::StatusOr<uint64_t>()>;
+
+  std::shared_ptr<Entry> NewEntry(const std::string& tenant, const std::string& model_id);
+  static void Complete(const std::shared_ptr<Entry>& entry, Outcome outcome);
+  void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
+  Json Promise(const Entry& entry) const;
+  absl::StatusOr<std::shared_ptr<Model>> FindModel(const tenancy::Tenant& tenant, const std::string& model_id);
+  // Orders by seq_id (see above); returns the promise JSON or a direct error.
+  absl::StatusOr<Json> Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit, Encoder encode);
+  void DrainLocked(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model.mu);
+  void ArmGapTimer(const std::shared_ptr<Model>& model);
+  absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
+                                           int64_t seq_id, training::ForwardArgs args, bool forward_only);
+  void Housekeep();
+
+  const TinkerOptions options_;
+  training::TrainingCoordinator& coordinator_;
+  FutureStore& futures_;
+  registry::Registry* registry_;
+  training::CheckpointStore* checkpoints_;
+  tenancy::TokenRateLimiter* rate_limiter_;
+  sampling::SamplerCoordinator* sampler_;
+  std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
+  std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+  // Idempotency: key → request id (create_model, sampling sessions, asample).
+  absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
+  // Direct answers that must be idempotent: create_sampling_session.
+  absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_model_ ABSL_GUARDED_BY(mu_) = 1;
+  const std::string boot_;  // random, so request ids of another boot never match
+  std::atomic<uint64_t> next_request_{1};
+};
+
+}  // namespace twinkle::tinker

@@ -1,0 +1,58 @@
+#pragma once
+// Internal to server/tinker: the state TinkerApi keeps per future and per model, shared by
+// tinker_api.cc and tinker_sampling.cc. Not part of the interface.
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/tinker/tinker_api.h"
+
+namespace twinkle::tinker {
+
+inline training::TenantContext ContextOf(const tenancy::Tenant& tenant) {
+  training::TenantContext t;
+  t.id = tenant.id;
+  t.max_adapters = tenant.quotas.max_adapters;
+  t.max_lora_rank = tenant.quotas.max_lora_rank;
+  t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
+  t.max_pending_ops = tenant.quotas.max_pending_ops;
+  return t;
+}
+
+struct Switches {
+  bool attn = false, mlp = false, unembed = false;
+};
+
+struct TinkerApi::Entry {
+  std::string request_id, tenant, model_id;
+  std::vector<std::string> sample_sequence_ids;  // asample promises
+  absl::Mutex mu;
+  std::shared_ptr<const Outcome> outcome ABSL_GUARDED_BY(mu);
+  absl::Time completed ABSL_GUARDED_BY(mu);
+  std::vector<std::function<void(std::shared_ptr<const Outcome>)>> waiters ABSL_GUARDED_BY(mu);
+};
+
+struct TinkerApi::Model {
+  std::string model_id, tenant, adapter, session_id, base_model;
+  int64_t rank = 0;
+  uint64_t seed = 0;
+  Switches switches;
+  absl::Mutex mu;
+  int64_t next_seq ABSL_GUARDED_BY(mu) = 1;
+  struct Waiting {
+    std::shared_ptr<Entry> entry;
+    Submit submit;
+    Encoder encode;
+  };
+  std::map<int64_t, Waiting> buffered ABSL_GUARDED_BY(mu);
+  std::map<int64_t, std::string> by_seq ABSL_GUARDED_BY(mu);  // seq_id → request id
+  uint64_t progress ABSL_GUARDED_BY(mu) = 0;                  // bumps when next_seq moves
+};
+
+}  // namespace twinkle::tinker

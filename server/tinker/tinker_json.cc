@@ -1,0 +1,299 @@
+#include "server/tinker/tinker_json.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace twinkle::tinker {
+namespace {
+
+using Json = nlohmann::json;
+
+const Json* Find(const Json& body, const char* key) {
+  if (!body.is_object()) return nullptr;
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+template <typename T>
+std::vector<T> Read(const std::string& bytes) {
+  std::vector<T> out(bytes.size() / sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  return out;
+}
+
+size_t ItemSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+    case v1::DTYPE_INT32:
+      return 4;
+    case v1::DTYPE_INT64:
+      return 8;
+    case v1::DTYPE_BFLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+absl::StatusOr<std::vector<double>> Decode(const std::string& bytes, v1::DType dtype, const std::string& field) {
+  const size_t item = ItemSize(dtype);
+  if (item == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": unsupported dtype ", dtype));
+  if (bytes.size() % item != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes.size(), " bytes are not a whole number of ",
+                                                   item, "-byte elements"));
+  }
+  std::vector<double> out;
+  out.reserve(bytes.size() / item);
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32:
+      for (float v : Read<float>(bytes)) out.push_back(v);
+      break;
+    case v1::DTYPE_INT32:
+      for (int32_t v : Read<int32_t>(bytes)) out.push_back(v);
+      break;
+    case v1::DTYPE_INT64:
+      for (int64_t v : Read<int64_t>(bytes)) out.push_back(static_cast<double>(v));
+      break;
+    case v1::DTYPE_BFLOAT16:
+      for (uint16_t v : Read<uint16_t>(bytes)) {
+        const uint32_t bits = static_cast<uint32_t>(v) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof(f));
+        out.push_back(f);
+      }
+      break;
+    default:
+      break;
+  }
+  return out;
+}
+
+constexpr size_t kMaxDenseElements = size_t{1} << 26;
+
+absl::StatusOr<training::TokenDatum> BuildDatum(std::vector<int64_t> tokens,
+                                                std::map<std::string, std::vector<double>> inputs,
+                                                const std::string& field) {
+  training::TokenDatum d;
+  d.input_tokens = std::move(tokens);
+  auto targets = inputs.find("target_tokens");
+  if (targets == inputs.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.target_tokens: missing"));
+  }
+  for (double v : targets->second) {
+    if (v != std::floor(v) || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.target_tokens: not integers"));
+    }
+    d.target_tokens.push_back(static_cast<int64_t>(v));
+  }
+  inputs.erase(targets);
+  for (auto& [name, values] : inputs) {
+    d.inputs[name] = std::vector<float>(values.begin(), values.end());
+  }
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> GetString(const Json& body, const char* key) {
+  const Json* v = Find(body, key);
+  if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat(key, ": missing"));
+  if (!v->is_string()) return absl::InvalidArgumentError(absl::StrCat(key, ": expected a string"));
+  return v->get<std::string>();
+}
+
+absl::StatusOr<std::string> GetString(const Json& body, const char* key, const std::string& fallback) {
+  if (Find(body, key) == nullptr) return fallback;
+  return GetString(body, key);
+}
+
+absl::StatusOr<int64_t> GetInt(const Json& body, const char* key, int64_t fallback) {
+  const Json* v = Find(body, key);
+  if (v == nullptr) return fallback;
+  if (v->is_number_integer()) return v->get<int64_t>();
+  if (v->is_number_unsigned()) return static_cast<int64_t>(v->get<uint64_t>());
+  if (v->is_number_float()) {
+    const double d = v->get<double>();
+    if (d == std::floor(d) && std::fabs(d) < 9e18) return static_cast<int64_t>(d);
+  }
+  int64_t parsed = 0;
+  if (v->is_string() && absl::SimpleAtoi(v->get<std::string>(), &parsed)) return parsed;
+  return absl::InvalidArgumentError(absl::StrCat(key, ": expected an integer"));
+}
+
+absl::StatusOr<double> GetDouble(const Json& body, const char* key, double fallback) {
+  const Json* v = Find(body, key);
+  if (v == nullptr) return fallback;
+  if (v->is_number()) {
+    const double d = v->get<double>();
+    if (!std::isfinite(d)) return absl::InvalidArgumentError(absl::StrCat(key, ": not finite"));
+    return d;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(key, ": expected a number"));
+}
+
+absl::StatusOr<bool> GetBool(const Json& body, const char* key, bool fallback) {
+  const Json* v = Find(body, key);
+  if (v == nullptr) return fallback;
+  if (v->is_boolean()) return v->get<bool>();
+  return absl::InvalidArgumentError(absl::StrCat(key, ": expected true or false"));
+}
+
+Json FiniteOrNull(const std::vector<float>& values) {
+  Json a = Json::array();
+  for (float v : values) a.push_back(std::isfinite(v) ? Json(v) : Json(nullptr));
+  return a;
+}
+
+absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const std::string& field) {
+  if (tensor.has_sparse_csr()) {
+    if (tensor.shape_size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": a sparse (CSR) tensor needs a 2-D shape"));
+    }
+    const int64_t rows = tensor.shape(0), cols = tensor.shape(1);
+    if (rows < 0 || cols < 0 || static_cast<double>(rows) * static_cast<double>(cols) > kMaxDenseElements) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": sparse tensor too large to densify"));
+    }
+    absl::StatusOr<std::vector<double>> values = Decode(tensor.sparse_csr().values(), tensor.dtype(), field);
+    if (!values.ok()) return values.status();
+    const std::vector<int64_t> crow = Read<int64_t>(tensor.sparse_csr().crow_indices());
+    const std::vector<int64_t> col = Read<int64_t>(tensor.sparse_csr().col_indices());
+    if (static_cast<int64_t>(crow.size()) != rows + 1 || col.size() != values->size() ||
+        (rows >= 0 && !crow.empty() && crow.back() != static_cast<int64_t>(values->size()))) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": inconsistent CSR indices"));
+    }
+    std::vector<double> dense(static_cast<size_t>(rows * cols), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (crow[r] < 0 || crow[r] > crow[r + 1]) return absl::InvalidArgumentError(absl::StrCat(field, ": bad crow_indices"));
+      for (int64_t k = crow[r]; k < crow[r + 1]; ++k) {
+        if (col[k] < 0 || col[k] >= cols) return absl::InvalidArgumentError(absl::StrCat(field, ": bad col_indices"));
+        dense[r * cols + col[k]] = (*values)[k];
+      }
+    }
+    return dense;
+  }
+  absl::StatusOr<std::vector<double>> values = Decode(tensor.dense(), tensor.dtype(), field);
+  if (!values.ok()) return values.status();
+  if (tensor.shape_size() > 0) {
+    double n = 1;
+    for (int64_t d : tensor.shape()) n *= static_cast<double>(d);
+    if (n != static_cast<double>(values->size())) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape holds ", n, " elements, data ", values->size()));
+    }
+  }
+  return values;
+}
+
+absl::StatusOr<training::TokenDatum> DatumFromProto(const v1::Datum& datum, const std::string& field) {
+  std::vector<int64_t> tokens;
+  for (int i = 0; i < datum.model_input_size(); ++i) {
+    const v1::Chunk& c = datum.model_input(i);
+    if (!c.has_encoded_text()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".model_input.chunks[", i, "]: only encoded_text chunks are supported (text models)"));
+    }
+    const std::string& bytes = c.encoded_text().tokens();
+    if (bytes.size() % 4 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".model_input.chunks[", i, "]: tokens are not int32"));
+    }
+    for (int32_t t : Read<int32_t>(bytes)) tokens.push_back(t);
+  }
+  std::map<std::string, std::vector<double>> inputs;
+  for (const auto& [name, tensor] : datum.loss_fn_inputs()) {
+    absl::StatusOr<std::vector<double>> values =
+        TensorValues(tensor, absl::StrCat(field, ".loss_fn_inputs.", name));
+    if (!values.ok()) return values.status();
+    inputs[name] = *std::move(values);
+  }
+  return BuildDatum(std::move(tokens), std::move(inputs), field);
+}
+
+absl::StatusOr<std::vector<int64_t>> TokensFromModelInput(const Json& model_input, const std::string& field) {
+  const Json* chunks = Find(model_input, "chunks");
+  if (chunks == nullptr || !chunks->is_array()) return absl::InvalidArgumentError(absl::StrCat(field, ".chunks: missing"));
+  std::vector<int64_t> tokens;
+  for (size_t i = 0; i < chunks->size(); ++i) {
+    const Json& c = (*chunks)[i];
+    const std::string type = c.is_object() && c.contains("type") && c["type"].is_string() ? c["type"].get<std::string>()
+                                                                                           : "encoded_text";
+    const Json* t = Find(c, "tokens");
+    if (type != "encoded_text" || t == nullptr || !t->is_array()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".chunks[", i, "]: only encoded_text chunks are supported (text models)"));
+    }
+    for (const Json& v : *t) {
+      if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat(field, ".chunks[", i, "].tokens: not integers"));
+      tokens.push_back(v.get<int64_t>());
+    }
+  }
+  return tokens;
+}
+
+absl::StatusOr<training::TokenDatum> DatumFromJson(const Json& datum, const std::string& field) {
+  const Json* mi = Find(datum, "model_input");
+  if (mi == nullptr) return absl::InvalidArgumentError(absl::StrCat(field, ".model_input: missing"));
+  absl::StatusOr<std::vector<int64_t>> tokens = TokensFromModelInput(*mi, absl::StrCat(field, ".model_input"));
+  if (!tokens.ok()) return tokens.status();
+  std::map<std::string, std::vector<double>> inputs;
+  const Json* lfi = Find(datum, "loss_fn_inputs");
+  if (lfi != nullptr && lfi->is_object()) {
+    for (const auto& [name, value] : lfi->items()) {
+      const Json* data = value.is_array() ? &value : Find(value, "data");
+      if (data == nullptr || !data->is_array()) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ": expected TensorData"));
+      }
+      std::vector<double> values;
+      for (const Json& v : *data) {
+        if (!v.is_number()) return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ": not numbers"));
+        values.push_back(v.get<double>());
+      }
+      inputs[name] = std::move(values);
+    }
+  }
+  return BuildDatum(*std::move(tokens), std::move(inputs), field);
+}
+
+absl::StatusOr<training::LossOverride> LossFromProto(const v1::ForwardBackwardRequest& request) {
+  training::LossOverride loss;
+  loss.name = request.loss_fn().empty() ? "cross_entropy" : request.loss_fn();
+  if (request.loss_fn_config_v2_size() > 0) {
+    for (const auto& [key, value] : request.loss_fn_config_v2()) {
+      if (value.has_text()) {
+        loss.string_config[key] = value.text();
+      } else {
+        loss.config[key] = value.number();
+      }
+    }
+  } else {
+    for (const auto& [key, value] : request.loss_fn_config()) loss.config[key] = value;
+  }
+  for (const auto& [key, value] : loss.config) {
+    if (!std::isfinite(value)) return absl::InvalidArgumentError(absl::StrCat("loss_fn_config.", key, ": not finite"));
+  }
+  return loss;
+}
+
+absl::StatusOr<training::LossOverride> LossFromJson(const Json& input) {
+  training::LossOverride loss;
+  absl::StatusOr<std::string> name = GetString(input, "loss_fn", "cross_entropy");
+  if (!name.ok()) return name.status();
+  loss.name = *name;
+  const Json* config = Find(input, "loss_fn_config");
+  if (config != nullptr && config->is_object()) {
+    for (const auto& [key, value] : config->items()) {
+      if (value.is_number()) {
+        loss.config[key] = value.get<double>();
+      } else if (value.is_string()) {
+        loss.string_config[key] = value.get<std::string>();
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("loss_fn_config.", key, ": expected a number or a string"));
+      }
+    }
+  }
+  return loss;
+}
+
+}  // namespace twinkle::tinker

@@ -1,0 +1,242 @@
+// TinkerApi: sampler saves, sampling sessions and asample, over core/sampling's
+// SamplerCoordinator (sessions on the base model, on a checkpoint path, or on a live snapshot
+// of a training adapter).
+#include <any>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/storage/names.h"
+#include "server/tinker/tinker_api.h"
+#include "server/tinker/tinker_internal.h"
+#include "server/tinker/tinker_json.h"
+#include "core/sampling/sampler_coordinator.h"
+
+namespace twinkle::tinker {
+namespace {
+
+absl::Status NoSampler() { return absl::UnimplementedError("sampling is not available on this server"); }
+
+}  // namespace
+
+absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& tenant, const Json& body) {
+  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
+  if (!model_id.ok()) return model_id.status();
+  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
+  if (!seq.ok()) return seq.status();
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
+  if (!model.ok()) return model.status();
+  absl::StatusOr<std::string> name = GetString(body, "path", "");
+  if (!name.ok()) return name.status();
+  const training::TenantContext context = ContextOf(tenant);
+  const std::string run_id = *model_id;
+  if (!name->empty()) {
+    // Named: a sampler_weights checkpoint (adapter weights only).
+    if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
+    Submit submit = [this, context, adapter = (*model)->adapter, name = *name]() {
+      training::SaveArgs args;
+      args.name = name;
+      args.save_optimizer = false;
+      args.is_sampler = true;
+      return coordinator_.SubmitSave(context, adapter, args);
+    };
+    Encoder encode = [run_id, name = *name](const std::any&) {
+      Outcome o;
+      o.json = {{"path", absl::StrCat("tinker://", run_id, "/sampler_weights/", name)},
+                {"type", "save_weights_for_sampler"}};
+      return o;
+    };
+    return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  }
+  if (sampler_ == nullptr) return NoSampler();
+  // Unnamed: a live snapshot in the adapter's queue and a sampling session on it.
+  absl::StatusOr<int64_t> sampling_seq = GetInt(body, "sampling_session_seq_id", -1);
+  if (!sampling_seq.ok()) return sampling_seq.status();
+  Submit submit = [this, context, adapter = (*model)->adapter, seq = *seq]() {
+    training::SubmitOptions options;
+    options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
+    return sampler_->SubmitSnapshotSession(context, adapter, options);
+  };
+  Encoder encode = [](const std::any& value) {
+    Outcome o;
+    o.json = {{"sampling_session_id", std::any_cast<const sampling::SnapshotSession&>(value).sampling_session_id},
+              {"type", "save_weights_for_sampler"}};
+    return o;
+  };
+  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+}
+
+absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {
+  if (sampler_ == nullptr) return NoSampler();
+  absl::StatusOr<std::string> session = GetString(body, "session_id", "");
+  absl::StatusOr<int64_t> seq = GetInt(body, "sampling_session_seq_id", -1);
+  absl::StatusOr<std::string> path = GetString(body, "model_path", "");
+  absl::StatusOr<std::string> base = GetString(body, "base_model", "");
+  for (const absl::Status& s : {session.status(), seq.status(), path.status(), base.status()}) {
+    if (!s.ok()) return s;
+  }
+  if (path->empty() && !base->empty() && *base != options_.base_model && *base != options_.model_dir) {
+    return absl::InvalidArgumentError(absl::StrCat("base_model: '", *base, "' is not served here (supported: ",
+                                                   options_.base_model, ")"));
+  }
+  const std::string key = absl::StrCat("sampling_session\n", tenant.id, "\n", *session, "\n", *seq);
+  if (*seq >= 0) {
+    absl::MutexLock lock(&mu_);
+    auto it = direct_dedupe_.find(key);
+    if (it != direct_dedupe_.end()) return it->second;
+  }
+  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), *path);
+  if (!id.ok()) return id.status();
+  Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
+  if (*seq >= 0) {
+    absl::MutexLock lock(&mu_);
+    direct_dedupe_[key] = reply;
+  }
+  return reply;
+}
+
+absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const std::string& sampler_id) {
+  if (sampler_ == nullptr) return NoSampler();
+  absl::StatusOr<sampling::SamplingSessionInfo> info = sampler_->GetSession(ContextOf(tenant), sampler_id);
+  if (!info.ok()) return info.status();
+  Json path = nullptr;
+  if (absl::StartsWith(info->model_path, "tinker://") || absl::StartsWith(info->model_path, "twinkle://")) {
+    path = info->model_path;
+  }
+  return Json{{"sampler_id", info->id}, {"base_model", info->base_model.empty() ? options_.base_model : info->base_model},
+              {"model_path", path}};
+}
+
+namespace {
+
+// SampleResponse for one prompt, as protobuf and as JSON.
+Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs) {
+  Outcome o;
+  v1::SampleResponse proto;
+  Json sequences = Json::array();
+  for (const sampling::SampledSequence& s : p.sequences) {
+    v1::SampledSequence* seq = proto.add_sequences();
+    seq->set_stop_reason(s.stop_reason == "stop" ? v1::STOP_REASON_STOP : v1::STOP_REASON_LENGTH);
+    std::vector<int32_t> tokens(s.tokens.begin(), s.tokens.end());
+    seq->set_tokens(std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(int32_t)));
+    seq->set_logprobs(
+        std::string(reinterpret_cast<const char*>(s.logprobs.data()), s.logprobs.size() * sizeof(float)));
+    sequences.push_back({{"tokens", s.tokens}, {"logprobs", FiniteOrNull(s.logprobs)}, {"stop_reason", s.stop_reason}});
+  }
+  Json prompt_logprobs = nullptr;
+  if (want_prompt_logprobs) {
+    std::vector<float> lp = p.prompt_logprobs;
+    if (!lp.empty()) lp[0] = std::numeric_limits<float>::quiet_NaN();
+    proto.set_prompt_logprobs(std::string(reinterpret_cast<const char*>(lp.data()), lp.size() * sizeof(float)));
+    prompt_logprobs = FiniteOrNull(lp);
+  }
+  o.proto = proto.SerializeAsString();
+  o.json = {{"type", "sample"},
+            {"sequences", std::move(sequences)},
+            {"prompt_logprobs", std::move(prompt_logprobs)},
+            {"topk_prompt_logprobs", nullptr}};
+  return o;
+}
+
+absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_t num_samples, bool prompt_logprobs) {
+  sampling::SamplingParams p;
+  const Json sp = body.contains("sampling_params") && body["sampling_params"].is_object() ? body["sampling_params"]
+                                                                                         : Json::object();
+  absl::StatusOr<int64_t> max_tokens = GetInt(sp, "max_tokens", -1);
+  absl::StatusOr<double> temperature = GetDouble(sp, "temperature", 1.0);
+  absl::StatusOr<int64_t> top_k = GetInt(sp, "top_k", -1);
+  absl::StatusOr<double> top_p = GetDouble(sp, "top_p", 1.0);
+  for (const absl::Status& s : {max_tokens.status(), temperature.status(), top_k.status(), top_p.status()}) {
+    if (!s.ok()) return s;
+  }
+  if (*max_tokens >= 0) p.max_tokens = *max_tokens;
+  p.temperature = *temperature;
+  p.top_k = *top_k < 0 ? 0 : *top_k;
+  p.top_p = *top_p;
+  if (sp.contains("seed") && !sp["seed"].is_null()) {
+    absl::StatusOr<int64_t> seed = GetInt(sp, "seed", 0);
+    if (!seed.ok()) return seed.status();
+    p.seed = static_cast<uint64_t>(*seed);
+  }
+  if (sp.contains("stop") && !sp["stop"].is_null()) {
+    const Json& stop = sp["stop"];
+    if (stop.is_string()) {
+      p.stop_strings.push_back(stop.get<std::string>());
+    } else if (stop.is_array()) {
+      for (const Json& v : stop) {
+        if (v.is_string()) {
+          p.stop_strings.push_back(v.get<std::string>());
+        } else if (v.is_number_integer()) {
+          p.stop_token_ids.push_back(v.get<int64_t>());
+        } else {
+          return absl::InvalidArgumentError("sampling_params.stop: expected strings or token ids");
+        }
+      }
+    } else {
+      return absl::InvalidArgumentError("sampling_params.stop: expected a string or a list");
+    }
+  }
+  p.num_samples = num_samples;
+  p.prompt_logprobs = prompt_logprobs;
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Json& body) {
+  if (sampler_ == nullptr) return NoSampler();
+  absl::StatusOr<int64_t> num_samples = GetInt(body, "num_samples", 1);
+  if (!num_samples.ok()) return num_samples.status();
+  if (*num_samples < 1) return absl::InvalidArgumentError("num_samples: must be at least 1");
+  const bool want_prompt_lp = GetBool(body, "prompt_logprobs", false).value_or(false);
+  absl::StatusOr<int64_t> topk = GetInt(body, "topk_prompt_logprobs", 0);
+  if (!topk.ok()) return topk.status();
+  if (*topk > 0) return absl::InvalidArgumentError("topk_prompt_logprobs: not supported by this server");
+  if (!body.contains("prompt")) return absl::InvalidArgumentError("prompt: missing");
+  absl::StatusOr<std::vector<int64_t>> prompt = TokensFromModelInput(body["prompt"], "prompt");
+  if (!prompt.ok()) return prompt.status();
+  absl::StatusOr<sampling::SamplingParams> params = ParamsFromJson(body, *num_samples, want_prompt_lp);
+  if (!params.ok()) return params.status();
+  absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
+  if (!session.ok()) return session.status();
+  const training::TenantContext context = ContextOf(tenant);
+  if (session->empty()) {
+    // Session-less: a session on model_path or the base model.
+    absl::StatusOr<std::string> path = GetString(body, "model_path", "");
+    if (!path.ok()) return path.status();
+    absl::StatusOr<std::string> id = sampler_->CreateSession(context, *path);
+    if (!id.ok()) return id.status();
+    *session = *id;
+  }
+  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", -1);
+  if (!seq.ok()) return seq.status();
+  const std::string key = absl::StrCat("asample\n", tenant.id, "\n", *session, "\n", *seq);
+  if (*seq >= 0) {
+    absl::MutexLock lock(&mu_);
+    auto d = dedupe_.find(key);
+    if (d != dedupe_.end()) {
+      auto e = entries_.find(d->second);
+      if (e != entries_.end()) return Promise(*e->second);
+    }
+  }
+  training::SubmitOptions options;
+  absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, *session, {*prompt}, *params, options);
+  if (!id.ok()) return id.status();  // 429 on overload: only accepted submissions are remembered
+  std::shared_ptr<Entry> entry = NewEntry(tenant.id, "");
+  for (int64_t i = 0; i < *num_samples; ++i) {
+    entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
+  }
+  Attach(entry, *id, [want_prompt_lp](const std::any& value) {
+    const sampling::SampleOutput& out = std::any_cast<const sampling::SampleOutput&>(value);
+    if (out.prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+    return EncodeSample(out.prompts[0], want_prompt_lp);
+  });
+  if (*seq >= 0) {
+    absl::MutexLock lock(&mu_);
+    dedupe_[key] = entry->request_id;
+  }
+  return Promise(*entry);
+}
+
+}  // namespace twinkle::tinker
