@@ -43,6 +43,13 @@ class Metrics {
   void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
                    int64_t expired);
   void RecordAuthFailure();
+  // The sampler pool: open sessions, engine snapshots, rows waiting / in the engine's batch,
+  // KV cache blocks in use / total, and tokens generated so far (a running total).
+  struct SamplerGauges {
+    int64_t sessions = 0, snapshots = 0, waiting = 0, running = 0;
+    int64_t kv_blocks_in_use = 0, kv_blocks_total = 0, tokens_generated = 0;
+  };
+  void SetSampler(const SamplerGauges& g);
 
   // The Prometheus text exposition of every metric.
   std::string Render() const;
@@ -62,6 +69,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& adapters_;
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;
+  prometheus::Gauge& sampler_sessions_;
+  prometheus::Gauge& sampler_snapshots_;
+  prometheus::Family<prometheus::Gauge>& sampler_requests_;
+  prometheus::Family<prometheus::Gauge>& sampler_kv_blocks_;
+  prometheus::Counter& sampler_tokens_;
   // RecordRequest's cache of series, per method: its latency histogram and its request
   // counter per code. Read-mostly: a shared lock on the hot path, exclusive to add a series
   // (a std::shared_mutex, which costs less per call than absl::Mutex with deadlock detection).
@@ -78,6 +90,7 @@ class Metrics {
   std::string TenantLabel(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> tenant_labels_ ABSL_GUARDED_BY(mu_);
   int64_t offloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sampler_tokens_seen_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_seen_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "core/common/log.h"
@@ -68,6 +70,27 @@ std::optional<TokenText> LoadTokenText(const std::string& model_dir) {
   return *std::move(text);
 }
 
+// The model's end-of-sequence ids: generation_config.json's eos_token_id (what transformers'
+// generate stops on), else config.json's; an int or a list.
+std::vector<int64_t> LoadEosTokenIds(const std::string& model_dir) {
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    std::ifstream in(std::filesystem::path(model_dir) / name);
+    if (!in) continue;
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("eos_token_id")) continue;
+    const nlohmann::json& eos = j["eos_token_id"];
+    std::vector<int64_t> ids;
+    if (eos.is_number_integer()) ids.push_back(eos.get<int64_t>());
+    if (eos.is_array()) {
+      for (const nlohmann::json& e : eos) {
+        if (e.is_number_integer()) ids.push_back(e.get<int64_t>());
+      }
+    }
+    return ids;
+  }
+  return {};
+}
+
 }  // namespace
 
 // An immutable copy of adapter weights, on the engine as adapter `engine_id` once the
@@ -117,7 +140,8 @@ SamplerCoordinator::SamplerCoordinator(SamplerOptions options, training::EngineL
       checkpoints_(checkpoints),
       futures_(futures),
       clock_(clock),
-      token_text_(LoadTokenText(options_.model_dir)) {}
+      token_text_(LoadTokenText(options_.model_dir)),
+      eos_token_ids_(options_.model_dir.empty() ? std::vector<int64_t>{} : LoadEosTokenIds(options_.model_dir)) {}
 
 SamplerCoordinator::~SamplerCoordinator() { Stop(); }
 
@@ -592,6 +616,9 @@ void SamplerCoordinator::DecodeLoop() {
       r.top_p = request.params.top_p;
       r.top_k = request.params.top_k;
       r.stop_token_ids = request.params.stop_token_ids;
+      if (!request.params.ignore_eos) {
+        r.stop_token_ids.insert(r.stop_token_ids.end(), eos_token_ids_.begin(), eos_token_ids_.end());
+      }
       r.seed = *request.params.seed + row->prompt_index;  // prompts of one request draw independently
       r.num_samples = request.params.num_samples;
       r.want_prompt_logprobs = request.params.prompt_logprobs;

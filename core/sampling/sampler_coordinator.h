@@ -62,6 +62,7 @@ struct SamplingParams {
   std::optional<uint64_t> seed;  // unset: the server draws one (recorded, so a replay after an engine restart is exact)
   int64_t num_samples = 1;
   bool prompt_logprobs = false;
+  bool ignore_eos = false;  // false: the model's eos_token_id ends a sequence, like a stop token
 };
 
 struct SampledSequence {
@@ -174,6 +175,7 @@ class SamplerCoordinator {
   FutureStore& futures_;
   const Clock& clock_;
   std::optional<TokenText> token_text_;  // stop strings; unset when the model has no tokenizer.json
+  const std::vector<int64_t> eos_token_ids_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);

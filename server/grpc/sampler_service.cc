@@ -33,6 +33,7 @@ sampling::SamplingParams ToParams(const v1::SamplingParams& p) {
   if (p.has_seed()) s.seed = p.seed();
   s.num_samples = p.num_samples();
   s.prompt_logprobs = p.prompt_logprobs();
+  s.ignore_eos = p.ignore_eos();
   return s;
 }
 

@@ -1,0 +1,359 @@
+"""twinkle.v1.SamplerService through a real server: sampling sessions on checkpoints and live
+snapshots, against transformers + PEFT and against the server's own training forward."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import requests
+import torch
+from twinkle_client._proto.twinkle.v1 import sampler_pb2 as spb
+from twinkle_client._proto.twinkle.v1 import sampler_pb2_grpc as sgrpc
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+from e2e_support import prom
+from e2e_support.training import KEYS, Client, auth_overrides, batch, state_dict
+
+LaunchServer = Callable[..., Any]
+
+
+class Sampler:
+    """SamplerService stub sending one tenant's key."""
+
+    def __init__(self, client: Client) -> None:
+        self.stub = sgrpc.SamplerServiceStub(client.channel)
+        self.metadata = client.metadata
+
+    def call(self, method: str, request: Any, timeout: float = 120.0) -> Any:
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+
+    def sample(self, session: str, prompts: list[list[int]], **params: Any) -> spb.SampleResponse:
+        return self.call("Sample", spb.SampleRequest(sampling_session_id=session,
+                                                     prompts=[spb.Prompt(tokens=p) for p in prompts],
+                                                     params=spb.SamplingParams(**params)))
+
+
+def vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def max_positions(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+
+
+def prompts_for(seed: int, n_vocab: int, count: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, n_vocab, int(rng.integers(3, 9))).tolist() for _ in range(count)]
+
+
+def trained_adapter(c: Client, name: str, n_vocab: int, steps: int = 3, lr: float = 5e-2) -> None:
+    c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=name, config=tpb.LoraConfig(
+        r=8, lora_alpha=16, seed=11, target_modules=["all-linear"])))
+    c.call("SetOptimizer", tpb.SetOptimizerRequest(adapter_name=name, optimizer_cls="AdamW", config={"lr": lr}))
+    train(c, name, n_vocab, range(steps))
+
+
+def train(c: Client, name: str, n_vocab: int, steps: Any) -> None:
+    for step in steps:
+        c.call("ForwardBackward", tpb.ForwardRequest(adapter_name=name, inputs=batch(100 + step, n_vocab, 3)))
+        c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name=name, max_grad_norm=1.0))
+
+
+def forward_logps(c: Client, name: str, tokens: list[int]) -> np.ndarray:
+    """log p(tokens[i + 1] | tokens[:i + 1]) from the server's training forward."""
+    out = c.call("ForwardOnly", tpb.ForwardRequest(adapter_name=name, inputs=[
+        tpb.InputFeature(input_ids=tokens, labels=tokens)])).result
+    return np.asarray(out.sequences[0].logps[:-1], dtype=np.float64)
+
+
+def expect_code(code: grpc.StatusCode, fn: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() == code, f"{info.value.code()}: {info.value.details()}"
+    return info.value
+
+
+def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """transformers generate, greedy (stopping at the model's EOS, as the server does), with
+    the top-2 logit gap at each step."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        # An explicit mask: otherwise generate masks prompt tokens equal to the pad id (0 here).
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    gaps = []
+    for scores in out.scores:
+        top2 = torch.topk(scores[0].double(), 2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return tokens, gaps
+
+
+def compare_greedy(ours: list[int], ref: list[int], gaps: list[float]) -> bool:
+    """Tokens must agree until the reference's top-2 gap drops below 1e-4 (a tie, where float
+    order may pick either). Returns whether the whole length was compared."""
+    for i, b in enumerate(ref):
+        if gaps[i] < 1e-4:
+            return False
+        assert i < len(ours) and ours[i] == b, \
+            f"token {i} of {ref}: ours {ours[i:i + 1]}, transformers {b} (gap {gaps[i]:.3e})"
+    assert len(ours) == len(ref), f"ours {ours}, transformers {ref}"
+    return True
+
+
+# ---- numbers against references -------------------------------------------------------------
+
+def test_sampler_weights_checkpoint_matches_peft_generate_and_training_logprobs(
+        launch_server: LaunchServer, tiny_model: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    server = launch_server()
+    c = Client(server.grpc_address, None)
+    s = Sampler(c)
+    n_vocab = vocab(tiny_model)
+    trained_adapter(c, "rl", n_vocab)
+    saved = c.call("Save", tpb.SaveRequest(adapter_name="rl", name="for-sampler", is_sampler=True))
+    assert saved.twinkle_path.endswith("/sampler_weights/for-sampler")
+    session = s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest(model_path=saved.twinkle_path))
+    assert session.model_path == saved.twinkle_path
+    prompts = prompts_for(5, n_vocab, 8)
+    reply = s.sample(session.sampling_session_id, prompts, max_tokens=10, temperature=0.0, prompt_logprobs=True)
+    assert len(reply.results) == len(prompts)
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, saved.checkpoint_dir).eval()
+    full, worst_lp, worst_prompt = 0, 0.0, 0.0
+    for prompt, result in zip(prompts, reply.results):
+        seq = result.sequences[0]
+        assert seq.stop_reason == ("length" if len(seq.tokens) == 10 else "stop")
+        ref, gaps = greedy_reference(model, prompt, 10)
+        full += compare_greedy(list(seq.tokens), ref, gaps)
+        # Sampled-token and prompt log-probs equal the server's own training forward.
+        logps = forward_logps(c, "rl", prompt + list(seq.tokens))
+        got = np.asarray(seq.logprobs, dtype=np.float64)
+        worst_lp = max(worst_lp, float(np.max(np.abs(got - logps[len(prompt) - 1:]))))
+        plp = np.asarray(result.prompt_logprobs, dtype=np.float64)
+        assert len(plp) == len(prompt) and np.isnan(plp[0])
+        worst_prompt = max(worst_prompt, float(np.max(np.abs(plp[1:] - logps[:len(prompt) - 1]))))
+    print(f"greedy vs transformers+PEFT: {full}/{len(prompts)} compared to full length; "
+          f"sampled logprobs vs forward {worst_lp:.2e}, prompt logprobs vs forward {worst_prompt:.2e}")
+    assert full >= 0.9 * len(prompts)
+    assert worst_lp <= 1e-5 and worst_prompt <= 1e-5
+
+
+def test_live_snapshot_keeps_the_weights_of_its_moment(launch_server: LaunchServer, tiny_model: Path) -> None:
+    server = launch_server()
+    c = Client(server.grpc_address, None)
+    s = Sampler(c)
+    n_vocab = vocab(tiny_model)
+    trained_adapter(c, "live", n_vocab, steps=2)
+    prompt = prompts_for(9, n_vocab, 1)[0]
+    before = forward_logps(c, "live", prompt + prompt)
+    snap = s.call("SnapshotAdapter", spb.SnapshotAdapterRequest(adapter_name="live")).sampling_session_id
+    first = s.sample(snap, [prompt + prompt[:1]], max_tokens=6, temperature=0.0, prompt_logprobs=True).results[0]
+    train(c, "live", n_vocab, range(2, 6))  # the adapter moves on
+    after = forward_logps(c, "live", prompt + prompt)
+    assert np.max(np.abs(after - before)) > 1e-3, "training did not change the adapter"
+    again = s.sample(snap, [prompt + prompt[:1]], max_tokens=6, temperature=0.0, prompt_logprobs=True).results[0]
+    assert list(again.sequences[0].tokens) == list(first.sequences[0].tokens)
+    assert list(again.sequences[0].logprobs) == list(first.sequences[0].logprobs)
+    snap_plp = np.asarray(again.prompt_logprobs[1:len(prompt) + 1], dtype=np.float64)
+    print(f"snapshot vs adapter at snapshot time: {np.max(np.abs(snap_plp - before[:len(prompt)])):.2e}; "
+          f"vs the adapter now: {np.max(np.abs(snap_plp - after[:len(prompt)])):.2e}")
+    assert np.max(np.abs(snap_plp - before[:len(prompt)])) <= 1e-5
+    # A new snapshot sees the new weights.
+    fresh = s.call("SnapshotAdapter", spb.SnapshotAdapterRequest(adapter_name="live")).sampling_session_id
+    now = s.sample(fresh, [prompt + prompt[:1]], max_tokens=1, prompt_logprobs=True).results[0]
+    assert np.max(np.abs(np.asarray(now.prompt_logprobs[1:len(prompt) + 1]) - after[:len(prompt)])) <= 1e-5
+
+
+def test_seeds_samples_and_stops(launch_server: LaunchServer, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    server = launch_server()
+    s = Sampler(Client(server.grpc_address, None))
+    n_vocab = vocab(tiny_model)
+    base = s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
+    prompts = prompts_for(3, n_vocab, 2)
+    one = s.sample(base, prompts, max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, num_samples=4)
+    two = s.sample(base, prompts, max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, num_samples=4)
+    other = s.sample(base, prompts, max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99, num_samples=4)
+    tokens = lambda r: [[list(q.tokens) for q in p.sequences] for p in r.results]  # noqa: E731
+    assert all(len(p.sequences) == 4 for p in one.results)
+    assert tokens(one) == tokens(two), "same seed, different tokens"
+    assert tokens(one) != tokens(other), "different seeds, same tokens everywhere"
+    assert len({tuple(t) for t in tokens(one)[0]}) > 1, "4 samples of one prompt are all equal"
+
+    # Stop token: the third greedy token ends the sequence and is its last token.
+    greedy = s.sample(base, prompts[:1], max_tokens=8, temperature=0.0).results[0].sequences[0]
+    stop_id = greedy.tokens[2]
+    first = list(greedy.tokens).index(stop_id)
+    stopped = s.sample(base, prompts[:1], max_tokens=8, temperature=0.0, stop_token_ids=[stop_id]).results[0]
+    assert list(stopped.sequences[0].tokens) == list(greedy.tokens[:first + 1])
+    assert stopped.sequences[0].stop_reason == "stop"
+
+    # Stop string: text spanning the 2nd and 3rd tokens; generation ends at the token completing it.
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    pieces = [tok.decode([t]) for t in greedy.tokens]
+    text = "".join(pieces)
+    start = len(pieces[0])
+    stop = text[start + max(0, len(pieces[1]) - 1): start + len(pieces[1]) + 1]
+    assert stop, pieces
+    by_string = s.sample(base, prompts[:1], max_tokens=8, temperature=0.0, stop=[stop]).results[0].sequences[0]
+    ends = next(i for i in range(1, len(pieces) + 1) if stop in "".join(pieces[:i]))
+    print(f"stop string {stop!r} in {pieces}: {len(by_string.tokens)} tokens (expected {ends})")
+    assert list(by_string.tokens) == list(greedy.tokens[:ends]) and by_string.stop_reason == "stop"
+    assert len(by_string.logprobs) == len(by_string.tokens)
+
+
+# ---- tenancy, bad input, and what is freed ----------------------------------------------------
+
+def test_sessions_are_private_and_bad_input_names_the_field(launch_server: LaunchServer, tiny_model: Path) -> None:
+    server = launch_server(auth_overrides())
+    alice, bob = Client(server.grpc_address, KEYS["alice"]), Client(server.grpc_address, KEYS["bob"])
+    sa, sb = Sampler(alice), Sampler(bob)
+    n_vocab, n_pos = vocab(tiny_model), max_positions(tiny_model)
+    trained_adapter(alice, "mine", n_vocab, steps=1)
+    path = alice.call("Save", tpb.SaveRequest(adapter_name="mine", name="s", is_sampler=True)).twinkle_path
+    session = sa.call("CreateSamplingSession", spb.CreateSamplingSessionRequest(model_path=path)).sampling_session_id
+    for label, call in [
+        ("sample", lambda: sb.sample(session, [[1, 2]], max_tokens=2)),
+        ("get", lambda: sb.call("GetSamplingSession", spb.SamplingSessionRequest(sampling_session_id=session))),
+        ("close", lambda: sb.call("CloseSamplingSession", spb.SamplingSessionRequest(sampling_session_id=session))),
+        ("session on alice's path", lambda: sb.call("CreateSamplingSession",
+                                                    spb.CreateSamplingSessionRequest(model_path=path))),
+        ("snapshot of alice's adapter", lambda: sb.call("SnapshotAdapter",
+                                                        spb.SnapshotAdapterRequest(adapter_name="mine"))),
+    ]:
+        error = expect_code(grpc.StatusCode.NOT_FOUND, call)
+        print(f"bob {label}: NOT_FOUND ({error.details()})")
+    expect_code(grpc.StatusCode.UNAUTHENTICATED, lambda: Sampler(Client(server.grpc_address, "tml-wrong")).sample(
+        session, [[1]], max_tokens=1))
+
+    cases: list[tuple[str, dict[str, Any], list[list[int]]]] = [
+        ("tokens[1]", {"max_tokens": 2}, [[1, -1]]),
+        ("tokens[0]", {"max_tokens": 2}, [[n_vocab]]),
+        ("tokens[0]", {"max_tokens": 2}, [[2**31 - 1]]),
+        ("max_position_embeddings", {"max_tokens": n_pos}, [[1, 2]]),
+        ("temperature", {"max_tokens": 2, "temperature": -1.0}, [[1]]),
+        ("top_p", {"max_tokens": 2, "top_p": 1.5}, [[1]]),
+        ("num_samples", {"max_tokens": 2, "num_samples": 100000}, [[1]]),
+        ("prompts", {"max_tokens": 2}, []),
+        ("prompts[0]", {"max_tokens": 2}, [[]]),
+        ("stop_token_ids[0]", {"max_tokens": 2, "stop_token_ids": [n_vocab]}, [[1]]),
+    ]
+    for field, params, prompts in cases:
+        error = expect_code(grpc.StatusCode.INVALID_ARGUMENT, lambda: sa.sample(session, prompts, **params))
+        assert field in error.details(), (field, error.details())
+        print(f"{field}: INVALID_ARGUMENT ({error.details()})")
+        # Nobody is disturbed: bob's next request is served.
+        bob_base = sb.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
+        assert len(sb.sample(bob_base, [[1, 2, 3]], max_tokens=2).results[0].sequences[0].tokens) == 2
+        sb.call("CloseSamplingSession", spb.SamplingSessionRequest(sampling_session_id=bob_base))
+    expect_code(grpc.StatusCode.NOT_FOUND, lambda: sa.sample("sampler-999", [[1]], max_tokens=1))
+    assert len(sa.sample(session, [[1, 2, 3]], max_tokens=3).results[0].sequences[0].tokens) == 3
+
+
+def metrics(server: Any) -> list[prom.Sample]:
+    return prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+
+
+def test_many_mixed_requests_free_every_kv_block_and_snapshot(launch_server: LaunchServer, tiny_model: Path) -> None:
+    server = launch_server()
+    c = Client(server.grpc_address, None)
+    s = Sampler(c)
+    n_vocab = vocab(tiny_model)
+    trained_adapter(c, "a", n_vocab, steps=1)
+    sessions = [s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id,
+                s.call("SnapshotAdapter", spb.SnapshotAdapterRequest(adapter_name="a")).sampling_session_id,
+                s.call("SnapshotAdapter", spb.SnapshotAdapterRequest(adapter_name="a")).sampling_session_id]
+    rng = np.random.default_rng(0)
+    futures = []
+    for i in range(120):
+        session = sessions[i % 3]
+        params = spb.SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
+                                    num_samples=int(rng.integers(1, 4)), seed=i,
+                                    stop_token_ids=[int(rng.integers(0, n_vocab))] if i % 4 == 0 else [])
+        request = spb.SampleRequest(sampling_session_id=session, prompts=[spb.Prompt(tokens=p) for p in
+                                    prompts_for(i, n_vocab, int(rng.integers(1, 4)))],
+                                    params=params, options=tpb.RequestOptions(return_future=True))
+        futures.append(s.call("Sample", request).future_id)
+    generated = 0
+    for f in futures:
+        while True:
+            r = s.call("WaitSample", tpb.WaitFutureRequest(future_id=f, timeout_ms=10000))
+            if r.done:
+                break
+        generated += sum(len(q.tokens) for p in r.results for q in p.sequences)
+    samples = metrics(server)
+    assert prom.value(samples, "twinkle_sampler_kv_blocks", state="in_use") == 0
+    assert prom.value(samples, "twinkle_sampler_kv_blocks", state="total") > 0
+    assert prom.value(samples, "twinkle_sampler_snapshots") == 2
+    assert prom.value(samples, "twinkle_sampler_tokens_total") == generated
+    for session in sessions:
+        s.call("CloseSamplingSession", spb.SamplingSessionRequest(sampling_session_id=session))
+    deadline = time.time() + 10
+    while prom.value(metrics(server), "twinkle_sampler_snapshots") != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    samples = metrics(server)
+    print(f"120 requests, {generated} tokens: KV blocks in use "
+          f"{prom.value(samples, 'twinkle_sampler_kv_blocks', state='in_use'):.0f}, snapshots "
+          f"{prom.value(samples, 'twinkle_sampler_snapshots'):.0f}, sessions "
+          f"{prom.value(samples, 'twinkle_sampler_sessions'):.0f}")
+    assert prom.value(samples, "twinkle_sampler_snapshots") == 0
+    assert prom.value(samples, "twinkle_sampler_sessions") == 0
+
+
+def test_request_larger_than_the_kv_cache_is_refused_clearly(launch_server: LaunchServer, tiny_model: Path) -> None:
+    server = launch_server({"sampler": {"kv_cache_blocks": 4, "kv_block_size": 4}})
+    s = Sampler(Client(server.grpc_address, None))
+    base = s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
+    error = expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                        lambda: s.sample(base, [[1, 2, 3, 4]], max_tokens=20, num_samples=2))
+    print(f"too large for the cache: {error.details()}")
+    assert "KV" in error.details() or "cache" in error.details()
+    # The server is fine: a request that fits runs.
+    assert len(s.sample(base, [[1, 2, 3]], max_tokens=5).results[0].sequences[0].tokens) == 5
+
+
+def test_sampling_alongside_training_leaves_training_exact(launch_server: LaunchServer, tiny_model: Path) -> None:
+    n_vocab = vocab(tiny_model)
+
+    def run(with_sampling: bool) -> dict[str, np.ndarray]:
+        server = launch_server(auth_overrides())
+        alice = Client(server.grpc_address, KEYS["alice"])
+        stop = threading.Event()
+        counts = [0]
+
+        def sample_forever() -> None:
+            bob = Sampler(Client(server.grpc_address, KEYS["bob"]))
+            base = bob.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
+            while not stop.is_set():
+                bob.sample(base, prompts_for(counts[0], n_vocab, 2), max_tokens=16, temperature=1.0, seed=counts[0])
+                counts[0] += 1
+
+        thread = threading.Thread(target=sample_forever)
+        if with_sampling:
+            thread.start()
+        trained_adapter(alice, "t", n_vocab, steps=6)
+        stop.set()
+        if with_sampling:
+            thread.join()
+            print(f"bob sampled {counts[0]} requests while alice trained")
+        weights = state_dict(alice, "t")
+        server.stop()
+        return weights
+
+    alone, shared = run(False), run(True)
+    worst = max(float(np.max(np.abs(alone[k] - shared[k]))) for k in alone)
+    print(f"training with sampling alongside vs alone: max |dw| = {worst:.3e}")
+    assert worst == 0.0
