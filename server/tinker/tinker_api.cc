@@ -68,9 +68,6 @@ const std::vector<std::string>& TinkerLosses() {
   return *names;
 }
 
-std::string TinkerPath(const std::string& run_id, const std::string& checkpoint_id) {
-  return absl::StrCat("tinker://", run_id, "/", checkpoint_id);
-}
 
 // The forward_backward result: one ArrayRecord for all datums (logprobs and the per-token
 // loss as float32 BatchedTensors) and the metrics, as protobuf and as ≤0.24 JSON.
@@ -128,6 +125,49 @@ Outcome EncodeForwardBackward(const OpOutput& out) {
 }
 
 }  // namespace
+
+std::string ModelIdFor(const std::string& session_id, int64_t model_seq_id) {
+  return absl::StrCat(session_id, ":train:", model_seq_id);
+}
+
+std::string AdapterNameFor(const std::string& session_id, int64_t model_seq_id) {
+  return absl::StrCat(session_id, ".t", model_seq_id);
+}
+
+std::string RunIdOf(const std::string& model_id) {
+  const size_t at = model_id.find(":train:");
+  if (at == std::string::npos) return model_id;
+  const std::string session = model_id.substr(0, at);
+  int64_t seq = 0;
+  if (!absl::SimpleAtoi(model_id.substr(at + 7), &seq) || seq < 0) return model_id;
+  return absl::StrCat(session, "-", AdapterNameFor(session, seq));
+}
+
+std::string ModelIdOf(const std::string& run_id) {
+  // "{S}-{S}.t{N}" with both S equal.
+  const size_t dot = run_id.rfind(".t");
+  if (dot == std::string::npos) return run_id;
+  int64_t seq = 0;
+  if (!absl::SimpleAtoi(run_id.substr(dot + 2), &seq) || seq < 0) return run_id;
+  const std::string head = run_id.substr(0, dot);  // "{S}-{S}"
+  if (head.size() % 2 == 0) return run_id;
+  const size_t half = head.size() / 2;
+  if (head[half] != '-' || head.compare(0, half, head, half + 1, half) != 0) return run_id;
+  return ModelIdFor(head.substr(0, half), seq);
+}
+
+std::string InternalPath(const std::string& path) {
+  const size_t scheme = path.find("://");
+  if (scheme == std::string::npos) return path;
+  const size_t start = scheme + 3;
+  const size_t slash = path.find('/', start);
+  const std::string id = path.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+  return absl::StrCat(path.substr(0, start), RunIdOf(id), slash == std::string::npos ? "" : path.substr(slash));
+}
+
+std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoint_id) {
+  return absl::StrCat("tinker://", ModelIdOf(run_id), "/", checkpoint_id);
+}
 
 const char* ErrorCategory(const absl::Status& status) {
   switch (status.code()) {
@@ -402,9 +442,18 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
   absl::StatusOr<std::vector<std::string>> targets = Targets(*attn, *mlp, *unembed);
   if (!targets.ok()) return targets.status();
 
-  const std::string key = absl::StrCat("create_model\n", tenant.id, "\n", *session, "\n", *model_seq);
+  ModelSpec spec{*session, *model_seq, *rank, static_cast<uint64_t>(*seed), *attn, *mlp, *unembed, *targets};
+  return StartModel(tenant, std::move(spec), [](const std::shared_ptr<Model>& model, const std::shared_ptr<Entry>& entry) {
+    Outcome o;
+    o.json = {{"model_id", model->model_id}, {"type", "create_model"}};
+    Complete(entry, std::move(o));
+  });
+}
+
+absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then) {
+  const std::string key = absl::StrCat("create_model\n", tenant.id, "\n", spec.session, "\n", spec.model_seq);
+  const std::string model_id = ModelIdFor(spec.session, spec.model_seq);
   std::shared_ptr<Entry> entry;
-  std::string adapter;
   {
     absl::MutexLock lock(&mu_);
     auto d = dedupe_.find(key);
@@ -412,24 +461,23 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
       auto e = entries_.find(d->second);
       if (e != entries_.end()) return Promise(*e->second);
     }
-    adapter = absl::StrCat("tinker-", boot_, "-", next_model_++);
   }
-  entry = NewEntry(tenant.id, "");
+  entry = NewEntry(tenant.id, model_id);
   {
     absl::MutexLock lock(&mu_);
     dedupe_[key] = entry->request_id;
   }
   training::AddAdapterArgs args;
-  args.name = adapter;
-  args.session_id = *session;
-  args.lora.rank = *rank;
+  args.name = AdapterNameFor(spec.session, spec.model_seq);
+  args.session_id = spec.session;
+  args.lora.rank = spec.rank;
   args.lora.alpha = kLoraAlpha;
   args.lora.use_rslora = false;
-  args.lora.targets = *targets;
-  args.lora.seed = static_cast<uint64_t>(*seed);
+  args.lora.targets = spec.targets;
+  args.lora.seed = spec.seed;
   const training::TenantContext context = ContextOf(tenant);
-  Switches switches{*attn, *mlp, *unembed};
-  blocking_->Post([this, entry, args, context, switches, base = *base, key] {
+  // AddAdapter waits for the engine: not on a transport thread.
+  blocking_->Post([this, entry, args, context, spec, key, model_id, then = std::move(then)] {
     absl::StatusOr<training::AddAdapterResult> r = coordinator_.AddAdapter(context, args);
     if (!r.ok()) {
       LogInfo(kLog, absl::StrCat("tenant ", context.id, ": create_model failed: ", r.status().message()));
@@ -441,23 +489,58 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
       return;
     }
     auto model = std::make_shared<Model>();
-    model->model_id = r->run_id;
+    model->model_id = model_id;
+    model->run_id = r->run_id;
     model->tenant = context.id;
     model->adapter = r->name;
     model->session_id = args.session_id;
     model->base_model = options_.base_model;
     model->rank = args.lora.rank;
     model->seed = args.lora.seed;
-    model->switches = switches;
+    model->switches = Switches{spec.attn, spec.mlp, spec.unembed};
     {
       absl::MutexLock lock(&mu_);
       models_[model->model_id] = model;
     }
-    Outcome o;
-    o.json = {{"model_id", model->model_id}, {"type", "create_model"}};
-    Complete(entry, std::move(o));
+    then(model, entry);
   });
   return Promise(*entry);
+}
+
+// The SDK's create_training_client_from_state: one load_weights with session_id and
+// model_seq_id instead of a model_id. The model takes the checkpoint's LoRA shape; the load
+// is its first op (seq_id 0), so its later ops start at 1 as after create_model.
+absl::StatusOr<Json> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, const Json& body) {
+  absl::StatusOr<std::string> session = GetString(body, "session_id");
+  if (!session.ok()) return session.status();
+  absl::StatusOr<int64_t> model_seq = GetInt(body, "model_seq_id", 0);
+  if (!model_seq.ok()) return model_seq.status();
+  absl::StatusOr<std::string> path = GetString(body, "path");
+  if (!path.ok()) return path.status();
+  const bool optimizer = GetBool(body, "optimizer", false).value_or(false);
+  absl::StatusOr<Json> info = WeightsInfo(tenant, Json{{"tinker_path", *path}});
+  if (!info.ok()) return info.status();
+  const int64_t rank = (*info)["lora_rank"].get<int64_t>();
+  const bool attn = (*info)["train_attn"].get<bool>(), mlp = (*info)["train_mlp"].get<bool>(),
+             unembed = (*info)["train_unembed"].get<bool>();
+  absl::StatusOr<std::vector<std::string>> targets = Targets(attn, mlp, unembed);
+  if (!targets.ok()) return targets.status();
+  ModelSpec spec{*session, *model_seq, rank, 0, attn, mlp, unembed, *targets};
+  const training::TenantContext context = ContextOf(tenant);
+  const std::string tinker_path = *path;
+  return StartModel(tenant, std::move(spec),
+                    [this, context, tinker_path, optimizer](const std::shared_ptr<Model>& model,
+                                                           const std::shared_ptr<Entry>& entry) {
+                      absl::StatusOr<uint64_t> id = coordinator_.SubmitLoad(
+                          context, model->adapter, InternalPath(tinker_path),
+                          optimizer ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
+                      if (!id.ok()) return Complete(entry, Outcome::Failed(id.status()));
+                      Attach(entry, *id, [tinker_path, model_id = model->model_id](const std::any&) {
+                        Outcome o;
+                        o.json = {{"path", tinker_path}, {"model_id", model_id}, {"type", "load_weights"}};
+                        return o;
+                      });
+                    });
 }
 
 absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const Json& body) {
@@ -691,7 +774,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
   if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
   const bool overwrite = GetBool(body, "overwrite", false).value_or(false);
   const training::TenantContext context = ContextOf(tenant);
-  const std::string run_id = *model_id;
+  const std::string run_id = (*model)->run_id;
   Submit submit = [this, context, adapter = (*model)->adapter, name = *name, overwrite,
                    run_id]() -> absl::StatusOr<uint64_t> {
     if (!overwrite && registry_ != nullptr &&
@@ -704,15 +787,16 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     args.save_optimizer = true;
     return coordinator_.SubmitSave(context, adapter, args);
   };
-  Encoder encode = [run_id, name = *name](const std::any&) {
+  Encoder encode = [model_id = *model_id, name = *name](const std::any&) {
     Outcome o;
-    o.json = {{"path", TinkerPath(run_id, absl::StrCat("weights/", name))}, {"type", "save_weights"}};
+    o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
     return o;
   };
   return Sequenced(*model, *seq, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const Json& body) {
+  if (!body.contains("model_id") || body["model_id"].is_null()) return CreateViaLoad(tenant, body);
   absl::StatusOr<std::string> model_id = GetString(body, "model_id");
   if (!model_id.ok()) return model_id.status();
   absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
@@ -723,7 +807,7 @@ absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const
   if (!path.ok()) return path.status();
   const bool optimizer = GetBool(body, "optimizer", false).value_or(false);
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, path = *path, optimizer]() {
+  Submit submit = [this, context, adapter = (*model)->adapter, path = InternalPath(*path), optimizer]() {
     return coordinator_.SubmitLoad(context, adapter, path,
                                    optimizer ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
   };
@@ -742,7 +826,7 @@ absl::StatusOr<Json> TinkerApi::GetInfo(const tenancy::Tenant& tenant, const Jso
   if (!model_id.ok()) return model_id.status();
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
   if (!model.ok()) return model.status();
-  if (absl::StatusOr<training::RunInfo> run = coordinator_.GetRun(ContextOf(tenant), *model_id); !run.ok()) {
+  if (absl::StatusOr<training::RunInfo> run = coordinator_.GetRun(ContextOf(tenant), (*model)->run_id); !run.ok()) {
     return absl::NotFoundError(absl::StrCat("model_id: model '", *model_id, "' is no longer loaded"));
   }
   const Model& m = **model;
@@ -759,9 +843,10 @@ absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const
   absl::StatusOr<std::string> path = GetString(body, "tinker_path");
   if (!path.ok()) return path.status();
   if (checkpoints_ == nullptr || registry_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
-  absl::StatusOr<training::CheckpointPath> parsed = training::ParseCheckpointPath(*path, "tinker_path");
+  const std::string internal = InternalPath(*path);
+  absl::StatusOr<training::CheckpointPath> parsed = training::ParseCheckpointPath(internal, "tinker_path");
   if (!parsed.ok()) return parsed.status();
-  absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->Resolve(tenant.id, *path, "");
+  absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->Resolve(tenant.id, internal, "");
   if (!record.ok()) return record.status();
   absl::StatusOr<registry::RunRecord> run = registry_->GetRun(tenant.id, record->run_id);
   if (!run.ok()) return run.status();
@@ -835,7 +920,7 @@ Json CheckpointJson(const registry::CheckpointRecord& c) {
   return {{"checkpoint_id", c.checkpoint_id},
           {"checkpoint_type", c.kind},
           {"time", IsoTime(c.created)},
-          {"tinker_path", TinkerPath(c.run_id, c.checkpoint_id)},
+          {"tinker_path", TinkerPathOf(c.run_id, c.checkpoint_id)},
           {"size_bytes", c.size_bytes},
           {"public", false},
           {"expires_at", nullptr}};
@@ -850,18 +935,19 @@ absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, 
   if (!runs.ok()) return runs.status();
   Json list = Json::array();
   for (const registry::RunRecord& r : *runs) {
-    absl::StatusOr<Json> run = GetTrainingRun(tenant, r.run_id);
+    absl::StatusOr<Json> run = GetTrainingRun(tenant, ModelIdOf(r.run_id));
     if (run.ok()) list.push_back(*std::move(run));
   }
   return Json{{"training_runs", std::move(list)}, {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", total}}}};
 }
 
-absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& run_id) {
+absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& model_id) {
   if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  const std::string run_id = RunIdOf(model_id);
   absl::StatusOr<registry::RunRecord> r = registry_->GetRun(tenant.id, run_id);
   if (!r.ok()) return r.status();
   Json lora = Json::parse(r->lora_config_json, nullptr, false);
-  Json run = {{"training_run_id", r->run_id},
+  Json run = {{"training_run_id", ModelIdOf(r->run_id)},
               {"base_model", r->base_model},
               {"model_owner", tenant.id},
               {"is_lora", true},
@@ -880,9 +966,10 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, co
   return run;
 }
 
-absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& run_id) {
+absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {
   if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
+  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks =
+      registry_->ListCheckpoints(tenant.id, RunIdOf(model_id));
   if (!cks.ok()) return cks.status();
   Json list = Json::array();
   for (const registry::CheckpointRecord& c : *cks) list.push_back(CheckpointJson(c));
@@ -912,7 +999,7 @@ absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenan
 absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
                                                  const std::string& checkpoint_id) {
   if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
-  if (absl::Status s = checkpoints_->Delete(tenant.id, run_id, checkpoint_id); !s.ok()) return s;
+  if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
   return Json::object();
 }
 

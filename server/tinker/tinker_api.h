@@ -164,6 +164,20 @@ class TinkerApi {
   // Submits to the coordinator (returns the future id) or fails.
   using Submit = std::function<absl::StatusOr<uint64_t>()>;
 
+  // A model to create: the adapter, then `then(model, entry)` on the blocking thread
+  // (it completes the future entry).
+  struct ModelSpec {
+    std::string session;
+    int64_t model_seq = 0;
+    int64_t rank = 0;
+    uint64_t seed = 0;
+    bool attn = true, mlp = true, unembed = true;
+    std::vector<std::string> targets;
+  };
+  using ModelThen = std::function<void(const std::shared_ptr<Model>&, const std::shared_ptr<Entry>&)>;
+  absl::StatusOr<Json> StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then);
+  absl::StatusOr<Json> CreateViaLoad(const tenancy::Tenant& tenant, const Json& body);
+
   std::shared_ptr<Entry> NewEntry(const std::string& tenant, const std::string& model_id);
   static void Complete(const std::shared_ptr<Entry>& entry, Outcome outcome);
   void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
@@ -194,7 +208,6 @@ class TinkerApi {
   absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
   // Direct answers that must be idempotent: create_sampling_session.
   absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_model_ ABSL_GUARDED_BY(mu_) = 1;
   const std::string boot_;  // random, so request ids of another boot never match
   std::atomic<uint64_t> next_request_{1};
 };

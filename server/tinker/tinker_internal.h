@@ -25,6 +25,19 @@ inline training::TenantContext ContextOf(const tenancy::Tenant& tenant) {
   return t;
 }
 
+// Tinker model ids are "{session_id}:train:{model_seq_id}" (the SDK derives them itself when
+// it creates a model through load_weights). The adapter is "{session_id}.t{model_seq_id}", so
+// the coordinator's run id is "{session_id}-{session_id}.t{model_seq_id}". Both directions
+// are pure string maps (they hold across restarts); ids of other runs (Twinkle's) pass
+// through unchanged.
+std::string ModelIdFor(const std::string& session_id, int64_t model_seq_id);
+std::string AdapterNameFor(const std::string& session_id, int64_t model_seq_id);
+std::string RunIdOf(const std::string& model_id);
+std::string ModelIdOf(const std::string& run_id);
+// scheme://<model_id>/rest → scheme://<run_id>/rest (anything else unchanged), and back.
+std::string InternalPath(const std::string& path);
+std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoint_id);
+
 struct Switches {
   bool attn = false, mlp = false, unembed = false;
 };
@@ -39,7 +52,7 @@ struct TinkerApi::Entry {
 };
 
 struct TinkerApi::Model {
-  std::string model_id, tenant, adapter, session_id, base_model;
+  std::string model_id, run_id, tenant, adapter, session_id, base_model;
   int64_t rank = 0;
   uint64_t seed = 0;
   Switches switches;

@@ -86,7 +86,7 @@ absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& ten
     auto it = direct_dedupe_.find(key);
     if (it != direct_dedupe_.end()) return it->second;
   }
-  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), *path);
+  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path));
   if (!id.ok()) return id.status();
   Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
   if (*seq >= 0) {
@@ -102,7 +102,12 @@ absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const 
   if (!info.ok()) return info.status();
   Json path = nullptr;
   if (absl::StartsWith(info->model_path, "tinker://") || absl::StartsWith(info->model_path, "twinkle://")) {
-    path = info->model_path;
+    // Back to the caller's form: tinker://<model_id>/...
+    const size_t start = info->model_path.find("://") + 3;
+    const size_t slash = info->model_path.find('/', start);
+    path = slash == std::string::npos ? info->model_path
+                                      : TinkerPathOf(info->model_path.substr(start, slash - start),
+                                                     info->model_path.substr(slash + 1));
   }
   return Json{{"sampler_id", info->id}, {"base_model", info->base_model.empty() ? options_.base_model : info->base_model},
               {"model_path", path}};
@@ -205,7 +210,7 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
     // Session-less: a session on model_path or the base model.
     absl::StatusOr<std::string> path = GetString(body, "model_path", "");
     if (!path.ok()) return path.status();
-    absl::StatusOr<std::string> id = sampler_->CreateSession(context, *path);
+    absl::StatusOr<std::string> id = sampler_->CreateSession(context, InternalPath(*path));
     if (!id.ok()) return id.status();
     *session = *id;
   }

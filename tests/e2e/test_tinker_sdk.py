@@ -71,7 +71,7 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
 
     training = lora_client(svc, rank=8)
     info = training.get_info()
-    assert info.model_id and "/" not in info.model_id
+    assert info.model_id and "/" not in info.model_id and ":train:" in info.model_id
     assert info.lora_rank == 8
 
     weights = [1.0, 0.5, 0.0, 2.0, 1.0, 1.0, 0.25, 1.0, 1.0]
@@ -118,6 +118,13 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
     training.load_state_with_optimizer(saved.path).result()
     restored = logprobs_of(training.forward(sft, "cross_entropy").result())[0]
     np.testing.assert_array_equal(restored, after_save)
+
+    # A new model restored from the checkpoint (weights_info → create_model → load_weights).
+    made = svc.create_training_client_from_state(saved.path)
+    restored_client = made.result() if hasattr(made, "result") and not hasattr(made, "forward") else made
+    assert restored_client.get_info().lora_rank == 8
+    from_state = logprobs_of(restored_client.forward(sft, "cross_entropy").result())[0]
+    np.testing.assert_array_equal(from_state, after_save)
 
 
 def test_unknown_loss_fails_the_future_as_a_user_error(tinker_server: ServerProcess) -> None:
