@@ -462,6 +462,12 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
+  // A lasting limit: 403 at once (the SDK does not retry it), not a failed future.
+  const size_t live = coordinator_.ListRuns(ContextOf(tenant)).size();
+  if (live >= static_cast<size_t>(tenant.quotas.max_adapters)) {
+    return absl::PermissionDeniedError(absl::StrCat("you have ", live, " models, your quota (max_adapters) is ",
+                                                    tenant.quotas.max_adapters, "; unload one first"));
+  }
   entry = NewEntry(tenant.id, model_id);
   {
     absl::MutexLock lock(&mu_);

@@ -148,3 +148,16 @@ def test_checkpoint_routes_with_slashes(api: Api) -> None:
     assert_json_error(api.delete(f"/training_runs/{model_id}/checkpoints/weights/c1"), 404)
     run = api.get(f"/training_runs/{model_id}").json()
     assert run["training_run_id"] == model_id and run["lora_rank"] == 4
+
+
+def test_model_quota_is_a_lasting_403(launch_server: LaunchServer, tmp_path: Path) -> None:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")})
+    overrides["auth"]["tenants"][0]["quotas"] = {"max_adapters": 1}
+    server = launch_server(overrides)
+    api = Api(server, KEYS["alice"])
+    api.create_model()
+    session = api.post("/create_session", {}).json()["session_id"]
+    r = api.post("/create_model", {"session_id": session, "model_seq_id": 0, "base_model": MODEL_NAME,
+                                   "lora_config": {"rank": 4}})
+    body = assert_json_error(r, 403)
+    assert body["category"] == "user" and r.headers["x-should-retry"] == "false"
