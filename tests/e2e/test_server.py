@@ -136,8 +136,10 @@ def test_healthz_and_readyz_are_ok(server: ServerProcess) -> None:
 def test_endpoints_names_the_grpc_address(server: ServerProcess) -> None:
     response = get(server, "/api/v1/twinkle/endpoints")
     assert response.status_code == 200, response.text
-    assert response.json() == {"grpc_address": f"127.0.0.1:{server.grpc_port}", "tls": False}
-    with UtilityClient(response.json()["grpc_address"], timeout_s=scaled(RPC_TIMEOUT_S)) as client:
+    address = f"127.0.0.1:{server.grpc_port}"
+    # "grpc" is what twinkle_client's discovery reads; "grpc_address" stays for older clients.
+    assert response.json() == {"grpc": address, "grpc_address": address, "tls": False}
+    with UtilityClient(response.json()["grpc"], timeout_s=scaled(RPC_TIMEOUT_S)) as client:
         assert client.get_server_info().serving
 
 
