@@ -94,8 +94,9 @@ void ZeroGaps(T* data, int64_t n, int64_t cols, const Plan& plan) {
 }
 
 // The CPU path: raw BLAS calls per segment (sgmv.h's CpuMatmul/CpuOuter) on pointers into the
-// packed buffers, so a segment costs its BLAS calls and no ATen op or tensor view. Every
-// operand is contiguous (LoraDelta makes it so), so rows are `cols` apart.
+// packed buffers, so a segment costs its BLAS calls and no ATen op or tensor view. x and y are
+// contiguous; A and B are dense, either row-major or (inference only, see LoraDelta) stored
+// transposed, and CpuMatmul takes their strides.
 template <typename T>
 void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
                 const Plan& plan, const std::vector<int64_t>& y_off, const at::Tensor& y,
@@ -110,9 +111,10 @@ void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::Ten
     const T* xs = plan.own[s] >= 0 ? own_x[plan.own[s]].const_data_ptr<T>() : xp + plan.begin[s] * in;
     T* ys = yp + y_off[s];
     // y_s = x_s · A_sᵀ, then delta_s = scale_s · y_s · B_sᵀ.
-    CpuMatmul<T>(n, r, in, 1.0, xs, in, a[s].const_data_ptr<T>(), in, 1, ys, r);
-    CpuMatmul<T>(n, out, r, plan.scale[s], ys, r, b[s].const_data_ptr<T>(), r, 1,
-                 dp + plan.begin[s] * out, out);
+    CpuMatmul<T>(n, r, in, 1.0, xs, in, a[s].const_data_ptr<T>(), a[s].stride(0), a[s].stride(1),
+                 ys, r);
+    CpuMatmul<T>(n, out, r, plan.scale[s], ys, r, b[s].const_data_ptr<T>(), b[s].stride(0),
+                 b[s].stride(1), dp + plan.begin[s] * out, out);
   }
 }
 
@@ -324,6 +326,12 @@ const at::Tensor& Anchor() {
   return anchor;
 }
 
+// Dense row-major, or dense stored transposed (a [p, k] view of a contiguous [k, p]): the
+// two layouts ForwardCpu reads in place.
+bool DenseEitherWay(const at::Tensor& t) {
+  return t.is_contiguous() || (t.dim() == 2 && t.stride(0) == 1 && t.stride(1) == t.size(0));
+}
+
 }  // namespace
 
 at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
@@ -333,6 +341,10 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
   if (segments.empty()) return at::zeros({n, out_features}, x.options());
 
   const at::ScalarType compute = segments[0].a.scalar_type();
+  // Inference on CPU (no autograd anywhere): the forward kernels straight away, no node, and
+  // weights read in either dense layout (Adapter::InferenceWeights hands out transposed
+  // ones, which the small-segment loops read without a per-call transpose).
+  const bool inference = x.is_cpu() && !c10::GradMode::is_enabled();
   Plan plan;
   plan.out_features = out_features;
   std::vector<at::Tensor> a, b, own_x;
@@ -354,8 +366,8 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
     plan.end.push_back(s.row_end);
     plan.scale.push_back(s.scale);
     // Dense rows for the CPU path's BLAS calls (the leaves already are: no copy).
-    a.push_back(s.a.contiguous());
-    b.push_back(s.b.contiguous());
+    a.push_back(inference && DenseEitherWay(s.a) ? s.a : s.a.contiguous());
+    b.push_back(inference && DenseEitherWay(s.b) ? s.b : s.b.contiguous());
     if (s.x.defined()) {
       TORCH_CHECK(s.x.dim() == 2 && s.x.size(0) == s.row_end - s.row_begin && s.x.size(1) == in,
                   "LoraDelta: a segment's own x must be [", s.row_end - s.row_begin, ", ", in,
@@ -365,6 +377,16 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
     } else {
       plan.own.push_back(-1);
     }
+  }
+  if (inference) {
+    const at::Tensor xc = x.to(compute).contiguous();
+    int64_t y_total = 0;
+    const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
+    const at::Tensor y = at::empty({y_total}, xc.options());
+    const at::Tensor delta = at::empty({n, out_features}, xc.options());
+    if (compute == at::kFloat) ForwardCpu<float>(xc, a, b, own_x, plan, y_off, y, delta);
+    else ForwardCpu<double>(xc, a, b, own_x, plan, y_off, y, delta);
+    return delta.to(x.scalar_type());
   }
   // On CPU the node accumulates the weights' gradients into .grad() itself instead of
   // handing them to autograd: one AccumulateGrad node per weight per linear is most of the

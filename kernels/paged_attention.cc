@@ -133,8 +133,10 @@ at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
   const float* kp = k_cache.const_data_ptr<float>();
   const float* vp = v_cache.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  // A task is a few microseconds per hundred tokens: small batches stay on one thread.
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(max_len * d / 8, 1));
+  // Threads only for real work: each chunk at least ~2^18 multiply-adds (~100 µs). Waking
+  // the pool per layer and step for less costs more than it saves, and far more on a
+  // loaded machine, where a parallel region waits for a thread that is not running.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(2 * max_len * d, 1));
   at::parallel_for(0, num_seqs * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len);
     for (int64_t task = begin; task < end; ++task) {

@@ -123,6 +123,14 @@ inline __attribute__((always_inline)) void SmallRows(int64_t i, int64_t p, int64
                                                      int64_t ld_out, bool accumulate) {
   constexpr int kLanes = 32 / static_cast<int>(sizeof(T));
   int64_t j = 0;
+  if constexpr (R == 1) {
+    // A single row (a generation step's segment) has few sums in flight per tile; wider
+    // tiles keep more of them going. Every column still sums its own products in kk order,
+    // so the results are those of the narrower tiles.
+    for (; j + 4 * kLanes <= p; j += 4 * kLanes) {
+      SmallTile<T, 1, 4>(i, j, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
+    }
+  }
   for (; j + 2 * kLanes <= p; j += 2 * kLanes) {
     SmallTile<T, R, 2>(i, j, k, alpha, in, in_rs, in_cs, m, ldm, out, ld_out, accumulate);
   }
