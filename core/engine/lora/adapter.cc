@@ -204,4 +204,24 @@ absl::Status Adapter::Restore(const AdapterStateUpdate& update) {
   return absl::OkStatus();
 }
 
+std::pair<at::Tensor, at::Tensor> Adapter::InferenceWeights(int64_t layer, LinearKind kind) const {
+  const auto& [a, b] = weights_.at(kind)[layer];
+  std::vector<Transposed>& per_layer = transposed_[kind];
+  if (per_layer.size() != weights_.at(kind).size()) per_layer.resize(weights_.at(kind).size());
+  Transposed& t = per_layer[layer];
+  if (!t.a.defined() || !t.a_source.is_same(a) || t.a_version != a._version()) {
+    const c10::NoGradGuard no_grad;
+    t.a = a.detach().t().contiguous().t();
+    t.a_source = a;
+    t.a_version = a._version();
+  }
+  if (!t.b.defined() || !t.b_source.is_same(b) || t.b_version != b._version()) {
+    const c10::NoGradGuard no_grad;
+    t.b = b.detach().t().contiguous().t();
+    t.b_source = b;
+    t.b_version = b._version();
+  }
+  return {t.a, t.b};
+}
+
 }  // namespace twinkle::engine

@@ -66,6 +66,12 @@ class Adapter {
   // lm_head has one (A, B) pair for the whole model: layer 0.
   const at::Tensor& a(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].first; }
   const at::Tensor& b(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].second; }
+  // A and B for inference (generation): the same values and shapes, but laid out transposed
+  // (Aᵀ [in, r] and Bᵀ [r, out] dense, seen as [r, in] and [out, r] views), which is how the
+  // CPU LoRA kernels read them for a few rows; with plain A and B they would transpose both
+  // on every call. Cached, and rebuilt when a weight changed (its version counter moved,
+  // as optim_step and set_adapter_state do) or was replaced.
+  std::pair<at::Tensor, at::Tensor> InferenceWeights(int64_t layer, LinearKind kind) const;
 
   // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
   // "base_model.model.lm_head.lora_A.weight"), in a fixed order (the optimizer's parameter
@@ -94,6 +100,12 @@ class Adapter {
   std::map<LinearKind, std::vector<std::pair<at::Tensor, at::Tensor>>> weights_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   std::unique_ptr<Optimizer> optimizer_;
+  struct Transposed {
+    at::Tensor a_source, b_source;  // what the copies were made from, and at which versions
+    int64_t a_version = -1, b_version = -1;
+    at::Tensor a, b;
+  };
+  mutable std::map<LinearKind, std::vector<Transposed>> transposed_;
 };
 
 }  // namespace twinkle::engine

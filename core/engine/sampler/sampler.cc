@@ -271,16 +271,24 @@ class GenerationBatch {
     }
     std::vector<RequestPtr> finished;
     if (active.empty()) return finished;
+    const bool cpu = device_.is_cpu();
     const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
       // One segment per sequence, also for neighbours on the same adapter: a segment's
-      // arithmetic then never depends on how many rows share its adapter.
+      // arithmetic then never depends on how many rows share its adapter. On CPU the weights
+      // come transposed (Adapter::InferenceWeights), as the one-row kernels read them.
       std::vector<kernels::LoraSegment> segments;
+      segments.reserve(active.size());
       for (size_t i = 0; i < active.size(); ++i) {
         const Adapter* a = active[i].request->adapter;
         if (a == nullptr || !a->targets(kind)) continue;
         const int64_t row = static_cast<int64_t>(i);
-        segments.push_back(kernels::LoraSegment{row, row + 1, a->a(layer, kind), a->b(layer, kind),
-                                                a->scale(), {}});
+        if (cpu) {
+          auto [wa, wb] = a->InferenceWeights(layer, kind);
+          segments.push_back(kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(), {}});
+        } else {
+          segments.push_back(kernels::LoraSegment{row, row + 1, a->a(layer, kind), a->b(layer, kind),
+                                                  a->scale(), {}});
+        }
       }
       return segments;
     };
