@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Benchmarks that print figures (never timed assertions).
-# Usage: scripts/bench.sh engine | scheduler [options of the bench]
+# Usage: scripts/bench.sh engine | sampler | scheduler [options of the bench]
 #   engine     tests/bench/bench_engine.py: the engine process over its IPC
+#   sampler    tests/bench/bench_sampler.py: generation (multi-adapter decode, vs
+#              transformers+PEFT generate, continuous batching under Poisson arrivals)
 #   scheduler  tests/bench/bench_scheduler.py: scheduler policy (build/bin/scheduler_bench),
 #              fused vs unfused through the full server (8 tenants), no-op RPC latency
 #              (build/bin/noop_latency). Binaries from $TWINKLE_BUILD_DIR (default build/).
@@ -12,6 +14,7 @@ what="${1:-engine}"; shift || true
 [ -x build/bin/twinkle-engine ] || ./scripts/setup.sh
 case "$what" in
   engine) exec .venv/bin/python tests/bench/bench_engine.py "$@" ;;
+  sampler) exec .venv/bin/python tests/bench/bench_sampler.py "$@" ;;
   scheduler)
     bin="${TWINKLE_BUILD_DIR:-build}/bin"
     need=(twinkle-server twinkle-engine scheduler_bench noop_latency)
@@ -22,6 +25,7 @@ case "$what" in
     done
     exec .venv/bin/python tests/bench/bench_scheduler.py "$@" ;;
   *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N]" >&2
+     echo "       scripts/bench.sh sampler [--layers N] [--steps N] [--max-tokens N] [--repeats N] [--seconds S] [--load X] [--threads N]" >&2
      echo "       scripts/bench.sh scheduler [--seconds S] [--rounds N] [--tenants N] [--tokens N] [--noop-calls N]" >&2
      exit 2 ;;
 esac

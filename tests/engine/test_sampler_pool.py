@@ -5,6 +5,7 @@ engine's own training forward pass and transformers' logits warpers (fp32, CPU).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,25 @@ ADAPTERS = {
     "c": (2, ["q_proj", "v_proj", "down_proj"]),
     "d": (6, ["k_proj", "o_proj", "gate_proj", "up_proj", "lm_head"]),
 }
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The workers these tests start run one intra-op thread (they inherit the variable), and
+    so do the transformers references: MKL splits even the tiny models' GEMMs across
+    threads, and on a shared, loaded machine each such split waits for a thread that is not
+    running (10-20x slower here). A row's numbers do not depend on the thread count."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine(one_thread: None) -> Iterator[Engine]:
+    with Engine() as e:
+        yield e
 
 
 def load(engine: Engine, model_dir: Path, **kw: Any) -> dict[str, Any]:
@@ -482,3 +502,30 @@ def test_sampling_survives_interleaved_training_and_adapter_removal(engine: Engi
     assert step(engine, steps=0)["blocks_in_use"] == 0
     with pytest.raises(EngineError, match="no adapter 'snap:1'"):
         engine.call("sample", {"rows": [rows[0]]})
+
+
+def test_sampling_follows_adapter_weight_changes(engine: Engine, reference_models: Path) -> None:
+    """Generation reads an adapter's weights as they are now: after optim_step and after
+    set_adapter_state (in-place changes), sampled logprobs still equal the training forward."""
+    model_dir = reference_models / "llama-llama3-rope"
+    load(engine, model_dir)
+    make_adapter(engine, None, "x", 4, ALL_LINEAR, seed=21)
+    p = sequences(256, [11], seed=22)[0]
+    r = row("x", p, max_tokens=8, temperature=1.0, seed=3)
+
+    def check(label: str) -> list[int]:
+        got = engine.call("sample", {"rows": [r]})["rows"][0]["samples"][0]
+        seq = torch.cat([p, got["tokens"]])
+        fwd = engine.call("forward", {"ops": [{"adapter_id": "x", "datums": [
+            {"input_tokens": seq[:-1], "target_tokens": seq[1:]}]}]})["ops"][0]["logprobs"][0]
+        assert_close(label, got["logprobs"], fwd[len(p) - 1:], 1e-5, absolute=True)
+        return got["tokens"].tolist()
+
+    before = check("before")
+    engine.call("forward_backward", {"ops": [{"adapter_id": "x", "loss": {"name": "cross_entropy"},
+                                              "datums": [{"input_tokens": p[:-1], "target_tokens": p[1:]}]}]})
+    engine.call("optim_step", {"adapter_id": "x", "hyper": {"learning_rate": 0.5}})
+    after_step = check("after optim_step")
+    engine.call("set_adapter_state", {"adapter_id": "x", "weights": random_lora_state(engine, "x", seed=99)})
+    after_set = check("after set_adapter_state")
+    assert before != after_step or before != after_set
