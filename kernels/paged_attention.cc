@@ -91,12 +91,19 @@ at::Tensor PagedDecodeAttentionGather(const at::Tensor& q, const at::Tensor& k_c
                                       const std::vector<PagedSequenceView>& seqs) {
   CheckArgs(q, k_cache, v_cache, seqs);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
+  // Every sequence's block ids in one host buffer, copied to the device once.
+  std::vector<int64_t> ids, starts;
+  for (const PagedSequenceView& seq : seqs) {
+    starts.push_back(static_cast<int64_t>(ids.size()));
+    ids.insert(ids.end(), seq.blocks, seq.blocks + (seq.length + block_size - 1) / block_size);
+  }
+  const at::Tensor all_ids =
+      at::from_blob(ids.data(), {static_cast<int64_t>(ids.size())}, at::kLong).to(q.device(), false, true);
   std::vector<at::Tensor> outputs;
   outputs.reserve(seqs.size());
   for (size_t s = 0; s < seqs.size(); ++s) {
     const int64_t n = (seqs[s].length + block_size - 1) / block_size;
-    const at::Tensor index =
-        at::from_blob(const_cast<int64_t*>(seqs[s].blocks), {n}, at::kLong).to(q.device());
+    const at::Tensor index = all_ids.narrow(0, starts[s], n);
     auto gather = [&](const at::Tensor& cache) {
       return cache.index_select(0, index)
           .view({n * block_size, kv_heads, d})
