@@ -1,6 +1,7 @@
 #include "kernels/lora_ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -97,16 +98,16 @@ void ZeroGaps(T* data, int64_t n, int64_t cols, const Plan& plan) {
 // packed buffers, so a segment costs its BLAS calls and no ATen op or tensor view. x and y are
 // contiguous; A and B are dense, either row-major or (inference only, see LoraDelta) stored
 // transposed, and CpuMatmul takes their strides.
+// Segments [first, last) of the forward; each writes only its own rows of y and delta.
 template <typename T>
-void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
-                const Plan& plan, const std::vector<int64_t>& y_off, const at::Tensor& y,
-                const at::Tensor& delta) {
+void ForwardSegmentsCpu(const at::Tensor& x, at::TensorList a, at::TensorList b,
+                        at::TensorList own_x, const Plan& plan, const std::vector<int64_t>& y_off,
+                        const at::Tensor& y, const at::Tensor& delta, int64_t first, int64_t last) {
   const int64_t in = x.size(1), out = plan.out_features;
   const T* xp = x.const_data_ptr<T>();
   T* yp = y.mutable_data_ptr<T>();
   T* dp = delta.mutable_data_ptr<T>();
-  ZeroGaps(dp, x.size(0), out, plan);
-  for (size_t s = 0; s < plan.begin.size(); ++s) {
+  for (int64_t s = first; s < last; ++s) {
     const int64_t n = plan.end[s] - plan.begin[s], r = a[s].size(0);
     const T* xs = plan.own[s] >= 0 ? own_x[plan.own[s]].const_data_ptr<T>() : xp + plan.begin[s] * in;
     T* ys = yp + y_off[s];
@@ -116,6 +117,42 @@ void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::Ten
     CpuMatmul<T>(n, out, r, plan.scale[s], ys, r, b[s].const_data_ptr<T>(), b[s].stride(0),
                  b[s].stride(1), dp + plan.begin[s] * out, out);
   }
+}
+
+template <typename T>
+void ForwardCpu(const at::Tensor& x, at::TensorList a, at::TensorList b, at::TensorList own_x,
+                const Plan& plan, const std::vector<int64_t>& y_off, const at::Tensor& y,
+                const at::Tensor& delta) {
+  ZeroGaps(delta.mutable_data_ptr<T>(), x.size(0), plan.out_features, plan);
+  ForwardSegmentsCpu<T>(x, a, b, own_x, plan, y_off, y, delta, 0,
+                        static_cast<int64_t>(plan.begin.size()));
+}
+
+// Inference: segments of a few rows each (a generation step: one row per sequence, each
+// with its own adapter) are split across the intra-op threads. Their weights are read from
+// memory once per step, a separate stream per segment, which one thread alone cannot keep
+// up with; the base GEMMs already use every thread. A segment's arithmetic is the same on
+// any thread, so the results do not change.
+template <typename T>
+void ForwardCpuInference(const at::Tensor& x, at::TensorList a, at::TensorList b,
+                         at::TensorList own_x, const Plan& plan, const std::vector<int64_t>& y_off,
+                         const at::Tensor& y, const at::Tensor& delta) {
+  const int64_t segments = static_cast<int64_t>(plan.begin.size());
+  int64_t rows = 0, work = 0;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t n = plan.end[s] - plan.begin[s];
+    rows = std::max(rows, n);
+    work += n * a[s].size(0) * (x.size(1) + plan.out_features);
+  }
+  if (segments < 2 || rows > 4 || work < (int64_t{1} << 18)) {
+    ForwardCpu<T>(x, a, b, own_x, plan, y_off, y, delta);
+    return;
+  }
+  ZeroGaps(delta.mutable_data_ptr<T>(), x.size(0), plan.out_features, plan);
+  const int64_t grain = std::max<int64_t>(1, segments * (int64_t{1} << 17) / work);
+  at::parallel_for(0, segments, grain, [&](int64_t first, int64_t last) {
+    ForwardSegmentsCpu<T>(x, a, b, own_x, plan, y_off, y, delta, first, last);
+  });
 }
 
 template <typename T>
@@ -384,8 +421,8 @@ at::Tensor LoraDelta(const at::Tensor& x, int64_t out_features,
     const std::vector<int64_t> y_off = ShrinkOffsets(plan, a, &y_total);
     const at::Tensor y = at::empty({y_total}, xc.options());
     const at::Tensor delta = at::empty({n, out_features}, xc.options());
-    if (compute == at::kFloat) ForwardCpu<float>(xc, a, b, own_x, plan, y_off, y, delta);
-    else ForwardCpu<double>(xc, a, b, own_x, plan, y_off, y, delta);
+    if (compute == at::kFloat) ForwardCpuInference<float>(xc, a, b, own_x, plan, y_off, y, delta);
+    else ForwardCpuInference<double>(xc, a, b, own_x, plan, y_off, y, delta);
     return delta.to(x.scalar_type());
   }
   // On CPU the node accumulates the weights' gradients into .grad() itself instead of

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <cstdio>
@@ -189,6 +190,39 @@ void TestCpuAgainstReference() {
   std::printf("cpu vs ATen reference: done\n");
 }
 
+// A generation step's LoRA: one-row segments, each on its own adapter, large enough that
+// the inference path (NoGrad, CPU) splits them across threads; weights given as they are
+// and stored transposed (Adapter::InferenceWeights' layout). Must equal, bit for bit, the
+// same op with autograd recording (one thread, plain weights), and the ATen reference.
+void TestInferenceOneRowSegments() {
+  const int64_t in = 512, out = 1536, rank = 16, rows = 24;
+  const at::Tensor x = at::randn({rows, in});
+  std::vector<LoraSegment> plain, transposed;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (i % 7 == 3) continue;  // a row without an adapter
+    const at::Tensor a = at::randn({rank, in}) / 8, b = at::randn({out, rank}) / 8;
+    plain.push_back({i, i + 1, a, b, 0.5 + i, {}});
+    const bool t = i % 2 == 0;
+    transposed.push_back({i, i + 1, t ? a.t().contiguous().t() : a, t ? b.t().contiguous().t() : b, 0.5 + i, {}});
+  }
+  at::Tensor recorded;
+  {
+    std::vector<LoraSegment> leaves = plain;
+    for (LoraSegment& s : leaves) {
+      s.a = s.a.clone().requires_grad_(true);
+      s.b = s.b.clone().requires_grad_(true);
+    }
+    recorded = LoraDelta(x, out, leaves).detach();
+  }
+  const c10::NoGradGuard no_grad;
+  const at::Tensor plain_delta = LoraDelta(x, out, plain);
+  const at::Tensor transposed_delta = LoraDelta(x, out, transposed);
+  EXPECT(at::equal(plain_delta, recorded), "inference one-row segments differ from the recorded op");
+  EXPECT(at::equal(transposed_delta, recorded), "transposed weights differ from plain ones");
+  ExpectClose("inference one-row segments", transposed_delta, Reference(x, out, plain), 1e-5);
+  std::printf("inference one-row segments (%d threads): done\n", at::get_num_threads());
+}
+
 // Without a GPU the CUDA half is skipped (and passes) unless `require` is set, as
 // run_gpu_check.sh does: there a skip would hide a broken setup.
 void SkipCuda(const char* reason, bool require) {
@@ -233,6 +267,7 @@ int main(int argc, char** argv) {
   at::manual_seed(0);
   try {
     twinkle::kernels::TestCpuAgainstReference();
+    twinkle::kernels::TestInferenceOneRowSegments();
     twinkle::kernels::TestCudaAgainstCpu(require_cuda);
   } catch (const std::exception& e) {
     std::printf("FAILED: exception: %s\n", e.what());
