@@ -47,7 +47,7 @@ TWINKLE_CLONES void DecodeHead(const float* q, const float* k_cache, const float
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < seq.length; ++t) {
     const int64_t off = seq.blocks[t / l.block_size] * l.block_stride +
-                       (t % l.block_size) * l.token_stride + kv_off;
+                        (t % l.block_size) * l.token_stride + kv_off;
     const float s = Dot(q, k_cache + off, d) * scale;
     scores[t] = s;
     max_score = std::max(max_score, s);
@@ -72,9 +72,10 @@ void CheckArgs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                const std::vector<PagedSequenceView>& seqs) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "PagedDecodeAttention: want q [S, heads, d] and caches [blocks, block_size, "
-              "kv_heads, d], got ", q.sizes(), ", ", k_cache.sizes(), ", ", v_cache.sizes());
-  TORCH_CHECK(q.size(0) == static_cast<int64_t>(seqs.size()), "PagedDecodeAttention: ",
-              q.size(0), " queries for ", seqs.size(), " sequences");
+              "kv_heads, d], got ",
+              q.sizes(), ", ", k_cache.sizes(), ", ", v_cache.sizes());
+  TORCH_CHECK(q.size(0) == static_cast<int64_t>(seqs.size()), "PagedDecodeAttention: ", q.size(0),
+              " queries for ", seqs.size(), " sequences");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "PagedDecodeAttention: q ", q.sizes(), " does not fit the cache ", k_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -98,7 +99,8 @@ at::Tensor PagedDecodeAttentionGather(const at::Tensor& q, const at::Tensor& k_c
     ids.insert(ids.end(), seq.blocks, seq.blocks + (seq.length + block_size - 1) / block_size);
   }
   const at::Tensor all_ids =
-      at::from_blob(ids.data(), {static_cast<int64_t>(ids.size())}, at::kLong).to(q.device(), false, true);
+      at::from_blob(ids.data(), {static_cast<int64_t>(ids.size())}, at::kLong)
+          .to(q.device(), false, true);
   std::vector<at::Tensor> outputs;
   outputs.reserve(seqs.size());
   for (size_t s = 0; s < seqs.size(); ++s) {
@@ -143,7 +145,8 @@ at::Tensor PagedDecodeAttention(const at::Tensor& q, const at::Tensor& k_cache,
   // Threads only for real work: each chunk at least ~2^18 multiply-adds (~100 µs). Waking
   // the pool per layer and step for less costs more than it saves, and far more on a
   // loaded machine, where a parallel region waits for a thread that is not running.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(2 * max_len * d, 1));
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(2 * max_len * d, 1));
   at::parallel_for(0, num_seqs * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len);
     for (int64_t task = begin; task < end; ++task) {

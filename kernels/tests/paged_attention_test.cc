@@ -5,6 +5,8 @@
 // and head layouts; a sequence's output must not depend on the others in the batch.
 // Tiny harness (no GoogleTest) as in lora_ops_test.cc. Exit status 0 = pass.
 
+#include "kernels/paged_attention.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -14,14 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "kernels/paged_attention.h"
-
 namespace twinkle::kernels {
 namespace {
 
 int g_failures = 0;
 
-void ExpectClose(const std::string& what, const at::Tensor& got, const at::Tensor& want, double tol) {
+void ExpectClose(const std::string& what, const at::Tensor& got, const at::Tensor& want,
+                 double tol) {
   const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
   const double err = (g - w).abs().max().item<double>();
   if (!(err <= tol) || got.sizes() != want.sizes()) {
@@ -61,32 +62,41 @@ void Run(const Case& c, std::mt19937& rng) {
   for (int64_t i = 0; i < s; ++i) {
     const int64_t len = c.lengths[i];
     const int64_t n = (len + c.block_size - 1) / c.block_size;
-    const at::Tensor index = at::tensor(std::vector<int64_t>(tables[i].begin(), tables[i].begin() + n));
+    const at::Tensor index =
+        at::tensor(std::vector<int64_t>(tables[i].begin(), tables[i].begin() + n));
     auto seq = [&](const at::Tensor& cache) {
-      return cache.index_select(0, index).reshape({n * c.block_size, c.kv_heads, c.d}).narrow(0, 0, len)
-          .to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1);  // [len, heads, d]
+      return cache.index_select(0, index)
+          .reshape({n * c.block_size, c.kv_heads, c.d})
+          .narrow(0, 0, len)
+          .to(at::kDouble)
+          .repeat_interleave(c.heads / c.kv_heads, 1);  // [len, heads, d]
     };
     const at::Tensor k = seq(k_cache), v = seq(v_cache);
     const at::Tensor qi = q.select(0, i).to(at::kDouble);  // [heads, d]
-    const at::Tensor scores = at::einsum("hd,thd->ht", {qi, k}) / std::sqrt(static_cast<double>(c.d));
+    const at::Tensor scores =
+        at::einsum("hd,thd->ht", {qi, k}) / std::sqrt(static_cast<double>(c.d));
     want.push_back(at::einsum("ht,thd->hd", {scores.softmax(-1), v}));
   }
   const at::Tensor reference = at::stack(want, 0);
-  const std::string name = "B=" + std::to_string(c.block_size) + " heads=" + std::to_string(c.heads) + "/" +
-                           std::to_string(c.kv_heads) + " d=" + std::to_string(c.d) + " S=" + std::to_string(s);
+  const std::string name = "B=" + std::to_string(c.block_size) +
+                           " heads=" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) +
+                           " d=" + std::to_string(c.d) + " S=" + std::to_string(s);
   const at::Tensor kernel = PagedDecodeAttention(q, k_cache, v_cache, views);
   ExpectClose(name + " kernel", kernel, reference, 2e-5);
-  ExpectClose(name + " gather", PagedDecodeAttentionGather(q, k_cache, v_cache, views), reference, 2e-5);
+  ExpectClose(name + " gather", PagedDecodeAttentionGather(q, k_cache, v_cache, views), reference,
+              2e-5);
   ExpectClose(name + " gather bf16",
               PagedDecodeAttentionGather(q.to(at::kBFloat16), k_cache.to(at::kBFloat16),
-                                         v_cache.to(at::kBFloat16), views).to(at::kFloat),
+                                         v_cache.to(at::kBFloat16), views)
+                  .to(at::kFloat),
               reference, 0.1);
   // Each sequence alone gives bit for bit what it gets in the batch.
   for (int64_t i = 0; i < s; ++i) {
     const at::Tensor alone = PagedDecodeAttention(q.narrow(0, i, 1), k_cache, v_cache, {views[i]});
     if (!at::equal(alone, kernel.narrow(0, i, 1))) {
       ++g_failures;
-      std::printf("FAIL %s: sequence %lld alone differs from the batch\n", name.c_str(), static_cast<long long>(i));
+      std::printf("FAIL %s: sequence %lld alone differs from the batch\n", name.c_str(),
+                  static_cast<long long>(i));
     }
   }
 }
@@ -98,10 +108,8 @@ int main() {
   using twinkle::kernels::Case;
   std::mt19937 rng(7);
   const std::vector<Case> cases = {
-      {16, 4, 2, 16, {1, 5, 16, 17, 40}},
-      {3, 8, 8, 64, {1, 2, 3, 4, 30, 31}},
-      {1, 2, 1, 8, {1, 9}},
-      {8, 6, 2, 12, {7, 8, 9, 50}},   // head_dim not a multiple of 8
+      {16, 4, 2, 16, {1, 5, 16, 17, 40}}, {3, 8, 8, 64, {1, 2, 3, 4, 30, 31}}, {1, 2, 1, 8, {1, 9}},
+      {8, 6, 2, 12, {7, 8, 9, 50}},  // head_dim not a multiple of 8
       {16, 16, 4, 128, {100, 33}},
   };
   for (const Case& c : cases) twinkle::kernels::Run(c, rng);

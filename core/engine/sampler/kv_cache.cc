@@ -20,9 +20,9 @@ absl::StatusOr<std::unique_ptr<KvBlockPool>> KvBlockPool::Create(const ModelConf
   if (num_blocks == 0) num_blocks = kDefaultKvCacheBlocks;
   if (block_size == 0) block_size = kDefaultKvBlockSize;
   if (block_size > 4096 || num_blocks > (int64_t{1} << 31) / block_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV cache of ", num_blocks, " blocks x ", block_size,
-        " tokens is too large (at most 4096 tokens a block and 2^31 tokens in all)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache of ", num_blocks, " blocks x ", block_size,
+                     " tokens is too large (at most 4096 tokens a block and 2^31 tokens in all)"));
   }
   std::unique_ptr<KvBlockPool> pool(new KvBlockPool());
   pool->kv_.block_size = block_size;
@@ -30,10 +30,10 @@ absl::StatusOr<std::unique_ptr<KvBlockPool>> KvBlockPool::Create(const ModelConf
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
     // Uninitialised: every slot is written before it is read. On CPU the pages are only
     // committed as blocks are first used.
-    pool->kv_.k.push_back(at::empty(
-        {num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
-    pool->kv_.v.push_back(at::empty(
-        {num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
+    pool->kv_.k.push_back(
+        at::empty({num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
+    pool->kv_.v.push_back(
+        at::empty({num_blocks, block_size, config.num_key_value_heads, config.head_dim}, options));
   }
   pool->refs_.assign(num_blocks, 0);
   pool->free_.reserve(num_blocks);
@@ -66,8 +66,14 @@ bool KvBlockPool::Release(int64_t block) {
 
 void KvBlockPool::CopySlots(int64_t from, int64_t to, int64_t tokens) {
   for (size_t l = 0; l < kv_.k.size(); ++l) {
-    kv_.k[l].select(0, to).narrow(0, 0, tokens).copy_(kv_.k[l].select(0, from).narrow(0, 0, tokens));
-    kv_.v[l].select(0, to).narrow(0, 0, tokens).copy_(kv_.v[l].select(0, from).narrow(0, 0, tokens));
+    kv_.k[l]
+        .select(0, to)
+        .narrow(0, 0, tokens)
+        .copy_(kv_.k[l].select(0, from).narrow(0, 0, tokens));
+    kv_.v[l]
+        .select(0, to)
+        .narrow(0, 0, tokens)
+        .copy_(kv_.v[l].select(0, from).narrow(0, 0, tokens));
   }
 }
 

@@ -26,8 +26,7 @@ class KvBlockPool {
   // num_blocks / block_size 0 = the defaults above. InvalidArgument for negative or absurd
   // sizes; the allocation itself may throw (out of memory), which the caller reports.
   static absl::StatusOr<std::unique_ptr<KvBlockPool>> Create(const ModelConfig& config,
-                                                             int64_t num_blocks,
-                                                             int64_t block_size,
+                                                             int64_t num_blocks, int64_t block_size,
                                                              at::ScalarType dtype,
                                                              c10::Device device);
 

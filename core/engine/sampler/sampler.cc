@@ -65,9 +65,9 @@ struct SampleSeq {
 
 struct GenRequest {
   uint64_t id = 0;
-  ipc::SampleRowMsg row;   // the parameters (row.prompt_tokens is not used)
+  ipc::SampleRowMsg row;       // the parameters (row.prompt_tokens is not used)
   Adapter* adapter = nullptr;  // null: base model
-  at::Tensor prompt;       // int64 [P], host
+  at::Tensor prompt;           // int64 [P], host
   int64_t blocks_needed = 0;
   std::vector<SampleSeq> samples;
   at::Tensor prompt_logprobs;  // float32 [P - 1] when asked
@@ -109,34 +109,37 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
   const int64_t* p = prompt->const_data_ptr<int64_t>();
   for (int64_t i = 0; i < prompt->numel(); ++i) {
     if (p[i] < 0 || p[i] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt token ", p[i], " at position ", i,
-                                                     " is outside [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token ", p[i], " at position ", i, " is outside [0, ", vocab, ")"));
     }
   }
   if (row.max_tokens < 0) return absl::InvalidArgumentError("max_tokens must be >= 0");
   if (!(row.temperature >= 0) || std::isinf(row.temperature)) {
     return absl::InvalidArgumentError("temperature must be finite and >= 0");
   }
-  if (!(row.top_p > 0 && row.top_p <= 1)) return absl::InvalidArgumentError("top_p must be in (0, 1]");
+  if (!(row.top_p > 0 && row.top_p <= 1)) {
+    return absl::InvalidArgumentError("top_p must be in (0, 1]");
+  }
   if (row.num_samples < 1) return absl::InvalidArgumentError("num_samples must be >= 1");
   const int64_t prompt_len = prompt->numel();
   const int64_t max_pos = config.max_position_embeddings;
   if (max_pos > 0 && row.max_tokens > max_pos - prompt_len) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt + max_tokens = ", prompt_len + row.max_tokens, " (", prompt_len, " + ",
-        row.max_tokens, ") exceeds max_position_embeddings ", max_pos));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt + max_tokens = ", prompt_len + row.max_tokens, " (", prompt_len, " + ",
+                     row.max_tokens, ") exceeds max_position_embeddings ", max_pos));
   }
   const int64_t capacity = pool.total() * pool.block_size();
   if (row.max_tokens > capacity) {  // also keeps P + max_tokens far from overflowing
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens (", row.max_tokens,
-                                                   ") exceeds the KV cache (", capacity, " tokens)"));
-  }
-  const int64_t needed = BlocksNeeded(prompt_len, row.max_tokens, row.num_samples, pool.block_size());
-  if (needed > pool.total()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt_len, " tokens) + max_tokens (", row.max_tokens, ") x num_samples (",
-        row.num_samples, ") needs ", needed, " KV blocks of ", pool.block_size(),
-        " tokens, the cache has only ", pool.total()));
+        "max_tokens (", row.max_tokens, ") exceeds the KV cache (", capacity, " tokens)"));
+  }
+  const int64_t needed =
+      BlocksNeeded(prompt_len, row.max_tokens, row.num_samples, pool.block_size());
+  if (needed > pool.total()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (", row.max_tokens,
+                     ") x num_samples (", row.num_samples, ") needs ", needed, " KV blocks of ",
+                     pool.block_size(), " tokens, the cache has only ", pool.total()));
   }
   auto request = std::make_unique<GenRequest>();
   if (!row.adapter_id.empty()) {
@@ -163,7 +166,8 @@ class GenerationBatch {
   bool empty() const { return running_.empty(); }
   int64_t running() const { return static_cast<int64_t>(running_.size()); }
   bool Contains(uint64_t id) const {
-    return std::any_of(running_.begin(), running_.end(), [id](const RequestPtr& r) { return r->id == id; });
+    return std::any_of(running_.begin(), running_.end(),
+                       [id](const RequestPtr& r) { return r->id == id; });
   }
 
   // Takes the request's blocks and makes its samples (the caller checked pool.free()).
@@ -182,8 +186,8 @@ class GenerationBatch {
         seq.table.Append(b);
       }
       for (int64_t b : pool_.Take(per_sample)) seq.table.Append(b);
-      seq.generator = at::make_generator<at::CPUGeneratorImpl>(
-          Mix(Mix(r.row.seed) ^ static_cast<uint64_t>(s)));
+      seq.generator =
+          at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(r.row.seed) ^ static_cast<uint64_t>(s)));
       r.samples.push_back(std::move(seq));
     }
   }
@@ -203,7 +207,8 @@ class GenerationBatch {
       // The prompt goes once into sample 0's blocks; the others share or copy them below.
       seqs.push_back({&r->samples[0].table.blocks(), 0, p});
       begins.push_back(n);
-      for (int64_t i = r->row.want_prompt_logprobs ? 0 : p - 1; i < p; ++i) logit_rows.push_back(n + i);
+      for (int64_t i = r->row.want_prompt_logprobs ? 0 : p - 1; i < p; ++i)
+        logit_rows.push_back(n + i);
       n += p;
     }
     const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
@@ -211,8 +216,12 @@ class GenerationBatch {
       for (size_t i = 0; i < admitted.size(); ++i) {
         const Adapter* a = admitted[i]->adapter;
         if (a == nullptr || !a->targets(kind)) continue;
-        segments.push_back(kernels::LoraSegment{begins[i], begins[i] + admitted[i]->prompt_len(),
-                                                a->a(layer, kind), a->b(layer, kind), a->scale(), {}});
+        segments.push_back(kernels::LoraSegment{begins[i],
+                                                begins[i] + admitted[i]->prompt_len(),
+                                                a->a(layer, kind),
+                                                a->b(layer, kind),
+                                                a->scale(),
+                                                {}});
       }
       return segments;
     };
@@ -229,7 +238,8 @@ class GenerationBatch {
         const at::Tensor rows = logits.narrow(0, row, p - 1);
         const at::Tensor targets = r->prompt.narrow(0, 1, p - 1);
         r->prompt_logprobs =
-            (rows.gather(1, targets.unsqueeze(1)).squeeze(1) - lse.narrow(0, row, p - 1)).contiguous();
+            (rows.gather(1, targets.unsqueeze(1)).squeeze(1) - lse.narrow(0, row, p - 1))
+                .contiguous();
         row += p - 1;
       }
       const int64_t last = row++;
@@ -243,11 +253,17 @@ class GenerationBatch {
       }
       for (SampleSeq& seq : r->samples) {
         seq.length = p;
-        if (r->row.max_tokens == 0) Finish(seq, "length");
-        else Advance(*r, seq, logits, lse, last);
+        if (r->row.max_tokens == 0) {
+          Finish(seq, "length");
+        } else {
+          Advance(*r, seq, logits, lse, last);
+        }
       }
-      if (r->done()) finished.push_back(std::move(r));
-      else running_.push_back(std::move(r));
+      if (r->done()) {
+        finished.push_back(std::move(r));
+      } else {
+        running_.push_back(std::move(r));
+      }
     }
     return finished;
   }
@@ -284,16 +300,18 @@ class GenerationBatch {
         const int64_t row = static_cast<int64_t>(i);
         if (cpu) {
           auto [wa, wb] = a->InferenceWeights(layer, kind);
-          segments.push_back(kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(), {}});
+          segments.push_back(
+              kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(), {}});
         } else {
-          segments.push_back(kernels::LoraSegment{row, row + 1, a->a(layer, kind), a->b(layer, kind),
-                                                  a->scale(), {}});
+          segments.push_back(kernels::LoraSegment{
+              row, row + 1, a->a(layer, kind), a->b(layer, kind), a->scale(), {}});
         }
       }
       return segments;
     };
     const at::Tensor tokens =
-        at::from_blob(input.data(), {static_cast<int64_t>(input.size())}, at::kLong).to(device_, false, true);
+        at::from_blob(input.data(), {static_cast<int64_t>(input.size())}, at::kLong)
+            .to(device_, false, true);
     const at::Tensor logits =
         model_.ForwardPaged(tokens, seqs, pool_.kv(), nullptr, lora).to(at::kCPU).contiguous();
     const at::Tensor lse = at::logsumexp(logits, {1}).contiguous();
@@ -303,8 +321,11 @@ class GenerationBatch {
     }
     std::vector<RequestPtr> still;
     for (RequestPtr& r : running_) {
-      if (r->done()) finished.push_back(std::move(r));
-      else still.push_back(std::move(r));
+      if (r->done()) {
+        finished.push_back(std::move(r));
+      } else {
+        still.push_back(std::move(r));
+      }
     }
     running_ = std::move(still);
     return finished;
@@ -324,8 +345,11 @@ class GenerationBatch {
     std::vector<uint64_t> dropped;
     std::vector<RequestPtr> still;
     for (RequestPtr& r : running_) {
-      if (r->adapter == adapter) dropped.push_back(r->id);
-      else still.push_back(std::move(r));
+      if (r->adapter == adapter) {
+        dropped.push_back(r->id);
+      } else {
+        still.push_back(std::move(r));
+      }
     }
     running_ = std::move(still);
     return dropped;
@@ -378,8 +402,8 @@ absl::StatusOr<ipc::SampleRowResultMsg> ToResult(const GenRequest& r, MethodRepl
     absl::StatusOr<ipc::TensorDesc> tokens =
         AppendTensor(at::from_blob(const_cast<int64_t*>(seq.tokens.data()), {t}, at::kLong), reply);
     if (!tokens.ok()) return tokens.status();
-    absl::StatusOr<ipc::TensorDesc> logprobs =
-        AppendTensor(at::from_blob(const_cast<float*>(seq.logprobs.data()), {t}, at::kFloat), reply);
+    absl::StatusOr<ipc::TensorDesc> logprobs = AppendTensor(
+        at::from_blob(const_cast<float*>(seq.logprobs.data()), {t}, at::kFloat), reply);
     if (!logprobs.ok()) return logprobs.status();
     s.tokens = *tokens;
     s.logprobs = *logprobs;
@@ -441,8 +465,11 @@ absl::StatusOr<MethodReply> Sampler::Sample(const ipc::Message& request) {
 
   std::vector<RequestPtr> queue;
   for (size_t i = 0; i < req->rows.size(); ++i) {
-    absl::StatusOr<RequestPtr> r = Prepare(i, req->rows[i], request, model_.config(), *pool_, find_adapter_);
-    if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat("row ", i, ": ", r.status().message()));
+    absl::StatusOr<RequestPtr> r =
+        Prepare(i, req->rows[i], request, model_.config(), *pool_, find_adapter_);
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat("row ", i, ": ", r.status().message()));
+    }
     queue.push_back(*std::move(r));
   }
 
@@ -458,9 +485,10 @@ absl::StatusOr<MethodReply> Sampler::Sample(const ipc::Message& request) {
       admitted.push_back(std::move(queue[next++]));
     }
     if (admitted.empty() && batch.empty()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "sample: row ", next, " needs ", queue[next]->blocks_needed, " KV blocks, ",
-          pool_->free(), " of ", pool_->total(), " are free (the rest hold running sample_step requests)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("sample: row ", next, " needs ", queue[next]->blocks_needed, " KV blocks, ",
+                       pool_->free(), " of ", pool_->total(),
+                       " are free (the rest hold running sample_step requests)"));
     }
     for (RequestPtr& r : batch.Prefill(std::move(admitted))) done[r->id] = std::move(r);
     if (!batch.empty()) {
@@ -504,10 +532,12 @@ absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
   bool deferring = false;
   for (const ipc::SampleAdmitMsg& a : req->admit) {
     if (running_->Contains(a.request_id) || !seen.insert(a.request_id).second) {
-      body.rejected.push_back({a.request_id, absl::StrCat("request_id ", a.request_id, " is already running")});
+      body.rejected.push_back(
+          {a.request_id, absl::StrCat("request_id ", a.request_id, " is already running")});
       continue;
     }
-    absl::StatusOr<RequestPtr> r = Prepare(a.request_id, a.row, request, model_.config(), *pool_, find_adapter_);
+    absl::StatusOr<RequestPtr> r =
+        Prepare(a.request_id, a.row, request, model_.config(), *pool_, find_adapter_);
     if (!r.ok()) {
       body.rejected.push_back({a.request_id, std::string(r.status().message())});
       continue;
