@@ -196,6 +196,16 @@ std::shared_ptr<SamplerCoordinator::Snapshot> SamplerCoordinator::NewSnapshot(
   });
 }
 
+absl::Status SamplerCoordinator::CheckSessionRoom(const std::string& tenant) const {
+  int64_t mine = 0;
+  for (const auto& [id, s] : sessions_) mine += s->tenant == tenant;
+  if (mine >= options_.max_sessions_per_tenant) {
+    return absl::FailedPreconditionError(absl::StrCat("you have ", mine, " sampling sessions, the limit is ",
+                                                      options_.max_sessions_per_tenant, "; close some first"));
+  }
+  return absl::OkStatus();
+}
+
 std::string SamplerCoordinator::AddSession(const std::string& tenant, const std::string& model_path,
                                            std::shared_ptr<Snapshot> snapshot) {
   auto session = std::make_shared<Session>();
@@ -210,18 +220,9 @@ std::string SamplerCoordinator::AddSession(const std::string& tenant, const std:
 
 absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContext& tenant,
                                                               const std::string& model_path) {
-  auto count_check = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
-    int64_t mine = 0;
-    for (const auto& [id, s] : sessions_) mine += s->tenant == tenant.id;
-    if (mine >= options_.max_sessions_per_tenant) {
-      return absl::FailedPreconditionError(absl::StrCat("you have ", mine, " sampling sessions, the limit is ",
-                                                        options_.max_sessions_per_tenant, "; close some first"));
-    }
-    return absl::OkStatus();
-  };
   if (model_path.empty()) {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = count_check(); !s.ok()) return s;
+    if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
     return AddSession(tenant.id, "", nullptr);
   }
   if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
@@ -234,7 +235,7 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
   const std::string source_key = absl::StrCat(tenant.id, "\n", record->path);
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = count_check(); !s.ok()) return s;
+    if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
     if (auto it = snapshots_by_source_.find(source_key); it != snapshots_by_source_.end()) {
       if (std::shared_ptr<Snapshot> shared = it->second.lock()) return AddSession(tenant.id, model_path, shared);
     }
@@ -251,7 +252,7 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
   weights.weights = std::move(loaded->weights);
   weights.buffers = std::move(loaded->buffers);
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = count_check(); !s.ok()) return s;
+  if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
   std::shared_ptr<Snapshot> snapshot;
   if (auto it = snapshots_by_source_.find(source_key); it != snapshots_by_source_.end()) snapshot = it->second.lock();
   if (snapshot == nullptr) {
@@ -267,19 +268,13 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSnapshotSession(const TenantC
                                                                    const SubmitOptions& options) {
   if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
   const std::string tenant_id = tenant.id;
-  const int32_t max_sessions = options_.max_sessions_per_tenant;
   return training_.SubmitWithWeights(
       tenant, adapter_name,
-      [this, tenant_id, adapter_name, max_sessions](training::TrainingCoordinator::CapturedWeights weights)
+      [this, tenant_id, adapter_name](training::TrainingCoordinator::CapturedWeights weights)
           -> FutureResult {
         if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
         absl::MutexLock lock(&mu_);
-        int64_t mine = 0;
-        for (const auto& [id, s] : sessions_) mine += s->tenant == tenant_id;
-        if (mine >= max_sessions) {
-          return absl::FailedPreconditionError(absl::StrCat("you have ", mine, " sampling sessions, the limit is ",
-                                                            max_sessions, "; close some first"));
-        }
+        if (absl::Status s = CheckSessionRoom(tenant_id); !s.ok()) return s;
         std::shared_ptr<Snapshot> snapshot =
             NewSnapshot(tenant_id, absl::StrCat("adapter ", adapter_name), std::move(weights));
         return std::any(SnapshotSession{AddSession(tenant_id, "", std::move(snapshot))});

@@ -157,7 +157,8 @@ class SamplerCoordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string AddSession(const std::string& tenant, const std::string& model_path,
                          std::shared_ptr<Snapshot> snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckSnapshotRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckSnapshotRoom() const;
+  absl::Status CheckSessionRoom(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Scheduler thread: the op's turn came; its rows wait for the decode thread.
   void Enqueue(std::shared_ptr<Request> request);
 

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/grpc/handler.h"
+#include "server/grpc/twinkle_requests.h"
 
 namespace twinkle {
 namespace {
@@ -13,14 +14,6 @@ namespace v1 = twinkle::v1;
 #define TWINKLE_RPC_DEF(Name, Request, Response)                                   \
   grpc::ServerUnaryReactor* SamplerServiceImpl::Name(grpc::CallbackServerContext* context, \
                                                      const v1::Request* request, v1::Response* response)
-
-training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* context, const v1::RequestOptions& o) {
-  training::SubmitOptions s;
-  s.deadline = ClientDeadline(*context);
-  s.seq_id = o.seq_id() > 0 ? o.seq_id() : -1;
-  s.idempotency_key = o.idempotency_key();
-  return s;
-}
 
 sampling::SamplingParams ToParams(const v1::SamplingParams& p) {
   sampling::SamplingParams s;
@@ -127,16 +120,12 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
 
 TWINKLE_RPC_DEF(WaitSample, WaitFutureRequest, SampleResponse) {
   return HandleNow(context, state_, "SamplerService/WaitSample", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::Duration timeout = request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms()) : absl::Seconds(30);
-    const absl::Time deadline = ClientDeadline(*context);
-    if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
-    absl::StatusOr<FutureResult> r = state_.futures->Wait(request->future_id(), t.id, timeout);
-    if (absl::IsUnavailable(r.status())) {
+    absl::StatusOr<std::optional<std::any>> r = WaitForResult(context, *state_.futures, t.id, *request);
+    if (!r.ok()) return r.status();
+    if (!r->has_value()) {
       response->set_done(false);
       return absl::OkStatus();
     }
-    if (!r.ok()) return r.status();
-    if (!r->ok()) return r->status();
     return FillSample(**r, response);
   });
 }

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/grpc/handler.h"
+#include "server/grpc/twinkle_requests.h"
 
 namespace twinkle {
 namespace {
@@ -13,14 +14,6 @@ namespace v1 = twinkle::v1;
 using training::Control;
 using training::ForwardMode;
 using training::OpOutput;
-
-training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* context, const v1::RequestOptions& o) {
-  training::SubmitOptions s;
-  s.deadline = ClientDeadline(*context);
-  s.seq_id = o.seq_id() > 0 ? o.seq_id() : -1;
-  s.idempotency_key = o.idempotency_key();
-  return s;
-}
 
 training::ForwardArgs ToForwardArgs(const v1::ForwardRequest& r) {
   training::ForwardArgs args;
@@ -330,17 +323,10 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeRe
 TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureResponse) {
   // Waits on this callback thread, at most the requested timeout (30 s by default).
   return HandleNow(context, state_, "TrainingService/WaitFuture", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::Duration timeout = request->timeout_ms() > 0 ? absl::Milliseconds(request->timeout_ms()) : absl::Seconds(30);
-    const absl::Time deadline = ClientDeadline(*context);
-    if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
-    absl::StatusOr<FutureResult> r = state_.futures->Wait(request->future_id(), t.id, timeout);
-    if (absl::IsUnavailable(r.status())) {
-      response->set_done(false);
-      return absl::OkStatus();
-    }
+    absl::StatusOr<std::optional<std::any>> r = WaitForResult(context, *state_.futures, t.id, *request);
     if (!r.ok()) return r.status();
-    if (!r->ok()) return r->status();
-    response->set_done(true);
+    response->set_done(r->has_value());
+    if (!r->has_value()) return absl::OkStatus();
     const auto* found = std::any_cast<OpOutput>(&**r);
     if (found == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("future ", request->future_id(),

@@ -1,0 +1,44 @@
+#pragma once
+// What the Twinkle-native services (TrainingService, SamplerService) read the same way from
+// a request: its RequestOptions, and how long a WaitFuture-style call may wait.
+
+#include <algorithm>
+#include <optional>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/futures/future_store.h"
+#include "core/training/types.h"
+#include "server/grpc/handler.h"
+#include "twinkle/v1/training.pb.h"
+
+namespace twinkle {
+
+inline training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* context,
+                                               const twinkle::v1::RequestOptions& o) {
+  training::SubmitOptions s;
+  s.deadline = ClientDeadline(*context);
+  s.seq_id = o.seq_id() > 0 ? o.seq_id() : -1;
+  s.idempotency_key = o.idempotency_key();
+  return s;
+}
+
+// Waits for future `id` at most the request's timeout_ms (30 s when unset) and the client's
+// deadline. nullopt: still pending, the caller answers done = false. Otherwise the op's
+// result, or the error (NotFound for an unknown or another tenant's id, the op's own error).
+inline absl::StatusOr<std::optional<std::any>> WaitForResult(grpc::CallbackServerContext* context,
+                                                             FutureStore& futures, const std::string& tenant,
+                                                             const twinkle::v1::WaitFutureRequest& request) {
+  absl::Duration timeout = request.timeout_ms() > 0 ? absl::Milliseconds(request.timeout_ms()) : absl::Seconds(30);
+  const absl::Time deadline = ClientDeadline(*context);
+  if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
+  absl::StatusOr<FutureResult> r = futures.Wait(request.future_id(), tenant, timeout);
+  if (absl::IsUnavailable(r.status())) return std::optional<std::any>();
+  if (!r.ok()) return r.status();
+  if (!r->ok()) return r->status();
+  return std::optional<std::any>(**r);
+}
+
+}  // namespace twinkle
