@@ -181,6 +181,10 @@ struct ExportMergedReply {
 // tokens do not depend on the other rows of the request.
 inline constexpr char kMethodSample[] = "sample";
 
+// The largest top-k width a row may ask for (top_logprobs, prompt_top_logprobs): vLLM's
+// default max_logprobs. Each asked position costs k ids and logprobs in the reply.
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
 struct SampleRowMsg {
   std::string adapter_id;          // "" = base model only
   TensorDesc prompt_tokens;        // int64 [P], P >= 1
@@ -192,26 +196,41 @@ struct SampleRowMsg {
   uint64_t seed = 0;               // sample s of this row draws from a generator seeded by (seed, s)
   int64_t num_samples = 1;
   bool want_prompt_logprobs = false;
+  // k > 0: the k most likely tokens and their logprobs (the unwarped model's, like
+  // `logprobs`) at every generated position / every prompt position after the first.
+  // 0 = off and costs nothing; at most min(vocab, kMaxTopLogprobs).
+  int64_t top_logprobs = 0;
+  int64_t prompt_top_logprobs = 0;
   MSGPACK_DEFINE_MAP(adapter_id, prompt_tokens, max_tokens, temperature, top_p, top_k,
-                     stop_token_ids, seed, num_samples, want_prompt_logprobs);
+                     stop_token_ids, seed, num_samples, want_prompt_logprobs, top_logprobs,
+                     prompt_top_logprobs);
 };
 struct SampleRequest {
   std::vector<SampleRowMsg> rows;
   MSGPACK_DEFINE_MAP(rows);
 };
 
+// Top-k rows (top_token_ids int64 [N, k], top_logprobs float32 [N, k]) are sorted by
+// descending logprob; equal logprobs go by ascending token id, also where a tie straddles
+// the k-th place (the lower ids make the cut). Nil when not asked.
 struct SampledSequenceMsg {
   TensorDesc tokens;        // int64 [T]; a stop token, when one ended it, is the last one
   TensorDesc logprobs;      // float32 [T]: log p(token) under the model (before any warping)
   std::string stop_reason;  // "stop" | "length"
-  MSGPACK_DEFINE_MAP(tokens, logprobs, stop_reason);
+  std::optional<TensorDesc> top_token_ids;  // int64 [T, top_logprobs]
+  std::optional<TensorDesc> top_logprobs;   // float32 [T, top_logprobs]
+  MSGPACK_DEFINE_MAP(tokens, logprobs, stop_reason, top_token_ids, top_logprobs);
 };
 struct SampleRowResultMsg {
   std::vector<SampledSequenceMsg> samples;  // num_samples of them
   // float32 [P - 1] when asked: log p(prompt[i + 1] | prompt[..i]); the first prompt token
   // has none. Nil otherwise.
   std::optional<TensorDesc> prompt_logprobs;
-  MSGPACK_DEFINE_MAP(samples, prompt_logprobs);
+  // [P - 1, prompt_top_logprobs] when asked: row i is the distribution that predicts
+  // prompt[i + 1] from prompt[..i]. Nil otherwise.
+  std::optional<TensorDesc> prompt_top_token_ids;  // int64
+  std::optional<TensorDesc> prompt_top_logprobs;   // float32
+  MSGPACK_DEFINE_MAP(samples, prompt_logprobs, prompt_top_token_ids, prompt_top_logprobs);
 };
 struct SampleReply {
   std::vector<SampleRowResultMsg> rows;

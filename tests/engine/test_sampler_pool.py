@@ -5,6 +5,7 @@ engine's own training forward pass and transformers' logits warpers (fp32, CPU).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -529,3 +530,131 @@ def test_sampling_follows_adapter_weight_changes(engine: Engine, reference_model
     engine.call("set_adapter_state", {"adapter_id": "x", "weights": random_lora_state(engine, "x", seed=99)})
     after_set = check("after set_adapter_state")
     assert before != after_step or before != after_set
+
+
+TOP_TOL = 1e-5  # logprobs against transformers; ids may differ only where neighbours are this close
+
+
+def check_top(name: str, ids: torch.Tensor, lps: torch.Tensor, ref_lsm: torch.Tensor) -> float:
+    """Top-k rows ([N, k] ids and logprobs from the engine) against torch.topk of the
+    reference's log_softmax rows ([N, V]): logprobs position by position (both sorted), ids
+    equal except where the reference's neighbouring logprobs are within TOP_TOL (there either
+    order is right), every reported id's own reference logprob, and the documented order
+    (descending logprob, equal ones by ascending id). Returns the largest logprob difference."""
+    k = ids.shape[1]
+    assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and lps.shape == ids.shape
+    assert ids.shape[0] == ref_lsm.shape[0], name
+    ref_values, ref_ids = torch.topk(ref_lsm, k + 1, dim=1)  # one more: ties across the k-th place
+    worst = assert_close(f"{name} top-{k} logprobs", lps, ref_values[:, :k], TOP_TOL, absolute=True)
+    worst = max(worst, assert_close(f"{name} top-{k} logprobs of the reported ids", lps,
+                                    ref_lsm.gather(1, ids), TOP_TOL, absolute=True))
+    near = (ref_values[:, 1:] - ref_values[:, :-1]).abs() < TOP_TOL  # [N, k]: j ~ j + 1
+    near_tie = torch.zeros(ids.shape, dtype=torch.bool)
+    near_tie |= near[:, :k]                         # close to the next one
+    near_tie[:, 1:] |= near[:, :k - 1]              # close to the previous one
+    mismatched = ids != ref_ids[:, :k]
+    assert not bool((mismatched & ~near_tie).any()), f"{name}: ids {ids.tolist()} != {ref_ids[:, :k].tolist()}"
+    assert all(len(set(r)) == k for r in ids.tolist()), f"{name}: repeated ids"
+    ordered = (lps[:, :-1] > lps[:, 1:]) | ((lps[:, :-1] == lps[:, 1:]) & (ids[:, :-1] < ids[:, 1:]))
+    assert bool(ordered.all()), f"{name}: not in descending logprob / ascending id order"
+    return worst
+
+
+def test_top_logprobs_match_transformers_topk(engine: Engine, reference_models: Path) -> None:
+    """Top-k ids and logprobs at generated and prompt positions, for a batch over the base model
+    and four adapters (one with an lm_head LoRA) through sample_step, equal torch.topk of
+    log_softmax of the transformers(+PEFT) logits over prompt + generated tokens; the sampled
+    token's logprob is exactly its top-k entry whenever it is in the top k; rows that do not ask
+    get nothing. One-shot sample gives the same numbers."""
+    model_dir = reference_models / "qwen3"
+    load(engine, model_dir, kv_block_size=4)
+    refs = setup_adapters(engine, model_dir)
+    prompts = sequences(256, [7, 1, 12, 19, 3, 25], seed=41)
+    adapters = ["a", "b", "", "d", "c", "d"]
+    # (top_logprobs, prompt_top_logprobs, want_prompt_logprobs): top-k with and without the
+    # prompt's own logprobs, k = 1 and the cap, and a row asking for nothing.
+    asks = [(5, 4, True), (3, 20, False), (20, 0, False), (1, 7, True), (0, 0, True), (8, 2, False)]
+    # Rows 1 and 3 greedy: their token is the top-1 entry at every position.
+    temperatures = [1.0, 0.0, 0.7, 0.0, 1.0, 1.3]
+    rows = [row(a, p, temperature=temp, top_k=sample_top_k, top_p=0.95, seed=70 + i, num_samples=2, max_tokens=9,
+                top_logprobs=k, prompt_top_logprobs=pk, want_prompt_logprobs=w)
+            for i, (a, p, (k, pk, w), sample_top_k, temp) in enumerate(
+                zip(adapters, prompts, asks, [0, 40, 0, 5, 0, 40], temperatures))]
+    results: dict[int, Any] = {}
+    drain(engine, step(engine, list(enumerate(rows)), steps=4), results)
+    worst, in_top, checked = 0.0, 0, 0
+    for i, (a, p, (k, pk, w)) in enumerate(zip(adapters, prompts, asks)):
+        result = results[i]
+        plen = len(p)
+        if pk == 0:
+            assert result["prompt_top_token_ids"] is None and result["prompt_top_logprobs"] is None
+        if not w:
+            assert result["prompt_logprobs"] is None
+        for s, got in enumerate(result["samples"]):
+            tokens = got["tokens"]
+            assert len(tokens) == 9
+            seq = torch.cat([p, tokens])
+            with torch.no_grad():
+                logits = refs[a](seq.unsqueeze(0)).logits[0].float()
+            lsm = torch.log_softmax(logits, dim=-1)
+            if k == 0:
+                assert got["top_token_ids"] is None and got["top_logprobs"] is None
+            else:
+                ids, lps = got["top_token_ids"], got["top_logprobs"]
+                assert ids.shape == (9, k)
+                worst = max(worst, check_top(f"row{i} sample{s}", ids, lps, lsm[plen - 1:plen + 8]))
+                if temperatures[i] == 0:
+                    assert ids[:, 0].tolist() == tokens.tolist(), (i, s)
+                for t in range(9):
+                    hit = (ids[t] == tokens[t]).nonzero()
+                    if len(hit):
+                        in_top += 1
+                        assert float(lps[t, int(hit[0, 0])]) == float(got["logprobs"][t]), (i, s, t)
+                checked += 9
+            if pk > 0 and s == 0:
+                ids, lps = result["prompt_top_token_ids"], result["prompt_top_logprobs"]
+                assert ids.shape == (plen - 1, pk) and lps.shape == (plen - 1, pk)
+                if plen > 1:
+                    worst = max(worst, check_top(f"row{i} prompt", ids, lps, lsm[:plen - 1]))
+                    if w:  # the prompt token's own logprob is its top-k entry when it is there
+                        for t in range(plen - 1):
+                            hit = (ids[t] == p[t + 1]).nonzero()
+                            if len(hit):
+                                assert float(lps[t, int(hit[0, 0])]) == float(result["prompt_logprobs"][t])
+    print(f"top-k: largest logprob difference vs transformers {worst:.3e}; sampled token in the top k "
+          f"at {in_top}/{checked} positions")
+    assert in_top >= 2 * 2 * 9  # at least the greedy rows' positions
+    # One-shot sample of the same rows: the same tokens and top-k numbers.
+    once = engine.call("sample", {"rows": rows})["rows"]
+    for i in range(len(rows)):
+        for key in ("prompt_top_token_ids", "prompt_top_logprobs"):
+            assert (once[i][key] is None) == (results[i][key] is None)
+            if once[i][key] is not None:
+                assert torch.equal(once[i][key], results[i][key]), (i, key)
+        for a_seq, b_seq in zip(once[i]["samples"], results[i]["samples"]):
+            assert torch.equal(a_seq["tokens"], b_seq["tokens"])
+            if b_seq["top_token_ids"] is not None:
+                assert torch.equal(a_seq["top_token_ids"], b_seq["top_token_ids"])
+                assert torch.equal(a_seq["top_logprobs"], b_seq["top_logprobs"])
+
+
+def test_top_logprobs_limits(engine: Engine, reference_models: Path) -> None:
+    """Widths outside [0, 20] are refused naming the field; max_tokens 0 and a one-token
+    prompt give empty [0, k] top-k tensors."""
+    model_dir = reference_models / "qwen3"
+    load(engine, model_dir)
+    p = torch.arange(1, 6)
+    bad = {
+        1: (row("", p, top_logprobs=21), "top_logprobs (21) must be in [0, 20]"),
+        2: (row("", p, top_logprobs=-1), "top_logprobs (-1) must be in [0, 20]"),
+        3: (row("", p, prompt_top_logprobs=50), "prompt_top_logprobs (50) must be in [0, 20]"),
+    }
+    reply = step(engine, [(i, r) for i, (r, _) in bad.items()], steps=0)
+    assert {r["request_id"]: r["error"] for r in reply["rejected"]} == {i: e for i, (_, e) in bad.items()}
+    for r, message in bad.values():
+        with pytest.raises(EngineError, match=re.escape(f"row 0: {message}")):
+            engine.call("sample", {"rows": [r]})
+    out = engine.call("sample", {"rows": [row("", torch.tensor([5]), max_tokens=0, top_logprobs=3,
+                                              prompt_top_logprobs=4, want_prompt_logprobs=True)]})["rows"][0]
+    assert out["prompt_top_token_ids"].shape == (0, 4) and out["prompt_logprobs"].shape == (0,)
+    assert out["samples"][0]["top_token_ids"].shape == (0, 3) and out["samples"][0]["top_logprobs"].shape == (0, 3)

@@ -50,6 +50,49 @@ int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::
   return at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
 }
 
+// The k most likely tokens of each row of `logits` (float32 [R, V], host) with their logprobs
+// logit - lse[r], written row-major to ids / lps ([R, k] each). Rows go by descending logprob
+// and equal logprobs by ascending token id, also where a tie straddles the k-th place:
+// at::topk finds the k-th largest value t, then one pass takes every token above t and the
+// lowest ids equal to t, so the result never depends on at::topk's tie order.
+void TopLogprobs(const at::Tensor& logits, const at::Tensor& lse, int64_t k, int64_t* ids,
+                 float* lps) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (rows == 0 || k == 0) return;
+  auto [values, indices] = logits.topk(k, /*dim=*/1, /*largest=*/true, /*sorted=*/true);
+  values = values.contiguous();
+  indices = indices.contiguous();
+  const float* lse_data = lse.const_data_ptr<float>();
+  std::vector<std::pair<float, int64_t>> picked;
+  picked.reserve(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = logits.const_data_ptr<float>() + r * vocab;
+    const float t = values.const_data_ptr<float>()[r * k + k - 1];
+    picked.clear();
+    if (std::isnan(t)) {  // no order to speak of: at::topk's answer as it is
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t id = indices.const_data_ptr<int64_t>()[r * k + j];
+        picked.emplace_back(v[id], id);
+      }
+    } else {
+      for (int64_t i = 0; i < vocab; ++i) {
+        if (v[i] > t) picked.emplace_back(v[i], i);  // at most k - 1 of them
+      }
+      for (int64_t i = 0; i < vocab && static_cast<int64_t>(picked.size()) < k; ++i) {
+        if (v[i] == t) picked.emplace_back(v[i], i);
+      }
+      std::sort(picked.begin(), picked.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+      });
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      ids[r * k + j] = picked[j].second;
+      // The same formula as every other reported logprob: logit - logsumexp(logits).
+      lps[r * k + j] = picked[j].first - lse_data[r];
+    }
+  }
+}
+
 }  // namespace
 
 // One (request, sample) sequence.
@@ -59,6 +102,9 @@ struct SampleSeq {
   int64_t length = 0;  // tokens in the cache
   std::vector<int64_t> tokens;
   std::vector<float> logprobs;
+  // [tokens, row.top_logprobs] row-major when asked (TopLogprobs).
+  std::vector<int64_t> top_ids;
+  std::vector<float> top_lps;
   std::string stop_reason;
   bool done = false;
 };
@@ -71,6 +117,11 @@ struct GenRequest {
   int64_t blocks_needed = 0;
   std::vector<SampleSeq> samples;
   at::Tensor prompt_logprobs;  // float32 [P - 1] when asked
+  at::Tensor prompt_top_ids;   // int64 [P - 1, k] when asked (TopLogprobs)
+  at::Tensor prompt_top_lps;   // float32 [P - 1, k]
+
+  // Whether the prefill needs the logits of every prompt row, not just the last.
+  bool wants_prompt_rows() const { return row.want_prompt_logprobs || row.prompt_top_logprobs > 0; }
 
   int64_t prompt_len() const { return prompt.numel(); }
   bool done() const {
@@ -121,6 +172,15 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
     return absl::InvalidArgumentError("top_p must be in (0, 1]");
   }
   if (row.num_samples < 1) return absl::InvalidArgumentError("num_samples must be >= 1");
+  const int64_t max_top = std::min(vocab, ipc::kMaxTopLogprobs);
+  if (row.top_logprobs < 0 || row.top_logprobs > max_top) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs (", row.top_logprobs, ") must be in [0, ", max_top, "]"));
+  }
+  if (row.prompt_top_logprobs < 0 || row.prompt_top_logprobs > max_top) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_top_logprobs (", row.prompt_top_logprobs,
+                                                   ") must be in [0, ", max_top, "]"));
+  }
   const int64_t prompt_len = prompt->numel();
   const int64_t max_pos = config.max_position_embeddings;
   if (max_pos > 0 && row.max_tokens > max_pos - prompt_len) {
@@ -207,8 +267,7 @@ class GenerationBatch {
       // The prompt goes once into sample 0's blocks; the others share or copy them below.
       seqs.push_back({&r->samples[0].table.blocks(), 0, p});
       begins.push_back(n);
-      for (int64_t i = r->row.want_prompt_logprobs ? 0 : p - 1; i < p; ++i)
-        logit_rows.push_back(n + i);
+      for (int64_t i = r->wants_prompt_rows() ? 0 : p - 1; i < p; ++i) logit_rows.push_back(n + i);
       n += p;
     }
     const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
@@ -234,12 +293,20 @@ class GenerationBatch {
     int64_t row = 0;  // into logits
     for (RequestPtr& r : admitted) {
       const int64_t p = r->prompt_len();
-      if (r->row.want_prompt_logprobs) {
+      if (r->wants_prompt_rows()) {
         const at::Tensor rows = logits.narrow(0, row, p - 1);
-        const at::Tensor targets = r->prompt.narrow(0, 1, p - 1);
-        r->prompt_logprobs =
-            (rows.gather(1, targets.unsqueeze(1)).squeeze(1) - lse.narrow(0, row, p - 1))
-                .contiguous();
+        const at::Tensor row_lse = lse.narrow(0, row, p - 1);
+        if (r->row.want_prompt_logprobs) {
+          const at::Tensor targets = r->prompt.narrow(0, 1, p - 1);
+          r->prompt_logprobs =
+              (rows.gather(1, targets.unsqueeze(1)).squeeze(1) - row_lse).contiguous();
+        }
+        if (const int64_t k = r->row.prompt_top_logprobs; k > 0) {
+          r->prompt_top_ids = at::empty({p - 1, k}, at::kLong);
+          r->prompt_top_lps = at::empty({p - 1, k}, at::kFloat);
+          TopLogprobs(rows, row_lse, k, r->prompt_top_ids.data_ptr<int64_t>(),
+                      r->prompt_top_lps.data_ptr<float>());
+        }
         row += p - 1;
       }
       const int64_t last = row++;
@@ -377,6 +444,13 @@ class GenerationBatch {
     const int64_t token = ChooseToken(l, r.row, seq.generator);
     // The training forward's formula: logit[token] - logsumexp(logits).
     seq.logprobs.push_back(l.const_data_ptr<float>()[token] - lse.const_data_ptr<float>()[row]);
+    if (const int64_t k = r.row.top_logprobs; k > 0) {
+      const size_t at = seq.top_ids.size();
+      seq.top_ids.resize(at + k);
+      seq.top_lps.resize(at + k);
+      TopLogprobs(logits.narrow(0, row, 1), lse.narrow(0, row, 1), k, seq.top_ids.data() + at,
+                  seq.top_lps.data() + at);
+    }
     seq.tokens.push_back(token);
     const std::vector<int64_t>& stops = r.row.stop_token_ids;
     if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
@@ -408,12 +482,30 @@ absl::StatusOr<ipc::SampleRowResultMsg> ToResult(const GenRequest& r, MethodRepl
     s.tokens = *tokens;
     s.logprobs = *logprobs;
     s.stop_reason = seq.stop_reason;
+    if (const int64_t k = r.row.top_logprobs; k > 0) {
+      absl::StatusOr<ipc::TensorDesc> ids = AppendTensor(
+          at::from_blob(const_cast<int64_t*>(seq.top_ids.data()), {t, k}, at::kLong), reply);
+      if (!ids.ok()) return ids.status();
+      absl::StatusOr<ipc::TensorDesc> lps = AppendTensor(
+          at::from_blob(const_cast<float*>(seq.top_lps.data()), {t, k}, at::kFloat), reply);
+      if (!lps.ok()) return lps.status();
+      s.top_token_ids = *ids;
+      s.top_logprobs = *lps;
+    }
     out.samples.push_back(std::move(s));
   }
   if (r.prompt_logprobs.defined()) {
     absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(r.prompt_logprobs, reply);
     if (!desc.ok()) return desc.status();
     out.prompt_logprobs = *desc;
+  }
+  if (r.prompt_top_ids.defined()) {
+    absl::StatusOr<ipc::TensorDesc> ids = AppendTensor(r.prompt_top_ids, reply);
+    if (!ids.ok()) return ids.status();
+    absl::StatusOr<ipc::TensorDesc> lps = AppendTensor(r.prompt_top_lps, reply);
+    if (!lps.ok()) return lps.status();
+    out.prompt_top_token_ids = *ids;
+    out.prompt_top_logprobs = *lps;
   }
   return out;
 }

@@ -21,7 +21,12 @@
 // smallest-probability tokens whose cumulative probability is <= 1 - top_p, always keeping
 // the most likely one), softmax, one multinomial draw from the sample's own generator,
 // seeded by (seed, sample index). Reported logprobs are those of the unwarped model
-// (logit - logsumexp of the raw logits), as a training forward pass computes them.
+// (logit - logsumexp of the raw logits), as a training forward pass computes them. Asked
+// for (row.top_logprobs, row.prompt_top_logprobs: k <= min(vocab, ipc::kMaxTopLogprobs)),
+// the k most likely tokens of each generated / prompt position come with the same logprobs,
+// by descending logprob and equal ones by ascending token id; a prompt needs the logits of
+// all its rows for that (as for prompt logprobs), otherwise only its last row's. k = 0 costs
+// nothing.
 //
 // Determinism: a sequence's draws depend only on its seed and sample index, its attention
 // and LoRA terms only on its own rows, so its tokens do not depend on what else is in the
