@@ -435,6 +435,7 @@ absl::StatusOr<MethodReply> Trainer::SetAdapterState(const ipc::Message& request
     update.optimizer_state.emplace_back(name, *std::move(t));
   }
   update.optimizer_kind = req.optimizer_kind;
+  update.reset_optimizer = req.reset_optimizer;
   update.micro_batches_since_step = req.micro_batches_since_step;
   if (absl::Status s = call->adapter->Restore(update); !s.ok()) return s;
   return MethodReply{};

@@ -157,8 +157,11 @@ struct SetAdapterStateRequest {
   std::map<std::string, TensorDesc> optimizer;
   std::string optimizer_kind;
   std::optional<int64_t> micro_batches_since_step;
+  // true: a fresh optimizer (step 0, no moments) of optimizer_kind or the current kind, as
+  // Tinker's load_state (weights only) leaves it; excludes `optimizer`.
+  bool reset_optimizer = false;
   MSGPACK_DEFINE_MAP(adapter_id, weights, grads, optimizer, optimizer_kind,
-                     micro_batches_since_step);
+                     micro_batches_since_step, reset_optimizer);
 };
 
 // Writes <parent_dir>/<name>/ atomically: the base model from model_dir with the adapter

@@ -128,6 +128,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
       req.optimizer = data->optimizer;
       if (trainer != nullptr) req.optimizer_kind = trainer->optimizer_kind;
     }
+    req.reset_optimizer = mode == LoadMode::kWeightsFreshOptimizer;
     if (mode == LoadMode::kResume) req.micro_batches_since_step = trainer->micro_batches_since_step;
     absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(req), data->buffers);
     if (!r.ok()) {
@@ -148,6 +149,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
     } else if (mode == LoadMode::kWeightsAndOptimizer && trainer != nullptr) {
       a->optimizer_cls = trainer->optimizer_kind;
       a->optimizer_steps = trainer->optimizer_steps;
+    } else if (mode == LoadMode::kWeightsFreshOptimizer) {
+      a->optimizer_steps = 0;
     }
     if (resume && trainer != nullptr) {
       out.cur_step = trainer->cur_step;

@@ -140,7 +140,8 @@ struct SaveArgs {
 };
 
 enum class LoadMode {
-  kWeights,          // load(name): weights only
+  kWeights,          // Twinkle load(name): weights only; the optimizer keeps its state, as in Twinkle
+  kWeightsFreshOptimizer,  // Tinker load_state: weights, and a fresh optimizer (step 0, no moments)
   kWeightsAndOptimizer,  // load(name, load_optimizer=True) / Tinker load_state_with_optimizer
   kResume,           // resume_from_checkpoint: weights, optimizer, schedule, counters
   kResumeOnlyModel,  // resume_from_checkpoint(resume_only_model=True): weights only

@@ -539,7 +539,8 @@ absl::StatusOr<Json> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, con
                                                            const std::shared_ptr<Entry>& entry) {
                       absl::StatusOr<uint64_t> id = coordinator_.SubmitLoad(
                           context, model->adapter, InternalPath(tinker_path),
-                          optimizer ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
+                          optimizer ? training::LoadMode::kWeightsAndOptimizer
+                                    : training::LoadMode::kWeightsFreshOptimizer);
                       if (!id.ok()) return Complete(entry, Outcome::Failed(id.status()));
                       Attach(entry, *id, [tinker_path, model_id = model->model_id](const std::any&) {
                         Outcome o;
@@ -815,7 +816,8 @@ absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const
   const training::TenantContext context = ContextOf(tenant);
   Submit submit = [this, context, adapter = (*model)->adapter, path = InternalPath(*path), optimizer]() {
     return coordinator_.SubmitLoad(context, adapter, path,
-                                   optimizer ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
+                                   optimizer ? training::LoadMode::kWeightsAndOptimizer
+                                    : training::LoadMode::kWeightsFreshOptimizer);
   };
   Encoder encode = [path = *path, model_id = *model_id](const std::any&) {
     Outcome o;

@@ -111,13 +111,25 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
     moved = logprobs_of(training.forward(sft, "cross_entropy").result())[0]
     assert np.max(np.abs(moved - after_save)) > 1e-4
 
-    training.load_state(saved.path).result()
-    restored = logprobs_of(training.forward(sft, "cross_entropy").result())[0]
-    np.testing.assert_array_equal(restored, after_save)
+    def step_from_here() -> np.ndarray:
+        training.forward_backward(sft, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        return logprobs_of(training.forward(sft, "cross_entropy").result())[0]
 
+    # With the optimizer: the Adam moments come back too, so the next step repeats `moved`.
     training.load_state_with_optimizer(saved.path).result()
     restored = logprobs_of(training.forward(sft, "cross_entropy").result())[0]
     np.testing.assert_array_equal(restored, after_save)
+    np.testing.assert_array_equal(step_from_here(), moved)
+
+    # Weights only: the optimizer starts fresh (step 0, no moments), so the next step is
+    # Adam's first step from the saved weights, not `moved`.
+    training.load_state(saved.path).result()
+    restored = logprobs_of(training.forward(sft, "cross_entropy").result())[0]
+    np.testing.assert_array_equal(restored, after_save)
+    fresh_step = step_from_here()
+    assert np.max(np.abs(fresh_step - moved)) > 1e-6
+    training.load_state(saved.path).result()
 
     # A new model restored from the checkpoint (weights_info → create_model → load_weights).
     made = svc.create_training_client_from_state(saved.path)
@@ -125,6 +137,11 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
     assert restored_client.get_info().lora_rank == 8
     from_state = logprobs_of(restored_client.forward(sft, "cross_entropy").result())[0]
     np.testing.assert_array_equal(from_state, after_save)
+    # A new model's optimizer is fresh too: its first step equals load_state's.
+    restored_client.forward_backward(sft, "cross_entropy").result()
+    restored_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_array_equal(logprobs_of(restored_client.forward(sft, "cross_entropy").result())[0],
+                                  fresh_step)
 
 
 def test_unknown_loss_fails_the_future_as_a_user_error(tinker_server: ServerProcess) -> None:

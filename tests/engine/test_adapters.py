@@ -45,6 +45,32 @@ def test_state_transfer_resumes_training_exactly(reference_models: Path) -> None
         assert_close(f"resumed {name}", b["weights"][name], a["weights"][name], 1e-6, absolute=True)
 
 
+def test_reset_optimizer_trains_on_like_a_fresh_adapter(reference_models: Path) -> None:
+    """set_adapter_state with reset_optimizer (Tinker's load_state, weights only): the next
+    steps equal those of a new adapter given the same weights, whose optimizer is fresh."""
+    spec = {"adapter_id": "x", "rank": 4, "alpha": 8.0, "seed": 1}
+    with Engine() as engine:
+        load(engine, reference_models / "qwen3")
+        engine.call("create_adapter", spec)
+        engine.call("create_adapter", {**spec, "adapter_id": "fresh", "seed": 7})
+        train(engine, "x", range(3))
+        state = engine.call("get_adapter_state", {"adapter_id": "x"})
+        assert state["step"] == 3 and any(t.abs().max() > 0 for t in state["optimizer"].values())
+        engine.call("set_adapter_state", {"adapter_id": "x", "weights": state["weights"], "grads": {},
+                                          "reset_optimizer": True})
+        engine.call("set_adapter_state", {"adapter_id": "fresh", "weights": state["weights"]})
+        reset = engine.call("get_adapter_state", {"adapter_id": "x"})
+        assert reset["step"] == 0 and reset["optimizer_kind"] == "adamw"
+        train(engine, "x", range(3, 5))
+        train(engine, "fresh", range(3, 5))
+        x = engine.call("get_adapter_state", {"adapter_id": "x"})
+        fresh = engine.call("get_adapter_state", {"adapter_id": "fresh"})
+    assert x["step"] == fresh["step"] == 2
+    diff = max_abs_diff(x["weights"], fresh["weights"])
+    print(f"reset optimizer vs fresh adapter after 2 steps: max|weight diff| = {diff:.3e}")
+    assert diff == 0.0 and max_abs_diff(x["optimizer"], fresh["optimizer"]) == 0.0
+
+
 OFFLOAD_SPEC = {"adapter_id": "x", "rank": 4, "alpha": 8.0, "seed": 1, "dropout": 0.1,
                 "targets": ["all-linear", "lm_head"]}
 
@@ -132,6 +158,7 @@ def test_set_adapter_state_changes_nothing_on_error(reference_models: Path) -> N
             ({"optimizer_kind": "lion"}, "unknown optimizer 'lion'"),
             ({"optimizer": no_momentum}, "optimizer state 'exp_avg.0' is missing"),
             ({"optimizer_kind": "sgd", "optimizer": before["optimizer"]}, "unknown optimizer state"),
+            ({"reset_optimizer": True, "optimizer": before["optimizer"]}, "exclusive"),
         ]
         for extra, needle in bad:
             with pytest.raises(EngineError) as e:

@@ -171,7 +171,15 @@ absl::Status Adapter::Restore(const AdapterStateUpdate& update) {
       return absl::InvalidArgumentError(absl::StrCat("micro_batches_since_step must be >= 0, got ",
                                                      *update.micro_batches_since_step));
     }
-    if (!update.optimizer_kind.empty() || !update.optimizer_state.empty()) {
+    if (update.reset_optimizer && !update.optimizer_state.empty()) {
+      return absl::InvalidArgumentError("reset_optimizer and an optimizer state are exclusive");
+    }
+    if (update.reset_optimizer) {
+      absl::StatusOr<std::unique_ptr<Optimizer>> fresh = NewOptimizer(
+          update.optimizer_kind.empty() ? optimizer_->kind_name() : update.optimizer_kind);
+      if (!fresh.ok()) return fresh.status();
+      optimizer = *std::move(fresh);
+    } else if (!update.optimizer_kind.empty() || !update.optimizer_state.empty()) {
       // A candidate optimizer takes the state, so a rejected state leaves the live one as is.
       absl::StatusOr<std::unique_ptr<Optimizer>> candidate = NewOptimizer(
           update.optimizer_kind.empty() ? optimizer_->kind_name() : update.optimizer_kind);

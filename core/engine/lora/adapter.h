@@ -49,6 +49,9 @@ struct AdapterStateUpdate {
   std::string optimizer_kind;
   // Non-empty: the optimizer's whole state, named as Optimizer::StateTensors names it.
   std::vector<std::pair<std::string, at::Tensor>> optimizer_state;
+  // true: a fresh optimizer (step 0, no moments) of optimizer_kind or the current kind;
+  // optimizer_state must then be empty.
+  bool reset_optimizer = false;
   std::optional<int64_t> micro_batches_since_step;
 };
 
