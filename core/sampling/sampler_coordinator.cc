@@ -44,6 +44,22 @@ absl::StatusOr<std::vector<T>> ReadFrame(const ipc::TensorDesc& desc, const std:
   return out;
 }
 
+// A top-k pair from a sample_step reply: int64 ids and float32 logprobs, both [n, k].
+absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
+                                    const std::optional<ipc::TensorDesc>& lps, int64_t k,
+                                    const std::vector<std::string>& buffers) {
+  if (!ids || !lps) return absl::InternalError("sample_step reply: top-k logprobs asked for but missing");
+  absl::StatusOr<std::vector<int64_t>> token_ids = ReadFrame<int64_t>(*ids, buffers, "int64");
+  if (!token_ids.ok()) return token_ids.status();
+  absl::StatusOr<std::vector<float>> logprobs = ReadFrame<float>(*lps, buffers, "float32");
+  if (!logprobs.ok()) return logprobs.status();
+  if (token_ids->size() != logprobs->size() || token_ids->size() % static_cast<size_t>(k) != 0) {
+    return absl::InternalError(absl::StrCat("sample_step reply: top-k of ", token_ids->size(), " ids and ",
+                                            logprobs->size(), " logprobs is not [n, ", k, "]"));
+  }
+  return TopLogprobs{k, *std::move(token_ids), *std::move(logprobs)};
+}
+
 ipc::Message EngineRequest(const char* method, std::string body, std::vector<std::string> buffers = {}) {
   ipc::Message m;
   m.envelope.method = method;
@@ -375,6 +391,15 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   }
   if (prompts.empty()) return absl::InvalidArgumentError("prompts: empty; give at least one prompt");
   const int64_t vocab = engine_.vocab_size();
+  const int64_t max_top = vocab > 0 ? std::min(vocab, ipc::kMaxTopLogprobs) : ipc::kMaxTopLogprobs;
+  if (params.top_logprobs < 0 || params.top_logprobs > max_top) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs: ", params.top_logprobs, " must be in [0, ", max_top, "]"));
+  }
+  if (params.prompt_top_logprobs < 0 || params.prompt_top_logprobs > max_top) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_top_logprobs: ", params.prompt_top_logprobs, " must be in [0, ", max_top, "]"));
+  }
   const int64_t max_positions = engine_.max_position_embeddings();
   int64_t total_tokens = 0;
   for (size_t p = 0; p < prompts.size(); ++p) {
@@ -487,11 +512,23 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
       Finish(request, tokens.ok() ? logprobs.status() : tokens.status());
       return;
     }
-    SampledSequence seq{*std::move(tokens), *std::move(logprobs), s.stop_reason};
+    SampledSequence seq{*std::move(tokens), *std::move(logprobs), s.stop_reason, {}};
+    if (const int64_t k = request.params.top_logprobs; k > 0) {
+      absl::StatusOr<TopLogprobs> top = ReadTop(s.top_token_ids, s.top_logprobs, k, buffers);
+      if (!top.ok()) {
+        Finish(request, top.status());
+        return;
+      }
+      seq.top_logprobs = *std::move(top);
+    }
     if (!request.params.stop_strings.empty() && token_text_) {
       if (std::optional<size_t> n = token_text_->TokensThroughFirstStop(seq.tokens, request.params.stop_strings)) {
         seq.tokens.resize(*n);
         seq.logprobs.resize(std::min(seq.logprobs.size(), *n));
+        TopLogprobs& top = seq.top_logprobs;
+        const size_t cells = std::min(top.token_ids.size(), *n * static_cast<size_t>(top.k));
+        top.token_ids.resize(cells);
+        top.logprobs.resize(cells);
         seq.stop_reason = "stop";
       }
     }
@@ -507,6 +544,20 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
       }
       out.prompt_logprobs.insert(out.prompt_logprobs.end(), lp->begin(), lp->end());
     }
+  }
+  if (const int64_t k = request.params.prompt_top_logprobs; k > 0) {
+    absl::StatusOr<TopLogprobs> top = ReadTop(result.prompt_top_token_ids, result.prompt_top_logprobs, k, buffers);
+    if (!top.ok()) {
+      Finish(request, top.status());
+      return;
+    }
+    // Position 0 has no distribution: it gets placeholder cells, so position i is prompt[i]'s.
+    TopLogprobs& aligned = out.prompt_top_logprobs;
+    aligned.k = k;
+    aligned.token_ids.assign(k, -1);
+    aligned.logprobs.assign(k, std::numeric_limits<float>::quiet_NaN());
+    aligned.token_ids.insert(aligned.token_ids.end(), top->token_ids.begin(), top->token_ids.end());
+    aligned.logprobs.insert(aligned.logprobs.end(), top->logprobs.begin(), top->logprobs.end());
   }
   bool done = false;
   {
@@ -617,6 +668,8 @@ void SamplerCoordinator::DecodeLoop() {
       r.seed = *request.params.seed + row->prompt_index;  // prompts of one request draw independently
       r.num_samples = request.params.num_samples;
       r.want_prompt_logprobs = request.params.prompt_logprobs;
+      r.top_logprobs = request.params.top_logprobs;
+      r.prompt_top_logprobs = request.params.prompt_top_logprobs;
       step.admit.push_back(std::move(msg));
       admitted.emplace(row->engine_id, row);
     }

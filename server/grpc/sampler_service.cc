@@ -1,6 +1,7 @@
 #include "server/grpc/sampler_service.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "server/grpc/handler.h"
@@ -27,6 +28,8 @@ sampling::SamplingParams ToParams(const v1::SamplingParams& p) {
   s.num_samples = p.num_samples();
   s.prompt_logprobs = p.prompt_logprobs();
   s.ignore_eos = p.ignore_eos();
+  s.top_logprobs = p.top_logprobs();
+  s.prompt_top_logprobs = p.prompt_top_logprobs();
   return s;
 }
 
@@ -34,6 +37,18 @@ void FillSession(const sampling::SamplingSessionInfo& info, v1::SamplingSession*
   out->set_sampling_session_id(info.id);
   out->set_base_model(info.base_model);
   out->set_model_path(info.model_path);
+}
+
+// One TopLogprobs per position; position `skip` (the prompt's first, or none) stays empty.
+void FillTop(const sampling::TopLogprobs& top, google::protobuf::RepeatedPtrField<v1::TopLogprobs>* out,
+             size_t skip = std::numeric_limits<size_t>::max()) {
+  const size_t k = static_cast<size_t>(top.k);
+  for (size_t i = 0; i < top.positions(); ++i) {
+    v1::TopLogprobs* position = out->Add();
+    if (i == skip) continue;
+    position->mutable_token_ids()->Add(top.token_ids.begin() + i * k, top.token_ids.begin() + (i + 1) * k);
+    position->mutable_logprobs()->Add(top.logprobs.begin() + i * k, top.logprobs.begin() + (i + 1) * k);
+  }
 }
 
 absl::Status FillSample(const std::any& value, v1::SampleResponse* response) {
@@ -46,8 +61,10 @@ absl::Status FillSample(const std::any& value, v1::SampleResponse* response) {
       seq->mutable_tokens()->Add(s.tokens.begin(), s.tokens.end());
       seq->mutable_logprobs()->Add(s.logprobs.begin(), s.logprobs.end());
       seq->set_stop_reason(s.stop_reason);
+      FillTop(s.top_logprobs, seq->mutable_top_logprobs());
     }
     r->mutable_prompt_logprobs()->Add(p.prompt_logprobs.begin(), p.prompt_logprobs.end());
+    FillTop(p.prompt_top_logprobs, r->mutable_prompt_top_logprobs(), /*skip=*/0);
   }
   response->set_done(true);
   return absl::OkStatus();

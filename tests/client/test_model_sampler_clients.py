@@ -228,3 +228,44 @@ def test_sampler_returns_twinkle_shapes_and_training_rows(client, script, templa
     assert len(script.calls_to("CreateSamplingSession")) == 2 and len(script.calls_to("CloseSamplingSession")) == 1
     with pytest.raises(UnsupportedFeatureError):
         sampler.sample(inputs=prompts, sampling_params={"repetition_penalty": 1.1})
+
+
+def test_sampler_maps_top_k_logprobs_both_ways(client, script, template):
+    """logprobs: k > 1 asks for top-k per generated position (returned in place of the sampled
+    token's pair); prompt_logprobs: k also for top-k per prompt position (None at 0); True and
+    logprobs: 1 keep the one-token shapes; a width above 20 fails before anything is sent."""
+    def sample(request):
+        k, pk = request.params.top_logprobs, request.params.prompt_top_logprobs
+        results = []
+        for p in request.prompts:
+            top = [sampler_pb2.TopLogprobs(token_ids=list(range(7, 7 + k)), logprobs=[-0.5 - j for j in range(k)])
+                   for _ in range(2)] if k else []
+            seqs = [sampler_pb2.SampledSequence(tokens=[7, 8], logprobs=[-0.5, -1.5], stop_reason="length",
+                                                top_logprobs=top)]
+            prompt_top = ([sampler_pb2.TopLogprobs()] + [
+                sampler_pb2.TopLogprobs(token_ids=list(range(pk)), logprobs=[-1.0] * pk)
+                for _ in range(len(p.tokens) - 1)]) if pk else []
+            results.append(sampler_pb2.PromptResult(
+                sequences=seqs, prompt_logprobs=[float("nan")] + [-2.0] * (len(p.tokens) - 1) if
+                request.params.prompt_logprobs else [], prompt_top_logprobs=prompt_top))
+        return sampler_pb2.SampleResponse(results=results)
+
+    script.defaults["Sample"] = sample
+    sampler = vLLMSampler(model_id="ms://Qwen/Qwen3.5-4B")
+    sampler.set_template("Qwen3_5Template", model_id="ms://Qwen/Qwen3.5-4B")
+    rows = [{"input_ids": [1, 2, 3]}]
+    out = sampler.sample(rows, {"max_tokens": 2, "logprobs": 3, "prompt_logprobs": 2})[0]
+    params = script.calls_to("Sample")[-1].request.params
+    assert (params.top_logprobs, params.prompt_top_logprobs, params.prompt_logprobs) == (3, 2, True)
+    assert out.sequences[0].logprobs == [[(7, -0.5), (8, -1.5), (9, -2.5)]] * 2
+    assert out.prompt_logprobs == [None, -2.0, -2.0]
+    assert out.topk_prompt_logprobs == [None, [(0, -1.0), (1, -1.0)], [(0, -1.0), (1, -1.0)]]
+    out = sampler.sample(rows, {"max_tokens": 2, "logprobs": 1, "prompt_logprobs": True})[0]
+    params = script.calls_to("Sample")[-1].request.params
+    assert (params.top_logprobs, params.prompt_top_logprobs, params.prompt_logprobs) == (0, 0, True)
+    assert out.sequences[0].logprobs == [[(7, -0.5)], [(8, -1.5)]] and out.topk_prompt_logprobs is None
+    calls = len(script.calls_to("Sample"))
+    for bad in ({"logprobs": 21}, {"prompt_logprobs": -1}, {"logprobs": "3"}):
+        with pytest.raises(ValueError, match=f"sampling_params.{next(iter(bad))}"):
+            sampler.sample(rows, {"max_tokens": 2, **bad})
+    assert len(script.calls_to("Sample")) == calls

@@ -150,6 +150,99 @@ def test_sampler_weights_checkpoint_matches_peft_generate_and_training_logprobs(
     assert worst_lp <= 1e-5 and worst_prompt <= 1e-5
 
 
+def check_top_k(name: str, tops: Any, ref_lsm: torch.Tensor, k: int, tol: float = 1e-5) -> float:
+    """Top-k entries (one TopLogprobs-like per position: token_ids, logprobs) against torch.topk
+    of the reference's log_softmax rows: logprobs position by position, each reported id's own
+    reference logprob, ids equal except where neighbouring reference logprobs are within tol."""
+    worst = 0.0
+    assert len(tops) == ref_lsm.shape[0], name
+    for pos, top in enumerate(tops):
+        ids, lps = list(top.token_ids), np.asarray(top.logprobs, dtype=np.float64)
+        assert len(ids) == k and len(lps) == k, (name, pos)
+        ref_values, ref_ids = torch.topk(ref_lsm[pos].double(), k + 1)
+        worst = max(worst, float(np.max(np.abs(lps - ref_values[:k].numpy()))),
+                    float(np.max(np.abs(lps - ref_lsm[pos].double()[ids].numpy()))))
+        for j in range(k):
+            if ids[j] != int(ref_ids[j]):
+                near = [abs(float(ref_values[j] - ref_values[n])) < tol for n in (j - 1, j + 1) if 0 <= n <= k]
+                assert any(near), f"{name} position {pos}: ids {ids} vs {ref_ids[:k].tolist()}"
+    assert worst <= tol, f"{name}: top-k logprobs off by {worst:.2e}"
+    return worst
+
+
+def test_top_logprobs_match_transformers_topk(launch_server: LaunchServer, tiny_model: Path) -> None:
+    """Top-k at generated and prompt positions, through SamplerService and through the SDK's
+    vLLMSampler (Twinkle's `logprobs: k`, `prompt_logprobs: k`), equal torch.topk of
+    log_softmax of transformers + PEFT logits on the same sampler_weights checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_client import _context, init_twinkle_client
+    from twinkle_client.sampler import vLLMSampler
+
+    server = launch_server()
+    c = Client(server.grpc_address, None)
+    s = Sampler(c)
+    n_vocab = vocab(tiny_model)
+    trained_adapter(c, "topk", n_vocab)
+    saved = c.call("Save", tpb.SaveRequest(adapter_name="topk", name="topk", is_sampler=True))
+    session = s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest(model_path=saved.twinkle_path))
+    prompts = prompts_for(9, n_vocab, 4)
+    reply = s.sample(session.sampling_session_id, prompts, max_tokens=6, temperature=1.0, seed=5, num_samples=2,
+                     prompt_logprobs=True, top_logprobs=5, prompt_top_logprobs=3, ignore_eos=True)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, saved.checkpoint_dir).eval()
+
+    def reference(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+    worst = 0.0
+    for prompt, result in zip(prompts, reply.results):
+        # Aligned like prompt_logprobs: [i] predicts prompt[i]; [0] is empty.
+        assert len(result.prompt_top_logprobs) == len(prompt) and not result.prompt_top_logprobs[0].token_ids
+        for seq in result.sequences:
+            lsm = reference(prompt + list(seq.tokens))
+            worst = max(worst, check_top_k("generated", seq.top_logprobs, lsm[len(prompt) - 1:-1], 5))
+            for token, lp, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs):
+                if token in top.token_ids:
+                    assert top.logprobs[list(top.token_ids).index(token)] == lp
+        worst = max(worst, check_top_k("prompt", result.prompt_top_logprobs[1:], lsm[:len(prompt) - 1], 3))
+    # Without asking: nothing.
+    plain = s.sample(session.sampling_session_id, prompts[:1], max_tokens=2)
+    assert not plain.results[0].prompt_top_logprobs and not plain.results[0].sequences[0].top_logprobs
+
+    # The SDK: Twinkle's shapes.
+    init_twinkle_client(f"grpc://{server.grpc_address}", "tml-any")
+    try:
+        sampler = vLLMSampler(model_id="ms://Qwen/Qwen3.5-4B")
+        out = sampler.sample([{"input_ids": p} for p in prompts],
+                             {"max_tokens": 5, "temperature": 0.7, "seed": 1, "logprobs": 4, "prompt_logprobs": 2},
+                             adapter_uri=saved.twinkle_path)
+        for prompt, response in zip(prompts, out):
+            assert response.topk_prompt_logprobs[0] is None and response.prompt_logprobs[0] is None
+            assert len(response.topk_prompt_logprobs) == len(prompt)
+            seq = response.sequences[0]
+            lsm = reference(prompt + seq.tokens)
+            tops = [spb.TopLogprobs(token_ids=[t for t, _ in pos], logprobs=[lp for _, lp in pos])
+                    for pos in seq.logprobs]
+            worst = max(worst, check_top_k("SDK generated", tops, lsm[len(prompt) - 1:-1], 4))
+            tops = [spb.TopLogprobs(token_ids=[t for t, _ in pos], logprobs=[lp for _, lp in pos])
+                    for pos in response.topk_prompt_logprobs[1:]]
+            worst = max(worst, check_top_k("SDK prompt", tops, lsm[:len(prompt) - 1], 2))
+        # logprobs = 1: the sampled token's own, as before.
+        one = sampler.sample([{"input_ids": prompts[0]}], {"max_tokens": 3, "logprobs": 1, "seed": 2},
+                             adapter_uri=saved.twinkle_path)[0]
+        assert [[t] for t in one.sequences[0].tokens] == [[pos[0][0]] for pos in one.sequences[0].logprobs]
+        assert one.topk_prompt_logprobs is None
+        with pytest.raises(ValueError, match="sampling_params.logprobs"):
+            sampler.sample([{"input_ids": prompts[0]}], {"max_tokens": 3, "logprobs": 21})
+        sampler.close()
+    finally:
+        _context.set_current(None)
+    print(f"top-k vs transformers+PEFT: largest logprob difference {worst:.2e}")
+
+
 def test_live_snapshot_keeps_the_weights_of_its_moment(launch_server: LaunchServer, tiny_model: Path) -> None:
     server = launch_server()
     c = Client(server.grpc_address, None)
@@ -250,6 +343,8 @@ def test_sessions_are_private_and_bad_input_names_the_field(launch_server: Launc
         ("prompts", {"max_tokens": 2}, []),
         ("prompts[0]", {"max_tokens": 2}, [[]]),
         ("stop_token_ids[0]", {"max_tokens": 2, "stop_token_ids": [n_vocab]}, [[1]]),
+        ("top_logprobs", {"max_tokens": 2, "top_logprobs": 21}, [[1]]),
+        ("prompt_top_logprobs", {"max_tokens": 2, "prompt_top_logprobs": -1}, [[1]]),
     ]
     for field, params, prompts in cases:
         error = expect_code(grpc.StatusCode.INVALID_ARGUMENT, lambda: sa.sample(session, prompts, **params))

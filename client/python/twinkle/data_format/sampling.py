@@ -11,8 +11,11 @@ from typing import Any
 class SamplingParams:
     """Twinkle's SamplingParams. max_new_tokens is accepted as an alias of max_tokens.
 
-    stop: a string, a list of strings, or a list of token ids. logprobs: any value > 0 asks for
-    the sampled token's log-prob at each position (the server returns exactly that one).
+    stop: a string, a list of strings, or a list of token ids. Log-probs are the model's
+    log-softmax of its raw logits. The sampled token's log-prob at each position comes back
+    always (logprobs None, 0 or 1); logprobs = k > 1 returns the k most likely tokens at each
+    position instead. prompt_logprobs: True returns the prompt tokens' log-probs; an int k >= 1
+    returns those and the k most likely tokens at each prompt position (k <= 20).
     """
 
     max_tokens: int | None = None
@@ -68,8 +71,9 @@ class _DictLike:
 @dataclass
 class SampledSequence(_DictLike):
     """One completion. logprobs: one entry per generated token, [(token_id, logprob)] (Twinkle's
-    top-k shape with k = 1), or None when not asked for. new_input_feature: prompt + completion
-    encoded for training (labels on the completion only)."""
+    top-k shape with k = 1: the sampled token) or, with sampling_params.logprobs = k > 1, the k
+    most likely tokens by descending log-prob (the sampled one is not necessarily among them).
+    new_input_feature: prompt + completion encoded for training (labels on the completion only)."""
 
     stop_reason: str
     tokens: list[int]
@@ -85,3 +89,6 @@ class SampleResponse(_DictLike):
     sequences: list[SampledSequence] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
+    # With prompt_logprobs = k: per prompt position the k most likely tokens [(token_id, logprob)],
+    # by descending log-prob; None at position 0, which nothing predicts.
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None

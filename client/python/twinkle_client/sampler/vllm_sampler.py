@@ -6,6 +6,11 @@ model.save returned). Each completion comes back with its exact per-token log-pr
 Twinkle's [[(token_id, logprob)], ...] shape), its decoded text, and new_input_feature: prompt +
 completion ready for model.forward_backward, carrying the prompt row's messages (with the
 completion appended as the assistant turn) and user_data for rewards.
+
+sampling_params.logprobs = k > 1 returns the k most likely tokens at each generated position
+instead of the sampled one (Twinkle's top-k shape); prompt_logprobs = k (an int >= 1) adds
+topk_prompt_logprobs, the k most likely tokens at each prompt position. Every log-prob is the
+model's log-softmax of its raw logits, whatever temperature / top_k / top_p shaped the draw.
 """
 
 from __future__ import annotations
@@ -29,6 +34,25 @@ from twinkle_client.manager import TwinkleClient
 from twinkle_client.model._inputs import as_rows
 
 logger = get_logger("twinkle_client")
+
+MAX_TOP_LOGPROBS = 20  # the server's cap on a top-k width
+
+
+def _top_width(value: Any, name: str) -> int:
+    """A top-k width from sampling_params: None/False -> 0, True -> 1, else an int in [0, 20]."""
+    if value is None or value is False:
+        return 0
+    if value is True:
+        return 1
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"sampling_params.{name}: {value!r} must be an int in [0, {MAX_TOP_LOGPROBS}]")
+    return value
+
+
+def _pairs(top: Any) -> list[tuple[int, float]]:
+    return [(int(t), float(lp)) for t, lp in zip(top.token_ids, top.logprobs)]
 
 
 class SampleResponses(list):  # type: ignore[type-arg]
@@ -131,11 +155,12 @@ class vLLMSampler:  # noqa: N801 - Twinkle's name
         if params.repetition_penalty != 1.0:
             raise UnsupportedFeatureError("sampling_params.repetition_penalty is not supported")
         count = int(num_samples) if num_samples != 1 else int(params.num_samples or 1)
+        wire_params = self._params(params, count)  # bad parameters fail before any call
         rows = self._prompt_rows(as_rows(inputs))
         request = spb.SampleRequest(
             sampling_session_id=self._session_for(str(adapter_uri or "")),
             prompts=[spb.Prompt(tokens=to_int_list(r["input_ids"])) for r in rows],
-            params=self._params(params, count),
+            params=wire_params,
             options=tpb.RequestOptions(idempotency_key=uuid.uuid4().hex))
         reply = self._call("Sample", request)
         if len(reply.results) != len(rows):
@@ -158,9 +183,14 @@ class vLLMSampler:  # noqa: N801 - Twinkle's name
 
     @staticmethod
     def _params(params: SamplingParams, count: int) -> spb.SamplingParams:
+        k = _top_width(params.logprobs, "logprobs")
+        prompt_k = _top_width(params.prompt_logprobs, "prompt_logprobs")
+        # logprobs = 1 is the sampled token's own (always returned); only k > 1 asks for top-k.
+        # prompt_logprobs = True asks for the prompt tokens' own only, an int k also for top-k.
         out = spb.SamplingParams(max_tokens=int(params.max_tokens or 0), top_p=float(params.top_p or 0.0),
                                  top_k=max(0, int(params.top_k or 0)), num_samples=count,
-                                 prompt_logprobs=bool(params.prompt_logprobs))
+                                 prompt_logprobs=prompt_k > 0, top_logprobs=k if k > 1 else 0,
+                                 prompt_top_logprobs=0 if params.prompt_logprobs is True else prompt_k)
         out.temperature = float(params.temperature)
         if params.seed is not None:
             out.seed = int(params.seed)
@@ -180,14 +210,21 @@ class vLLMSampler:  # noqa: N801 - Twinkle's name
         sequences = []
         for seq in result.sequences:
             tokens = list(seq.tokens)
+            if len(seq.top_logprobs):  # top-k asked for: Twinkle's shape, sorted by logprob
+                logprobs = [_pairs(top) for top in seq.top_logprobs]
+            else:
+                logprobs = [[(t, float(lp))] for t, lp in zip(tokens, seq.logprobs)]
             sequences.append(SampledSequence(
                 stop_reason=seq.stop_reason or "length",
                 tokens=tokens,
-                logprobs=[[(t, float(lp))] for t, lp in zip(tokens, seq.logprobs)],
+                logprobs=logprobs,
                 decoded=template.decode(tokens, skip_special_tokens=True),
                 new_input_feature=dict(template.concat_input_feature(row, tokens))))
         prompt_logprobs = None
         if params.prompt_logprobs:
             prompt_logprobs = [None if math.isnan(v) else float(v) for v in result.prompt_logprobs]
+        topk_prompt_logprobs = None
+        if len(result.prompt_top_logprobs):  # position 0 predicts nothing: None, as Twinkle has it
+            topk_prompt_logprobs = [_pairs(top) if i > 0 else None for i, top in enumerate(result.prompt_top_logprobs)]
         return SampleResponse(sequences=sequences, prompt_token_ids=to_int_list(row["input_ids"]),
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs)
