@@ -122,6 +122,8 @@ TWINKLE_TINKER_DEF(Sample, SampleRequest, FuturePromise) {
                {"seq_id", request->seq_id()},
                {"num_samples", request->num_samples() > 0 ? request->num_samples() : 1},
                {"prompt_logprobs", request->prompt_logprobs()},
+               {"topk_prompt_logprobs", request->topk_prompt_logprobs()},
+               {"topk_sample_logprobs", request->topk_sample_logprobs()},
                {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", Json(std::vector<int32_t>(
                                                                            request->prompt().begin(),
                                                                            request->prompt().end()))}}}}}}};

@@ -11,6 +11,7 @@
 #include "server/tinker/tinker_api.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
+#include "core/ipc/training_messages.h"
 #include "core/sampling/sampler_coordinator.h"
 
 namespace twinkle::tinker {
@@ -115,6 +116,39 @@ absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const 
 
 namespace {
 
+// What the SDK reads as an empty top-k cell (tinker.types.topk_logprobs.MASK_LOGPROB).
+constexpr int32_t kMaskTokenId = 0;
+constexpr float kMaskLogprob = -99999.0f;
+
+// Tinker's TopkLogprobs (row-major positions x k, int32 ids, float32 logprobs) and its JSON
+// form (per position a list of [token_id, logprob], null for a position without one). Position
+// `skip` (a prompt's first, which nothing predicts; or none) is all mask cells, which the SDK
+// turns into None.
+void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* json,
+               size_t skip = std::numeric_limits<size_t>::max()) {
+  const size_t k = static_cast<size_t>(top.k), n = top.positions();
+  std::vector<int32_t> ids(n * k, kMaskTokenId);
+  std::vector<float> lps(n * k, kMaskLogprob);
+  *json = Json::array();
+  for (size_t i = 0; i < n; ++i) {
+    if (i == skip) {
+      json->push_back(nullptr);
+      continue;
+    }
+    Json row = Json::array();
+    for (size_t j = i * k; j < (i + 1) * k; ++j) {
+      ids[j] = static_cast<int32_t>(top.token_ids[j]);
+      lps[j] = top.logprobs[j];
+      row.push_back({top.token_ids[j], std::isfinite(top.logprobs[j]) ? Json(top.logprobs[j]) : Json(nullptr)});
+    }
+    json->push_back(std::move(row));
+  }
+  proto->set_token_ids(std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t)));
+  proto->set_logprobs(std::string(reinterpret_cast<const char*>(lps.data()), lps.size() * sizeof(float)));
+  proto->set_k(static_cast<uint32_t>(k));
+  proto->set_length(static_cast<uint32_t>(n));
+}
+
 // SampleResponse for one prompt, as protobuf and as JSON.
 Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs) {
   Outcome o;
@@ -127,7 +161,9 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs)
     seq->set_tokens(std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(int32_t)));
     seq->set_logprobs(
         std::string(reinterpret_cast<const char*>(s.logprobs.data()), s.logprobs.size() * sizeof(float)));
-    sequences.push_back({{"tokens", s.tokens}, {"logprobs", FiniteOrNull(s.logprobs)}, {"stop_reason", s.stop_reason}});
+    Json json = {{"tokens", s.tokens}, {"logprobs", FiniteOrNull(s.logprobs)}, {"stop_reason", s.stop_reason}};
+    if (s.top_logprobs.k > 0) EncodeTop(s.top_logprobs, seq->mutable_topk_sampled_logprobs(), &json["topk_logprobs"]);
+    sequences.push_back(std::move(json));
   }
   Json prompt_logprobs = nullptr;
   if (want_prompt_logprobs) {
@@ -136,12 +172,29 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs)
     proto.set_prompt_logprobs(std::string(reinterpret_cast<const char*>(lp.data()), lp.size() * sizeof(float)));
     prompt_logprobs = FiniteOrNull(lp);
   }
+  Json topk_prompt_logprobs = nullptr;
+  if (p.prompt_top_logprobs.k > 0) {
+    EncodeTop(p.prompt_top_logprobs, proto.mutable_topk_prompt_logprobs(), &topk_prompt_logprobs, /*skip=*/0);
+  }
   o.proto = proto.SerializeAsString();
   o.json = {{"type", "sample"},
             {"sequences", std::move(sequences)},
             {"prompt_logprobs", std::move(prompt_logprobs)},
-            {"topk_prompt_logprobs", nullptr}};
+            {"topk_prompt_logprobs", std::move(topk_prompt_logprobs)}};
   return o;
+}
+
+// A top-k width from the asample body: absent or null = 0, else in [0, ipc::kMaxTopLogprobs].
+// (The sampler also caps it at the vocabulary, which only matters for toy models.)
+absl::StatusOr<int64_t> TopkWidth(const Json& body, const char* key) {
+  if (!body.contains(key) || body[key].is_null()) return 0;
+  absl::StatusOr<int64_t> k = GetInt(body, key, 0);
+  if (!k.ok()) return k.status();
+  if (*k < 0 || *k > ipc::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(key, ": ", *k, " must be in [0, ", ipc::kMaxTopLogprobs, "]"));
+  }
+  return *k;
 }
 
 absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_t num_samples, bool prompt_logprobs) {
@@ -195,14 +248,17 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   if (!num_samples.ok()) return num_samples.status();
   if (*num_samples < 1) return absl::InvalidArgumentError("num_samples: must be at least 1");
   const bool want_prompt_lp = GetBool(body, "prompt_logprobs", false).value_or(false);
-  absl::StatusOr<int64_t> topk = GetInt(body, "topk_prompt_logprobs", 0);
-  if (!topk.ok()) return topk.status();
-  if (*topk > 0) return absl::InvalidArgumentError("topk_prompt_logprobs: not supported by this server");
+  absl::StatusOr<int64_t> topk_prompt = TopkWidth(body, "topk_prompt_logprobs");
+  if (!topk_prompt.ok()) return topk_prompt.status();
+  absl::StatusOr<int64_t> topk_sample = TopkWidth(body, "topk_sample_logprobs");
+  if (!topk_sample.ok()) return topk_sample.status();
   if (!body.contains("prompt")) return absl::InvalidArgumentError("prompt: missing");
   absl::StatusOr<std::vector<int64_t>> prompt = TokensFromModelInput(body["prompt"], "prompt");
   if (!prompt.ok()) return prompt.status();
   absl::StatusOr<sampling::SamplingParams> params = ParamsFromJson(body, *num_samples, want_prompt_lp);
   if (!params.ok()) return params.status();
+  params->prompt_top_logprobs = *topk_prompt;
+  params->top_logprobs = *topk_sample;
   absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
   if (!session.ok()) return session.status();
   const training::TenantContext context = ContextOf(tenant);
