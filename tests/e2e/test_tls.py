@@ -9,7 +9,9 @@ with server.tls.client_ca_file, only clients presenting a certificate from that 
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,3 +248,33 @@ def test_mutual_tls_requires_a_client_certificate(launch_server: LaunchServer, p
             cert=(str(pki.rogue_client_cert), str(pki.rogue_client_key)),
             timeout=scaled(5),
         )
+
+
+TINKER_OVER_HTTPS = """
+import sys
+import tinker
+from tinker import types
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-tls-check")
+made = service.create_lora_training_client(base_model="tiny-qwen3", rank=4)
+training = made.result() if hasattr(made, "result") and not hasattr(made, "forward_backward") else made
+seq = [11, 42, 7, 99, 123, 5]
+datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
+out = training.forward_backward([datum], "cross_entropy").result()
+logprobs = out.loss_fn_outputs[0]["logprobs"].tolist()
+print("LOSS", out.metrics["loss:sum"], "SUM", -sum(logprobs))
+"""
+
+
+def test_tinker_sdk_trains_over_https(launch_server: LaunchServer, pki: Pki, tmp_path: Path) -> None:
+    """The unmodified tinker SDK over the TLS HTTP port, trusting our CA through
+    SSL_CERT_FILE (httpx reads it), in its own process so no other test sees that variable."""
+    server = _start_tls(launch_server, pki, client_ca=False)
+    script = tmp_path / "tinker_https.py"
+    script.write_text(TINKER_OVER_HTTPS)
+    env = {**os.environ, "SSL_CERT_FILE": str(pki.ca_cert), "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}
+    done = subprocess.run([sys.executable, str(script), _https(server, "")], env=env, capture_output=True,
+                          text=True, timeout=scaled(120), check=False)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}\n{server.logs()}"
+    loss, total = (float(v) for v in done.stdout.split()[1::2])
+    assert loss > 0 and abs(loss - total) <= 1e-4 * loss
