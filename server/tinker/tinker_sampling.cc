@@ -1,6 +1,7 @@
 // TinkerApi: sampler saves, sampling sessions and asample, over core/sampling's
 // SamplerCoordinator (sessions on the base model, on a checkpoint path, or on a live snapshot
 // of a training adapter).
+#include <algorithm>
 #include <any>
 #include <cmath>
 #include <limits>
@@ -121,17 +122,16 @@ constexpr int32_t kMaskTokenId = 0;
 constexpr float kMaskLogprob = -99999.0f;
 
 // Tinker's TopkLogprobs (row-major positions x k, int32 ids, float32 logprobs) and its JSON
-// form (per position a list of [token_id, logprob], null for a position without one). Position
-// `skip` (a prompt's first, which nothing predicts; or none) is all mask cells, which the SDK
-// turns into None.
-void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* json,
-               size_t skip = std::numeric_limits<size_t>::max()) {
+// form (per position a list of [token_id, logprob], null for a position without one). The
+// positions before `first_scored` (a prompt's first, which nothing predicts, and those
+// prompt_logprobs_last_n leaves out) are all mask cells, which the SDK turns into None.
+void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* json, size_t first_scored = 0) {
   const size_t k = static_cast<size_t>(top.k), n = top.positions();
   std::vector<int32_t> ids(n * k, kMaskTokenId);
   std::vector<float> lps(n * k, kMaskLogprob);
   *json = Json::array();
   for (size_t i = 0; i < n; ++i) {
-    if (i == skip) {
+    if (i < first_scored) {
       json->push_back(nullptr);
       continue;
     }
@@ -149,8 +149,9 @@ void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* 
   proto->set_length(static_cast<uint32_t>(n));
 }
 
-// SampleResponse for one prompt, as protobuf and as JSON.
-Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs) {
+// SampleResponse for one prompt, as protobuf and as JSON. Prompt positions before
+// `first_scored` (>= 1: position 0 has no context) get no prompt log-probs.
+Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs, size_t first_scored) {
   Outcome o;
   v1::SampleResponse proto;
   Json sequences = Json::array();
@@ -168,13 +169,14 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs)
   Json prompt_logprobs = nullptr;
   if (want_prompt_logprobs) {
     std::vector<float> lp = p.prompt_logprobs;
-    if (!lp.empty()) lp[0] = std::numeric_limits<float>::quiet_NaN();
+    std::fill(lp.begin(), lp.begin() + static_cast<std::ptrdiff_t>(std::min(first_scored, lp.size())),
+              std::numeric_limits<float>::quiet_NaN());
     proto.set_prompt_logprobs(std::string(reinterpret_cast<const char*>(lp.data()), lp.size() * sizeof(float)));
     prompt_logprobs = FiniteOrNull(lp);
   }
   Json topk_prompt_logprobs = nullptr;
   if (p.prompt_top_logprobs.k > 0) {
-    EncodeTop(p.prompt_top_logprobs, proto.mutable_topk_prompt_logprobs(), &topk_prompt_logprobs, /*skip=*/0);
+    EncodeTop(p.prompt_top_logprobs, proto.mutable_topk_prompt_logprobs(), &topk_prompt_logprobs, first_scored);
   }
   o.proto = proto.SerializeAsString();
   o.json = {{"type", "sample"},
@@ -195,6 +197,24 @@ absl::StatusOr<int64_t> TopkWidth(const Json& body, const char* key) {
         absl::StrCat(key, ": ", *k, " must be in [0, ", ipc::kMaxTopLogprobs, "]"));
   }
   return *k;
+}
+
+// Request fields of newer SDKs that this server does not serve: refused when set, never
+// silently dropped (their defaults, which every request carries, pass).
+absl::Status RefuseUnservedSampleFields(const Json& body) {
+  if (body.contains("target_prompt_logprobs") && !body["target_prompt_logprobs"].is_null()) {
+    return absl::InvalidArgumentError("target_prompt_logprobs: not supported by this server");
+  }
+  if (body.contains("prompt_alt_tokens_k") && !body["prompt_alt_tokens_k"].is_null()) {
+    absl::StatusOr<int64_t> k = GetInt(body, "prompt_alt_tokens_k", 0);
+    if (!k.ok()) return k.status();
+    if (*k != 0) return absl::InvalidArgumentError("prompt_alt_tokens_k: not supported by this server (use 0)");
+  }
+  if (body.contains("record_stability_info") && body["record_stability_info"].is_boolean() &&
+      body["record_stability_info"].get<bool>()) {
+    return absl::InvalidArgumentError("record_stability_info: not supported by this server");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_t num_samples, bool prompt_logprobs) {
@@ -252,9 +272,25 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   if (!topk_prompt.ok()) return topk_prompt.status();
   absl::StatusOr<int64_t> topk_sample = TopkWidth(body, "topk_sample_logprobs");
   if (!topk_sample.ok()) return topk_sample.status();
+  if (absl::Status s = RefuseUnservedSampleFields(body); !s.ok()) return s;
   if (!body.contains("prompt")) return absl::InvalidArgumentError("prompt: missing");
   absl::StatusOr<std::vector<int64_t>> prompt = TokensFromModelInput(body["prompt"], "prompt");
   if (!prompt.ok()) return prompt.status();
+  // prompt_logprobs_last_n: only the last n prompt positions are scored (1 <= n <= P - 1).
+  size_t first_scored = 1;
+  if (body.contains("prompt_logprobs_last_n") && !body["prompt_logprobs_last_n"].is_null()) {
+    absl::StatusOr<int64_t> last_n = GetInt(body, "prompt_logprobs_last_n", 0);
+    if (!last_n.ok()) return last_n.status();
+    const int64_t scorable = static_cast<int64_t>(prompt->size()) - 1;
+    if (!want_prompt_lp && *topk_prompt == 0) {
+      return absl::InvalidArgumentError("prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs");
+    }
+    if (*last_n < 1 || *last_n > scorable) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_logprobs_last_n: ", *last_n, " must be in [1, ",
+                                                     scorable, "] (the prompt has ", prompt->size(), " tokens)"));
+    }
+    first_scored = static_cast<size_t>(scorable - *last_n + 1);
+  }
   absl::StatusOr<sampling::SamplingParams> params = ParamsFromJson(body, *num_samples, want_prompt_lp);
   if (!params.ok()) return params.status();
   params->prompt_top_logprobs = *topk_prompt;
@@ -288,10 +324,10 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   for (int64_t i = 0; i < *num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  Attach(entry, *id, [want_prompt_lp](const std::any& value) {
+  Attach(entry, *id, [want_prompt_lp, first_scored](const std::any& value) {
     const sampling::SampleOutput& out = std::any_cast<const sampling::SampleOutput&>(value);
     if (out.prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-    return EncodeSample(out.prompts[0], want_prompt_lp);
+    return EncodeSample(out.prompts[0], want_prompt_lp, first_scored);
   });
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);

@@ -49,10 +49,15 @@ def rl_datum(seq: list[int], logprobs: list[float], advantages: list[float]) -> 
     )
 
 
+def resolved(made: Any) -> Any:
+    """A training or sampling client from a create_* call, awaited: 0.38 returns a future
+    that still proxies the client's methods, with a deprecation warning."""
+    return made.result() if hasattr(made, "result") else made  # the clients have no result()
+
+
 def lora_client(svc: tinker.ServiceClient, rank: int = 8) -> Any:
-    """create_lora_training_client, awaited (0.38 returns a future)."""
-    made = svc.create_lora_training_client(base_model=MODEL_NAME, rank=rank)
-    return made.result() if hasattr(made, "result") and not hasattr(made, "forward_backward") else made
+    """create_lora_training_client, awaited."""
+    return resolved(svc.create_lora_training_client(base_model=MODEL_NAME, rank=rank))
 
 
 def logprobs_of(result: Any) -> list[np.ndarray]:
@@ -133,7 +138,7 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
 
     # A new model restored from the checkpoint (weights_info → create_model → load_weights).
     made = svc.create_training_client_from_state(saved.path)
-    restored_client = made.result() if hasattr(made, "result") and not hasattr(made, "forward") else made
+    restored_client = resolved(made)
     assert restored_client.get_info().lora_rank == 8
     from_state = logprobs_of(restored_client.forward(sft, "cross_entropy").result())[0]
     np.testing.assert_array_equal(from_state, after_save)
@@ -142,6 +147,12 @@ def test_training_losses_forward_save_load(tinker_server: ServerProcess) -> None
     restored_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     np.testing.assert_array_equal(logprobs_of(restored_client.forward(sft, "cross_entropy").result())[0],
                                   fresh_step)
+    # ... and one created with the optimizer (what the SDK now recommends over load_state*)
+    # takes the saved run's own next step.
+    with_optimizer = resolved(svc.create_training_client_from_state_with_optimizer(saved.path))
+    with_optimizer.forward_backward(sft, "cross_entropy").result()
+    with_optimizer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_array_equal(logprobs_of(with_optimizer.forward(sft, "cross_entropy").result())[0], moved)
 
 
 def test_unknown_loss_fails_the_future_as_a_user_error(tinker_server: ServerProcess) -> None:
@@ -162,7 +173,7 @@ def test_sampling_snapshot_seed_stop_and_compute_logprobs(tinker_server: ServerP
     training.forward_backward([datum(SEQ)], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = resolved(training.save_weights_and_get_sampling_client())
     prompt = types.ModelInput.from_ints(SEQ[:4])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
     first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
@@ -195,7 +206,7 @@ def test_sampling_snapshot_seed_stop_and_compute_logprobs(tinker_server: ServerP
     path = training.save_weights_for_sampler("s1").result().path
     assert path.endswith("/sampler_weights/s1")
     by_path = svc.create_sampling_client(model_path=path)
-    by_path = by_path.result() if hasattr(by_path, "result") and not hasattr(by_path, "sample") else by_path
+    by_path = resolved(by_path)
     lp_by_path = by_path.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     np.testing.assert_allclose(np.asarray(lp_by_path[1:], dtype=np.float64), fwd, atol=1e-5, rtol=0)
 
@@ -205,7 +216,7 @@ def test_rl_loop_importance_sampling(tinker_server: ServerProcess) -> None:
     training = lora_client(svc, rank=8)
     prompt = SEQ[:4]
     for iteration in range(3):
-        sampler = training.save_weights_and_get_sampling_client()
+        sampler = resolved(training.save_weights_and_get_sampling_client())
         result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4,
                                 sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0,
                                                                      seed=100 + iteration)).result()
@@ -281,10 +292,10 @@ def test_error_paths(tinker_server: ServerProcess) -> None:
     svc = service(tinker_server, KEYS["alice"])
     with pytest.raises(tinker.BadRequestError):
         made = svc.create_lora_training_client(base_model="no-such-model", rank=4)
-        made.result() if hasattr(made, "result") else made
+        resolved(made)
     with pytest.raises(tinker.BadRequestError):
         made = svc.create_lora_training_client(base_model=MODEL_NAME, rank=4096)
-        made.result() if hasattr(made, "result") else made
+        resolved(made)
 
     training = lora_client(svc, rank=4)
     with pytest.raises(tinker.RequestFailedError) as err:

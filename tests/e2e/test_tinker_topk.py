@@ -21,7 +21,7 @@ from tinker import types  # noqa: E402
 
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
 from e2e_support.training import KEYS, auth_overrides  # noqa: E402
-from test_tinker_sdk import MODEL_NAME, SEQ, datum, lora_client, service  # noqa: E402
+from test_tinker_sdk import MODEL_NAME, SEQ, datum, lora_client, resolved, service  # noqa: E402
 
 TOL = 1e-5
 MASK_LOGPROB = -99999.0  # the SDK's empty cell
@@ -64,7 +64,7 @@ def test_topk_prompt_and_sample_logprobs_match_transformers(tinker_server: Serve
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = training.save_weights_for_sampler("topk").result().path
     sampler = svc.create_sampling_client(model_path=path)
-    sampler = sampler.result() if hasattr(sampler, "result") and not hasattr(sampler, "sample") else sampler
+    sampler = resolved(sampler)
     (checkpoint,) = (tmp_path / "data").rglob("sampler_weights/topk/adapter_config.json")
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(checkpoint.parent)).eval()
@@ -103,10 +103,27 @@ def test_topk_prompt_and_sample_logprobs_match_transformers(tinker_server: Serve
                            sampling_params=types.SamplingParams(max_tokens=1)).result()
     assert plain.topk_prompt_logprobs is None and plain.sequences[0].topk_logprobs is None
 
-    # Too wide: a user error naming the field.
-    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
-        sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
-                       sampling_params=types.SamplingParams(max_tokens=1), topk_prompt_logprobs=21).result()
+    # prompt_logprobs_last_n: only the last n positions are scored, with the same numbers.
+    last = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
+                          sampling_params=types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                          topk_prompt_logprobs=4, prompt_logprobs_last_n=2).result()
+    cut = len(prompt) - 2
+    assert last.prompt_logprobs[:cut] == [None] * cut and last.prompt_logprobs[cut:] == out.prompt_logprobs[cut:]
+    assert last.topk_prompt_logprobs[:cut] == [None] * cut
+    assert last.topk_prompt_logprobs[cut:] == top[cut:]
+
+    # Too wide, out of range, or not served: a user error naming the field, never ignored.
+    one = types.SamplingParams(max_tokens=1)
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs"),
+        ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(prompt)}, "prompt_logprobs_last_n"),
+        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+        ({"target_prompt_logprobs": types.TensorData(data=[1] * (len(prompt) - 1), dtype="int64",
+                                                      shape=[len(prompt) - 1, 1])}, "target_prompt_logprobs"),
+    ]
+    for kwargs, field in refused:
+        with pytest.raises(tinker.BadRequestError, match=field):
+            sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=one, **kwargs).result()
     print(f"tinker SDK top-k vs transformers+PEFT: largest logprob difference {worst:.2e}")
 
 

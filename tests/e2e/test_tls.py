@@ -256,7 +256,7 @@ import tinker
 from tinker import types
 service = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-tls-check")
 made = service.create_lora_training_client(base_model="tiny-qwen3", rank=4)
-training = made.result() if hasattr(made, "result") and not hasattr(made, "forward_backward") else made
+training = made.result() if hasattr(made, "result") else made
 seq = [11, 42, 7, 99, 123, 5]
 datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
                     loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
