@@ -204,9 +204,13 @@ struct SampleRowMsg {
   // 0 = off and costs nothing; at most min(vocab, kMaxTopLogprobs).
   int64_t top_logprobs = 0;
   int64_t prompt_top_logprobs = 0;
+  // sample_step only: every reply lists the tokens each running sample of this row made since
+  // the last reply (SampleStepReply.progress), so the coordinator can match stop strings
+  // while the row decodes and end a sample early (SampleStepRequest.stop).
+  bool report_tokens = false;
   MSGPACK_DEFINE_MAP(adapter_id, prompt_tokens, max_tokens, temperature, top_p, top_k,
                      stop_token_ids, seed, num_samples, want_prompt_logprobs, top_logprobs,
-                     prompt_top_logprobs);
+                     prompt_top_logprobs, report_tokens);
 };
 struct SampleRequest {
   std::vector<SampleRowMsg> rows;
@@ -253,12 +257,28 @@ struct SampleAdmitMsg {
   SampleRowMsg row;
   MSGPACK_DEFINE_MAP(request_id, row);
 };
+// One sample of a running request, by its index in the request (0 .. num_samples - 1).
+struct SampleRefMsg {
+  uint64_t request_id = 0;
+  int64_t sample = 0;
+  MSGPACK_DEFINE_MAP(request_id, sample);
+};
 struct SampleStepRequest {
   std::vector<SampleAdmitMsg> admit;  // prefilled in this call, in order, while blocks last
   std::vector<uint64_t> cancel;       // dropped (blocks freed) before anything else
+  // Ended now, after the cancels, with stop_reason "stop" and the tokens they have (a stop
+  // string matched); their blocks go back. Unknown or finished samples are ignored.
+  std::vector<SampleRefMsg> stop;
   int64_t max_decode_steps = 8;       // decode steps after admission; 0 = admit/prefill only
   bool reset = false;                 // drop every running request first (coordinator lost track)
-  MSGPACK_DEFINE_MAP(admit, cancel, max_decode_steps, reset);
+  MSGPACK_DEFINE_MAP(admit, cancel, stop, max_decode_steps, reset);
+};
+// The tokens a running sample of a report_tokens row made since the previous reply.
+struct SampleProgressMsg {
+  uint64_t request_id = 0;
+  int64_t sample = 0;
+  std::vector<int64_t> tokens;
+  MSGPACK_DEFINE_MAP(request_id, sample, tokens);
 };
 struct SampleFinishedMsg {
   uint64_t request_id = 0;
@@ -274,12 +294,13 @@ struct SampleStepReply {
   std::vector<SampleFinishedMsg> finished;  // done this call (stop or length); blocks freed
   std::vector<SampleRejectedMsg> rejected;  // can never run (or its adapter was removed)
   std::vector<uint64_t> deferred;           // valid, no free blocks now: resubmit later, in order
+  std::vector<SampleProgressMsg> progress;  // report_tokens rows still running: their new tokens
   int64_t running = 0;                      // requests still decoding after this call
   int64_t blocks_in_use = 0;
   int64_t blocks_total = 0;
   int64_t block_size = 0;
-  MSGPACK_DEFINE_MAP(finished, rejected, deferred, running, blocks_in_use, blocks_total,
-                     block_size);
+  MSGPACK_DEFINE_MAP(finished, rejected, deferred, progress, running, blocks_in_use,
+                     blocks_total, block_size);
 };
 
 }  // namespace twinkle::ipc

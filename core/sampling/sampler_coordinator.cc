@@ -144,6 +144,10 @@ struct SamplerCoordinator::Row {
   std::shared_ptr<Request> request;
   size_t prompt_index = 0;
   uint64_t engine_id = 0;
+  // Rows with stop strings (decode thread only): each sample's tokens so far, from the
+  // engine's progress reports, and whether it has been told to stop.
+  std::vector<std::vector<int64_t>> partial;
+  std::vector<bool> stop_sent;
 };
 
 SamplerCoordinator::SamplerCoordinator(SamplerOptions options, training::EngineLink& engine,
@@ -621,6 +625,7 @@ void SamplerCoordinator::DecodeLoop() {
       if (generation_ != 0) LogWarning(kLog, "engine restarted: replaying the running sampling requests");
       generation_ = gen;
       reset_engine_ = true;
+      early_stops_.clear();  // the replayed rows start over
       absl::MutexLock lock(&mu_);
       std::vector<std::shared_ptr<Row>> replay;
       for (auto& [id, row] : running_) replay.push_back(row);  // by engine id = arrival order
@@ -637,6 +642,8 @@ void SamplerCoordinator::DecodeLoop() {
     std::vector<std::string> buffers;
     step.reset = reset_engine_;
     step.cancel = std::move(cancel);
+    for (const auto& [id, sample] : early_stops_) step.stop.push_back({id, sample});
+    early_stops_.clear();
     step.max_decode_steps = options_.max_decode_steps_per_call;
     std::map<uint64_t, std::shared_ptr<Row>> admitted;
     for (const std::shared_ptr<Row>& row : admit) {
@@ -670,6 +677,13 @@ void SamplerCoordinator::DecodeLoop() {
       r.want_prompt_logprobs = request.params.prompt_logprobs;
       r.top_logprobs = request.params.top_logprobs;
       r.prompt_top_logprobs = request.params.prompt_top_logprobs;
+      // Stop strings are matched on the decoded text as tokens arrive (the progress loop below);
+      // the final result is cut again in Collect, so the early stop only saves decoding.
+      r.report_tokens = !request.params.stop_strings.empty() && token_text_.has_value();
+      if (r.report_tokens) {
+        row->partial.assign(request.params.num_samples, {});
+        row->stop_sent.assign(request.params.num_samples, false);
+      }
       step.admit.push_back(std::move(msg));
       admitted.emplace(row->engine_id, row);
     }
@@ -693,6 +707,7 @@ void SamplerCoordinator::DecodeLoop() {
     std::set<uint64_t> deferred(body->deferred.begin(), body->deferred.end());
     std::vector<std::pair<std::shared_ptr<Row>, std::string>> rejected;
     std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleRowResultMsg*>> finished;
+    std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleProgressMsg*>> progress;
     {
       absl::MutexLock lock(&mu_);
       // Admitted rows leave the waiting line (deferred ones stay, in order).
@@ -714,9 +729,22 @@ void SamplerCoordinator::DecodeLoop() {
           running_.erase(it);
         }
       }
+      for (const ipc::SampleProgressMsg& m : body->progress) {
+        if (auto it = running_.find(m.request_id); it != running_.end()) progress.emplace_back(it->second, &m);
+      }
       engine_stats_.blocks_in_use = body->blocks_in_use;
       engine_stats_.blocks_total = body->blocks_total;
       engine_stats_.block_size = body->block_size;
+    }
+    for (auto& [row, m] : progress) {
+      const size_t sample = static_cast<size_t>(m->sample);
+      if (sample >= row->partial.size() || row->stop_sent[sample]) continue;
+      std::vector<int64_t>& tokens = row->partial[sample];
+      tokens.insert(tokens.end(), m->tokens.begin(), m->tokens.end());
+      if (token_text_->TokensThroughFirstStop(tokens, row->request->params.stop_strings)) {
+        row->stop_sent[sample] = true;
+        early_stops_.emplace_back(row->engine_id, m->sample);
+      }
     }
     for (auto& [row, error] : rejected) Finish(*row->request, absl::InvalidArgumentError(error));
     int64_t generated = 0;
@@ -724,10 +752,13 @@ void SamplerCoordinator::DecodeLoop() {
       for (const ipc::SampledSequenceMsg& s : result->samples) {
         generated += s.tokens.shape.empty() ? 0 : s.tokens.shape[0];
       }
-      Collect(*row, *result, reply->buffers);
     }
-    absl::MutexLock lock(&mu_);
-    engine_stats_.tokens_generated += generated;
+    {
+      // Counted before the futures complete, so a caller who has its result sees it counted.
+      absl::MutexLock lock(&mu_);
+      engine_stats_.tokens_generated += generated;
+    }
+    for (auto& [row, result] : finished) Collect(*row, *result, reply->buffers);
   }
   // Shutting down: nothing more will run.
   std::vector<std::shared_ptr<Request>> pending;

@@ -222,6 +222,9 @@ class SamplerCoordinator {
   // Decode thread only.
   uint64_t generation_ = 0;
   bool reset_engine_ = false;
+  // (engine request id, sample) whose tokens so far contain a stop string: the next
+  // sample_step ends them, so they stop decoding within one chunk of the match.
+  std::vector<std::pair<uint64_t, int64_t>> early_stops_;
 };
 
 }  // namespace twinkle::sampling

@@ -307,6 +307,17 @@ def test_seeds_samples_and_stops(launch_server: LaunchServer, tiny_model: Path) 
     assert list(by_string.tokens) == list(greedy.tokens[:ends]) and by_string.stop_reason == "stop"
     assert len(by_string.logprobs) == len(by_string.tokens)
 
+    # The match ends decoding early: the engine stops each sample within one decode chunk
+    # (sampler.max_decode_steps_per_call = 8) of it, rather than running on to max_tokens.
+    before = prom.value(metrics(server), "twinkle_sampler_tokens_total")
+    long = s.sample(base, prompts[:1], max_tokens=300, temperature=0.0, stop=[stop], ignore_eos=True,
+                    num_samples=2).results[0]
+    decoded = prom.value(metrics(server), "twinkle_sampler_tokens_total") - before
+    print(f"stop string with max_tokens 300: {decoded:.0f} tokens decoded for 2 samples of {ends}")
+    for seq in long.sequences:
+        assert list(seq.tokens) == list(greedy.tokens[:ends]) and seq.stop_reason == "stop"
+    assert 2 * ends <= decoded <= 2 * (ends + 8)
+
 
 # ---- tenancy, bad input, and what is freed ----------------------------------------------------
 

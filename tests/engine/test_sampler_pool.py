@@ -105,9 +105,10 @@ def tokens_of(result: dict[str, Any]) -> list[list[int]]:
 
 
 def step(engine: Engine, admit: list[tuple[int, dict[str, Any]]] | None = None, cancel: list[int] | None = None,
-         steps: int = 8, reset: bool = False) -> dict[str, Any]:
+         steps: int = 8, reset: bool = False, stop: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     return engine.call("sample_step", {"admit": [{"request_id": i, "row": r} for i, r in admit or []],
-                                       "cancel": cancel or [], "max_decode_steps": steps, "reset": reset})
+                                       "cancel": cancel or [], "max_decode_steps": steps, "reset": reset,
+                                       "stop": [{"request_id": i, "sample": s} for i, s in stop or []]})
 
 
 def drain(engine: Engine, reply: dict[str, Any], results: dict[int, Any], steps: int = 8) -> dict[str, Any]:
@@ -425,8 +426,8 @@ def test_fifo_deferral_reset_cancel_and_stats(engine: Engine, reference_models: 
     model_dir = reference_models / "qwen2"
     load(engine, model_dir, kv_cache_blocks=19, kv_block_size=8)
     stats = step(engine, steps=0)
-    assert stats == {"finished": [], "rejected": [], "deferred": [], "running": 0, "blocks_in_use": 0,
-                     "blocks_total": 19, "block_size": 8}
+    assert stats == {"finished": [], "rejected": [], "deferred": [], "progress": [], "running": 0,
+                     "blocks_in_use": 0, "blocks_total": 19, "block_size": 8}
     p = torch.arange(5, 21)  # 16 tokens = 2 full blocks, shared by the samples
     big = row("", p, max_tokens=40, num_samples=3)   # 2 + 3 x 5 = 17 blocks
     small = row("", p, max_tokens=8)                 # 2 + 1 = 3 blocks
@@ -453,6 +454,39 @@ def test_fifo_deferral_reset_cancel_and_stats(engine: Engine, reference_models: 
     reply = step(engine, [(5, row("", p, max_tokens=0, want_prompt_logprobs=True))], steps=0)
     assert reply["finished"][0]["result"]["samples"][0]["tokens"].numel() == 0
     assert reply["finished"][0]["result"]["prompt_logprobs"].shape == (15,) and reply["blocks_in_use"] == 0
+
+
+def test_reported_tokens_and_early_stop_of_one_sample(engine: Engine, reference_models: Path) -> None:
+    """report_tokens rows report each call's new tokens per sample; stopping one sample (what
+    the coordinator does when a stop string matches) ends it as "stop" with the tokens it has
+    and frees its blocks, while its sibling decodes on to the tokens it makes alone."""
+    load(engine, reference_models / "qwen3", kv_cache_blocks=64, kv_block_size=4)
+    p = torch.arange(3, 13)  # 10 tokens: 2 shared full blocks
+    sampled = row("", p, max_tokens=20, temperature=1.0, seed=5, num_samples=2)
+    reference: dict[int, Any] = {}
+    drain(engine, step(engine, [(1, sampled)], steps=20), reference)
+    full = tokens_of(reference[1])
+    assert all(len(t) == 20 for t in full)
+
+    watched = {**sampled, "report_tokens": True}
+    reply = step(engine, [(2, watched), (3, sampled)], steps=3)  # prefill token + 3 decode steps
+    seen = {(m["request_id"], m["sample"]): list(m["tokens"]) for m in reply["progress"]}
+    assert seen == {(2, 0): full[0][:4], (2, 1): full[1][:4]}  # nothing for the unwatched row
+    in_use = reply["blocks_in_use"]
+    reply = step(engine, steps=2, stop=[(2, 0), (99, 0), (2, 7)])  # unknown ones are ignored
+    assert [(m["request_id"], m["sample"], list(m["tokens"])) for m in reply["progress"]] == [(2, 1, full[1][4:6])]
+    # Sample 0's own blocks (beyond the 2 shared ones) went back: ceil(30/4) - 2 = 6.
+    assert reply["blocks_in_use"] == in_use - 6
+    results: dict[int, Any] = {}
+    drain(engine, reply, results, steps=20)
+    assert tokens_of(results[2]) == [full[0][:4], full[1]] and tokens_of(results[3]) == full
+    assert [s["stop_reason"] for s in results[2]["samples"]] == ["stop", "length"]
+    assert results[2]["samples"][0]["logprobs"].numel() == 4
+    # Stopping every sample finishes the request in that call.
+    reply = step(engine, [(4, watched)], steps=1)
+    reply = step(engine, steps=0, stop=[(4, 0), (4, 1)])
+    assert [f["request_id"] for f in reply["finished"]] == [4] and reply["blocks_in_use"] == 0
+    assert tokens_of(reply["finished"][0]["result"]) == [full[0][:2], full[1][:2]]
 
 
 def test_sampling_survives_interleaved_training_and_adapter_removal(engine: Engine, reference_models: Path) -> None:

@@ -107,6 +107,7 @@ struct SampleSeq {
   std::vector<float> top_lps;
   std::string stop_reason;
   bool done = false;
+  size_t reported = 0;  // tokens already sent as progress (report_tokens rows)
 };
 
 struct GenRequest {
@@ -352,8 +353,7 @@ class GenerationBatch {
         seqs.push_back({&s.table.blocks(), s.length, 1});
       }
     }
-    std::vector<RequestPtr> finished;
-    if (active.empty()) return finished;
+    if (active.empty()) return {};
     const bool cpu = device_.is_cpu();
     const LoraSegmentsFn lora = [&](int64_t layer, LinearKind kind, const at::Tensor&) {
       // One segment per sequence, also for neighbours on the same adapter: a segment's
@@ -386,7 +386,12 @@ class GenerationBatch {
       ++active[i].seq->length;
       Advance(*active[i].request, *active[i].seq, logits, lse, static_cast<int64_t>(i));
     }
-    std::vector<RequestPtr> still;
+    return TakeDone();
+  }
+
+  // Takes the requests whose samples have all finished out of the batch.
+  std::vector<RequestPtr> TakeDone() {
+    std::vector<RequestPtr> finished, still;
     for (RequestPtr& r : running_) {
       if (r->done()) {
         finished.push_back(std::move(r));
@@ -396,6 +401,32 @@ class GenerationBatch {
     }
     running_ = std::move(still);
     return finished;
+  }
+
+  // Ends one running sample as "stop" with the tokens it has (its blocks go back now). The
+  // request leaves the batch at the next TakeDone once all its samples are done.
+  void StopSample(uint64_t id, int64_t sample) {
+    for (RequestPtr& r : running_) {
+      if (r->id != id) continue;
+      if (sample >= 0 && sample < static_cast<int64_t>(r->samples.size()) && !r->samples[sample].done) {
+        Finish(r->samples[sample], "stop");
+      }
+      return;
+    }
+  }
+
+  // The tokens each running sample of a report_tokens request made since the last report.
+  void ReportProgress(std::vector<ipc::SampleProgressMsg>& out) {
+    for (RequestPtr& r : running_) {
+      if (!r->row.report_tokens) continue;
+      for (size_t s = 0; s < r->samples.size(); ++s) {
+        SampleSeq& seq = r->samples[s];
+        if (seq.done || seq.reported == seq.tokens.size()) continue;
+        out.push_back({r->id, static_cast<int64_t>(s),
+                       std::vector<int64_t>(seq.tokens.begin() + seq.reported, seq.tokens.end())});
+        seq.reported = seq.tokens.size();
+      }
+    }
   }
 
   bool Cancel(uint64_t id) {
@@ -614,10 +645,11 @@ absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
     pending_rejected_.clear();
   }
   for (uint64_t id : req->cancel) running_->Cancel(id);
+  for (const ipc::SampleRefMsg& stop : req->stop) running_->StopSample(stop.request_id, stop.sample);
   body.rejected = std::move(pending_rejected_);
   pending_rejected_.clear();
 
-  std::vector<RequestPtr> finished;
+  std::vector<RequestPtr> finished = running_->TakeDone();
   // Admission, FIFO: once one request waits for blocks, every later one waits too.
   std::vector<RequestPtr> admitted;
   std::set<uint64_t> seen;
@@ -670,6 +702,7 @@ absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
     if (!result.ok()) return result.status();
     body.finished.push_back({r->id, *std::move(result)});
   }
+  running_->ReportProgress(body.progress);
   body.running = running_->running();
   body.blocks_in_use = pool_->in_use();
   body.blocks_total = pool_->total();

@@ -40,8 +40,9 @@
 //                are done, in a private batch (so it never touches the sample_step batch,
 //                but shares the pool with it).
 //   sample_step  the coordinator's continuous batch (ipc::SampleStepRequest): cancels,
-//                FIFO admission (rejected / deferred / admitted), up to max_decode_steps
-//                steps, finished results. With nothing to admit and max_decode_steps 0 it
+//                early stops of single samples (a stop string the coordinator matched on
+//                the tokens report_tokens rows report each call), FIFO admission (rejected /
+//                deferred / admitted), up to max_decode_steps steps, finished results. With nothing to admit and max_decode_steps 0 it
 //                does no work and only reports the cache occupancy (the stats call).
 // Removing an adapter drops its running sample_step requests; the next sample_step reply
 // reports each as rejected with error "adapter removed". Running requests use their
