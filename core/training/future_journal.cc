@@ -106,9 +106,18 @@ void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, co
   r.id = id;
   r.tenant = tenant;
   r.created = r.updated = absl::Now();
-  if (result.ok()) {
+  if (result.ok() && std::any_cast<OpOutput>(&*result) != nullptr) {
     r.state = "done";
-    if (const OpOutput* out = std::any_cast<OpOutput>(&*result)) r.result = OpOutputToJson(*out);
+    r.result = OpOutputToJson(*std::any_cast<OpOutput>(&*result));
+  } else if (result.ok()) {
+    // Results of other kinds (sampling outputs, sampling sessions) are served from memory
+    // only; the journal is read once that is gone (a restart, or past future_retention_s), so
+    // it records why the result cannot be had rather than an empty training result.
+    r.state = "failed";
+    r.error_code = static_cast<int32_t>(absl::StatusCode::kNotFound);
+    r.error_message =
+        "this operation finished, but its result is kept in memory only and is gone (the server restarted "
+        "or sessions.future_retention_s passed): submit it again";
   } else {
     r.state = "failed";
     r.error_code = static_cast<int32_t>(result.status().code());

@@ -1,0 +1,91 @@
+#include "core/training/future_journal.h"
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/registry/registry.h"
+
+namespace twinkle::training {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A registry file of its own per test, opened again for each "boot" as a restarted server does.
+class FutureJournalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::unique_ptr<registry::Registry> OpenRegistry() {
+    absl::StatusOr<std::unique_ptr<registry::Registry>> r = registry::Registry::Open((dir_ / "r.sqlite").string());
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *std::move(r) : nullptr;
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(FutureJournalTest, ResultsOutliveARestartAndUnfinishedOnesReportTheRestart) {
+  uint64_t training_id = 0, sampling_id = 0, in_flight_id = 0, failed_id = 0;
+  {
+    std::unique_ptr<registry::Registry> registry = OpenRegistry();
+    absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+    ASSERT_TRUE(journal.ok()) << journal.status();
+    training_id = (*journal)->first_id();
+    sampling_id = training_id + 1;
+    in_flight_id = training_id + 2;
+    failed_id = training_id + 3;
+    for (uint64_t id : {training_id, sampling_id, in_flight_id, failed_id}) (*journal)->Created(id, "alice");
+    OpOutput out;
+    out.loss = 2.5;
+    out.metrics["loss:sum"] = 7.0;
+    (*journal)->Completed(training_id, "alice", FutureResult(std::any(out)));
+    // A result the journal has no JSON form for (a sampling output, say).
+    (*journal)->Completed(sampling_id, "alice", FutureResult(std::any(std::string("tokens"))));
+    (*journal)->Completed(failed_id, "alice", FutureResult(absl::InvalidArgumentError("bad token")));
+    (*journal)->Flush();
+  }
+  std::unique_ptr<registry::Registry> registry = OpenRegistry();
+  absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+  ASSERT_TRUE(journal.ok()) << journal.status();
+  EXPECT_GT((*journal)->first_id(), failed_id);
+
+  absl::StatusOr<FutureResult> training = (*journal)->Lookup(training_id, "alice");
+  ASSERT_TRUE(training.ok() && training->ok()) << training.status();
+  const OpOutput* out = std::any_cast<OpOutput>(&**training);
+  ASSERT_NE(out, nullptr);
+  EXPECT_EQ(out->loss, 2.5);
+  EXPECT_EQ(out->metrics.at("loss:sum"), 7.0);
+
+  // Finished, but its result lived in memory only: a clear NOT_FOUND, not an empty result.
+  absl::StatusOr<FutureResult> sampling = (*journal)->Lookup(sampling_id, "alice");
+  ASSERT_TRUE(sampling.ok()) << sampling.status();
+  EXPECT_EQ(sampling->status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(sampling->status().message(), HasSubstr("kept in memory only"));
+
+  absl::StatusOr<FutureResult> in_flight = (*journal)->Lookup(in_flight_id, "alice");
+  ASSERT_TRUE(in_flight.ok()) << in_flight.status();
+  EXPECT_EQ(in_flight->status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(in_flight->status().message(), HasSubstr("interrupted by a restart"));
+
+  absl::StatusOr<FutureResult> failed = (*journal)->Lookup(failed_id, "alice");
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_EQ(failed->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(failed->status().message(), "bad token");
+
+  // Another tenant learns nothing about alice's futures.
+  absl::StatusOr<FutureResult> other = (*journal)->Lookup(training_id, "bob");
+  EXPECT_FALSE(other.ok() && other->ok());
+}
+
+}  // namespace
+}  // namespace twinkle::training
