@@ -1,20 +1,21 @@
+// TinkerApi: construction and the training calls — create_model / unload_model (and a
+// model created through load_weights), forward_backward, optim_step, save_weights,
+// load_weights, get_info and weights_info — with the helpers that turn their arguments into
+// coordinator calls and their results into Tinker's answers. The request-id / future
+// machinery and seq_id ordering they submit through are in tinker_futures.cc, the REST
+// listings, client configuration and sessions in tinker_rest.cc, sampling in
+// tinker_sampling.cc.
 #include "server/tinker/tinker_api.h"
 
 #include <any>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <random>
-#include <thread>
 #include <utility>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/time/clock.h"
 #include "core/common/log.h"
 #include "core/storage/names.h"
 #include "server/tinker/tinker_internal.h"
@@ -25,13 +26,7 @@ namespace twinkle::tinker {
 using training::OpOutput;
 
 namespace {
-constexpr char kLog[] = "tinker";
 constexpr double kLoraAlpha = 32;
-
-// Transient refusals the SDK should retry with the same ids (nothing was accepted).
-bool Transient(const absl::Status& s) {
-  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s);
-}
 
 // PEFT target modules for Tinker's three switches.
 absl::StatusOr<std::vector<std::string>> Targets(bool attn, bool mlp, bool unembed) {
@@ -126,141 +121,6 @@ Outcome EncodeForwardBackward(const OpOutput& out) {
 
 }  // namespace
 
-std::string ModelIdFor(const std::string& session_id, int64_t model_seq_id) {
-  return absl::StrCat(session_id, ":train:", model_seq_id);
-}
-
-std::string AdapterNameFor(const std::string& session_id, int64_t model_seq_id) {
-  return absl::StrCat(session_id, ".t", model_seq_id);
-}
-
-std::string RunIdOf(const std::string& model_id) {
-  const size_t at = model_id.find(":train:");
-  if (at == std::string::npos) return model_id;
-  const std::string session = model_id.substr(0, at);
-  int64_t seq = 0;
-  if (!absl::SimpleAtoi(model_id.substr(at + 7), &seq) || seq < 0) return model_id;
-  return absl::StrCat(session, "-", AdapterNameFor(session, seq));
-}
-
-std::string ModelIdOf(const std::string& run_id) {
-  // "{S}-{S}.t{N}" with both S equal.
-  const size_t dot = run_id.rfind(".t");
-  if (dot == std::string::npos) return run_id;
-  int64_t seq = 0;
-  if (!absl::SimpleAtoi(run_id.substr(dot + 2), &seq) || seq < 0) return run_id;
-  const std::string head = run_id.substr(0, dot);  // "{S}-{S}"
-  if (head.size() % 2 == 0) return run_id;
-  const size_t half = head.size() / 2;
-  if (head[half] != '-' || head.compare(0, half, head, half + 1, half) != 0) return run_id;
-  return ModelIdFor(head.substr(0, half), seq);
-}
-
-std::string InternalPath(const std::string& path) {
-  const size_t scheme = path.find("://");
-  if (scheme == std::string::npos) return path;
-  const size_t start = scheme + 3;
-  const size_t slash = path.find('/', start);
-  const std::string id = path.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
-  return absl::StrCat(path.substr(0, start), RunIdOf(id), slash == std::string::npos ? "" : path.substr(slash));
-}
-
-std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoint_id) {
-  return absl::StrCat("tinker://", ModelIdOf(run_id), "/", checkpoint_id);
-}
-
-const char* ErrorCategory(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kUnauthenticated:
-    case absl::StatusCode::kCancelled:
-      return "user";
-    default:
-      return "server";
-  }
-}
-
-int HttpStatusFor(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kOk: return 200;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kCancelled:
-      return 400;
-    case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kFailedPrecondition:
-      return 403;
-    case absl::StatusCode::kNotFound: return 404;
-    case absl::StatusCode::kResourceExhausted: return 429;
-    case absl::StatusCode::kUnimplemented: return 501;
-    case absl::StatusCode::kUnavailable: return 503;
-    case absl::StatusCode::kDeadlineExceeded: return 504;
-    default: return 500;
-  }
-}
-
-Json Outcome::ToJson() const {
-  if (!error.ok()) return {{"error", std::string(error.message())}, {"category", ErrorCategory(error)}};
-  return json;
-}
-
-// ---- a thread for blocking calls and timers --------------------------------------------------
-
-class TinkerApi::Worker {
- public:
-  Worker() : thread_([this] { Loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void After(absl::Duration delay, std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.emplace(absl::Now() + delay, std::move(fn));
-    }
-    cv_.notify_all();
-  }
-  void Post(std::function<void()> fn) { After(absl::ZeroDuration(), std::move(fn)); }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (jobs_.empty()) {
-        cv_.wait(lock);
-        continue;
-      }
-      const absl::Time when = jobs_.begin()->first;
-      const absl::Time now = absl::Now();
-      if (when > now) {
-        cv_.wait_for(lock, absl::ToChronoNanoseconds(when - now));
-        continue;
-      }
-      std::function<void()> fn = std::move(jobs_.begin()->second);
-      jobs_.erase(jobs_.begin());
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::multimap<absl::Time, std::function<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 // ---- state -----------------------------------------------------------------------------------
 
 TinkerApi::TinkerApi(TinkerOptions options, training::TrainingCoordinator& coordinator, FutureStore& futures,
@@ -290,65 +150,6 @@ TinkerApi::~TinkerApi() {
   blocking_.reset();
 }
 
-void TinkerApi::Housekeep() {
-  const absl::Time cutoff = absl::Now() - options_.retention;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      Entry& e = *it->second;
-      absl::MutexLock entry_lock(&e.mu);
-      if (e.outcome != nullptr && e.completed < cutoff) {
-        entries_.erase(it++);
-      } else {
-        ++it;
-      }
-    }
-  }
-  timers_->After(absl::Seconds(60), [this] { Housekeep(); });
-}
-
-std::shared_ptr<TinkerApi::Entry> TinkerApi::NewEntry(const std::string& tenant, const std::string& model_id) {
-  auto e = std::make_shared<Entry>();
-  e->request_id = absl::StrCat("tk-", boot_, "-", next_request_.fetch_add(1));
-  e->tenant = tenant;
-  e->model_id = model_id;
-  absl::MutexLock lock(&mu_);
-  entries_[e->request_id] = e;
-  return e;
-}
-
-void TinkerApi::Complete(const std::shared_ptr<Entry>& entry, Outcome outcome) {
-  auto shared = std::make_shared<const Outcome>(std::move(outcome));
-  std::vector<std::function<void(std::shared_ptr<const Outcome>)>> waiters;
-  {
-    absl::MutexLock lock(&entry->mu);
-    if (entry->outcome != nullptr) return;
-    entry->outcome = shared;
-    entry->completed = absl::Now();
-    waiters.swap(entry->waiters);
-  }
-  for (auto& w : waiters) w(shared);
-}
-
-void TinkerApi::Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode) {
-  absl::Status s = futures_.OnComplete(
-      future_id, entry->tenant, [entry, encode = std::move(encode)](const FutureResult& result) {
-        if (!result.ok()) {
-          Complete(entry, Outcome::Failed(result.status()));
-          return;
-        }
-        Complete(entry, encode(*result));
-      });
-  if (!s.ok()) Complete(entry, Outcome::Failed(s));
-}
-
-Json TinkerApi::Promise(const Entry& entry) const {
-  Json j = {{"request_id", entry.request_id}};
-  j["model_id"] = entry.model_id.empty() ? Json(nullptr) : Json(entry.model_id);
-  if (!entry.sample_sequence_ids.empty()) j["sample_sequence_ids"] = entry.sample_sequence_ids;
-  return j;
-}
-
 absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const tenancy::Tenant& tenant,
                                                                        const std::string& model_id) {
   absl::MutexLock lock(&mu_);
@@ -357,47 +158,6 @@ absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const ten
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
   return it->second;
-}
-
-// ---- configuration and sessions --------------------------------------------------------------
-
-Json TinkerApi::ClientConfig() const {
-  return {{"pjwt_auth_enabled", false},
-          {"credential_default_source", "api_key"},
-          {"use_pyqwest_transport", false},
-          {"proto_compress_fwdbwd", false},
-          {"parallel_fwdbwd_chunks", true},
-          {"fwdbwd_max_chunk_len", options_.fwdbwd_max_chunk_len},
-          {"fwdbwd_max_chunk_bytes_count", 5000000},
-          {"create_model_via_load_weights", false},
-          {"sample_no_retries", false},
-          {"sample_enable_stuck_detection", true},
-          {"sample_max_concurrent_requests", options_.sample_max_concurrent_requests},
-          {"sample_use_retrieve_futures", false},
-          {"sample_join_sampling_session", false}};
-}
-
-Json TinkerApi::DynamicConfig() const { return {{"refresh_interval_sec", 300}}; }
-
-Json TinkerApi::Capabilities() const {
-  Json model = {{"model_name", options_.base_model}, {"trainable", true}, {"sampleable", sampler_ != nullptr}};
-  const int64_t context = options_.max_context_length ? options_.max_context_length() : 0;
-  if (context > 0) model["max_context_length"] = context;
-  return {{"supported_models", Json::array({model})}};
-}
-
-Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; }
-
-absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, const Json&) {
-  const std::string id = coordinator_.CreateSession(ContextOf(tenant));
-  return Json{{"session_id", id}, {"type", "create_session"}};
-}
-
-absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> session = GetString(body, "session_id");
-  if (!session.ok()) return session.status();
-  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) return s;
-  return Json{{"type", "session_heartbeat"}};
 }
 
 // ---- create / unload ------------------------------------------------------------------------
@@ -568,79 +328,6 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
     Complete(entry, std::move(o));
   });
   return Promise(*entry);
-}
-
-// ---- seq_id ordering -----------------------------------------------------------------------
-
-absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit,
-                                          Encoder encode) {
-  absl::MutexLock lock(&model->mu);
-  if (seq_id > 0) {
-    auto seen = model->by_seq.find(seq_id);
-    if (seen != model->by_seq.end()) {
-      absl::MutexLock map_lock(&mu_);
-      auto e = entries_.find(seen->second);
-      if (e != entries_.end()) return Promise(*e->second);
-    }
-  }
-  if (seq_id > model->next_seq) {
-    // Ahead of its turn: wait for the gap to fill (or time out).
-    std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
-    model->by_seq[seq_id] = entry->request_id;
-    model->buffered[seq_id] = Model::Waiting{entry, std::move(submit), std::move(encode)};
-    ArmGapTimer(model);
-    return Promise(*entry);
-  }
-  // In order (or unordered: no seq_id, or one whose turn was skipped): submit now, so a
-  // refusal is the direct answer.
-  absl::StatusOr<uint64_t> id = submit();
-  if (!id.ok() && Transient(id.status())) return id.status();  // not accepted: the SDK retries it
-  std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
-  if (id.ok()) {
-    Attach(entry, *id, std::move(encode));
-  } else {
-    Complete(entry, Outcome::Failed(id.status()));
-  }
-  if (seq_id > 0) model->by_seq[seq_id] = entry->request_id;
-  if (seq_id == model->next_seq) {
-    model->next_seq = seq_id + 1;
-    ++model->progress;
-    DrainLocked(*model);
-  }
-  // Bound the dedupe table.
-  while (model->by_seq.size() > 4096) model->by_seq.erase(model->by_seq.begin());
-  return Promise(*entry);
-}
-
-void TinkerApi::DrainLocked(Model& model) {
-  while (!model.buffered.empty() && model.buffered.begin()->first <= model.next_seq) {
-    auto node = model.buffered.extract(model.buffered.begin());
-    Model::Waiting& w = node.mapped();
-    absl::StatusOr<uint64_t> id = w.submit();
-    if (id.ok()) {
-      Attach(w.entry, *id, std::move(w.encode));
-    } else {
-      Complete(w.entry, Outcome::Failed(id.status()));
-    }
-    model.next_seq = std::max(model.next_seq, node.key() + 1);
-    ++model.progress;
-  }
-}
-
-void TinkerApi::ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  const uint64_t progress = model->progress;
-  std::weak_ptr<Model> weak = model;
-  timers_->After(options_.seq_gap_timeout, [this, weak, progress] {
-    std::shared_ptr<Model> m = weak.lock();
-    if (m == nullptr) return;
-    absl::MutexLock lock(&m->mu);
-    if (m->progress != progress || m->buffered.empty()) return;
-    LogWarning(kLog, absl::StrCat("model ", m->model_id, ": seq_id ", m->next_seq, " did not arrive within ",
-                                  absl::FormatDuration(options_.seq_gap_timeout), "; continuing with seq_id ",
-                                  m->buffered.begin()->first));
-    m->next_seq = m->buffered.begin()->first;
-    DrainLocked(*m);
-  });
 }
 
 // ---- forward_backward ------------------------------------------------------------------------
@@ -872,164 +559,6 @@ absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const
   const Switches s = SwitchesOf(targets);
   return Json{{"base_model", run->base_model}, {"is_lora", true},     {"lora_rank", rank},
               {"train_unembed", s.unembed},    {"train_mlp", s.mlp}, {"train_attn", s.attn}};
-}
-
-// ---- futures ----------------------------------------------------------------------------------
-
-void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
-                               std::function<void(absl::StatusOr<Poll>)> done) {
-  absl::StatusOr<std::string> request_id = GetString(body, "request_id");
-  if (!request_id.ok()) return done(request_id.status());
-  std::shared_ptr<Entry> entry;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = entries_.find(*request_id);
-    if (it != entries_.end() && it->second->tenant == tenant.id) entry = it->second;
-  }
-  if (entry == nullptr) {
-    return done(absl::NotFoundError(absl::StrCat("request_id: no future '", *request_id, "'")));
-  }
-  // Whichever comes first answers: the completion or the long-poll timer.
-  auto answered = std::make_shared<std::atomic<bool>>(false);
-  auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Poll>)>>(std::move(done));
-  const std::string id = *request_id;
-  auto on_outcome = [answered, shared_done, id](std::shared_ptr<const Outcome> outcome) {
-    if (answered->exchange(true)) return;
-    Poll p;
-    p.outcome = std::move(outcome);
-    p.request_id = id;
-    (*shared_done)(std::move(p));
-  };
-  std::shared_ptr<const Outcome> ready;
-  {
-    absl::MutexLock lock(&entry->mu);
-    if (entry->outcome != nullptr) {
-      ready = entry->outcome;
-    } else {
-      entry->waiters.push_back(on_outcome);
-    }
-  }
-  if (ready != nullptr) return on_outcome(std::move(ready));
-  timers_->After(options_.long_poll, [answered, shared_done, id] {
-    if (answered->exchange(true)) return;
-    Poll p;
-    p.request_id = id;
-    (*shared_done)(std::move(p));
-  });
-}
-
-// ---- REST ------------------------------------------------------------------------------------
-
-namespace {
-
-std::string IsoTime(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()); }
-
-Json CheckpointJson(const registry::CheckpointRecord& c) {
-  return {{"checkpoint_id", c.checkpoint_id},
-          {"checkpoint_type", c.kind},
-          {"time", IsoTime(c.created)},
-          {"tinker_path", TinkerPathOf(c.run_id, c.checkpoint_id)},
-          {"size_bytes", c.size_bytes},
-          {"public", false},
-          {"expires_at", nullptr}};
-}
-
-}  // namespace
-
-absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
-  int32_t total = 0;
-  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {limit, offset}, &total);
-  if (!runs.ok()) return runs.status();
-  Json list = Json::array();
-  for (const registry::RunRecord& r : *runs) {
-    absl::StatusOr<Json> run = GetTrainingRun(tenant, ModelIdOf(r.run_id));
-    if (run.ok()) list.push_back(*std::move(run));
-  }
-  return Json{{"training_runs", std::move(list)}, {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", total}}}};
-}
-
-absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& model_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
-  const std::string run_id = RunIdOf(model_id);
-  absl::StatusOr<registry::RunRecord> r = registry_->GetRun(tenant.id, run_id);
-  if (!r.ok()) return r.status();
-  Json lora = Json::parse(r->lora_config_json, nullptr, false);
-  Json run = {{"training_run_id", ModelIdOf(r->run_id)},
-              {"base_model", r->base_model},
-              {"model_owner", tenant.id},
-              {"is_lora", true},
-              {"corrupted", false},
-              {"lora_rank", lora.is_object() && lora.contains("r") ? lora["r"] : Json(nullptr)},
-              {"last_request_time", IsoTime(r->last_request)},
-              {"last_checkpoint", nullptr},
-              {"last_sampler_checkpoint", nullptr},
-              {"user_metadata", nullptr}};
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
-  if (cks.ok()) {
-    for (const registry::CheckpointRecord& c : *cks) {  // oldest first: the last one wins
-      run[c.kind == "sampler" ? "last_sampler_checkpoint" : "last_checkpoint"] = CheckpointJson(c);
-    }
-  }
-  return run;
-}
-
-absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks =
-      registry_->ListCheckpoints(tenant.id, RunIdOf(model_id));
-  if (!cks.ok()) return cks.status();
-  Json list = Json::array();
-  for (const registry::CheckpointRecord& c : *cks) list.push_back(CheckpointJson(c));
-  return Json{{"checkpoints", std::move(list)}, {"cursor", nullptr}};
-}
-
-absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
-  int32_t total = 0;
-  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {1 << 20, 0}, &total);
-  if (!runs.ok()) return runs.status();
-  std::vector<Json> all;
-  for (const registry::RunRecord& r : *runs) {
-    absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, r.run_id);
-    if (!cks.ok()) continue;
-    for (const registry::CheckpointRecord& c : *cks) all.push_back(CheckpointJson(c));
-  }
-  Json list = Json::array();
-  for (size_t i = static_cast<size_t>(std::max(offset, 0)); i < all.size() && list.size() < static_cast<size_t>(limit);
-       ++i) {
-    list.push_back(all[i]);
-  }
-  return Json{{"checkpoints", std::move(list)},
-              {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", all.size()}}}};
-}
-
-absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
-                                                 const std::string& checkpoint_id) {
-  if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
-  if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
-  return Json::object();
-}
-
-absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> sessions;
-  for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id &&
-        std::find(sessions.begin(), sessions.end(), m->session_id) == sessions.end()) {
-      sessions.push_back(m->session_id);
-    }
-  }
-  return Json{{"sessions", sessions}};
-}
-
-absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const std::string& session_id) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> runs;
-  for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(id);
-  }
-  return Json{{"training_run_ids", runs}, {"sampler_ids", Json::array()}};
 }
 
 }  // namespace twinkle::tinker

@@ -1,19 +1,27 @@
 #pragma once
-// Internal to server/tinker: the state TinkerApi keeps per future and per model, shared by
-// tinker_api.cc and tinker_sampling.cc. Not part of the interface.
+// Internal to server/tinker: the state TinkerApi keeps per future and per model, its worker
+// threads and the id helpers, shared by tinker_api.cc, tinker_futures.cc, tinker_rest.cc and
+// tinker_sampling.cc (the helpers are defined in tinker_internal.cc). Not part of the
+// interface.
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/tinker/tinker_api.h"
 
 namespace twinkle::tinker {
+
+inline constexpr char kLog[] = "tinker";
 
 inline training::TenantContext ContextOf(const tenancy::Tenant& tenant) {
   training::TenantContext t;
@@ -66,6 +74,55 @@ struct TinkerApi::Model {
   std::map<int64_t, Waiting> buffered ABSL_GUARDED_BY(mu);
   std::map<int64_t, std::string> by_seq ABSL_GUARDED_BY(mu);  // seq_id → request id
   uint64_t progress ABSL_GUARDED_BY(mu) = 0;                  // bumps when next_seq moves
+};
+
+// A thread for blocking calls and timers: its jobs run one at a time, each when it falls due.
+class TinkerApi::Worker {
+ public:
+  Worker() : thread_([this] { Loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void After(absl::Duration delay, std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.emplace(absl::Now() + delay, std::move(fn));
+    }
+    cv_.notify_all();
+  }
+  void Post(std::function<void()> fn) { After(absl::ZeroDuration(), std::move(fn)); }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (jobs_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const absl::Time when = jobs_.begin()->first;
+      const absl::Time now = absl::Now();
+      if (when > now) {
+        cv_.wait_for(lock, absl::ToChronoNanoseconds(when - now));
+        continue;
+      }
+      std::function<void()> fn = std::move(jobs_.begin()->second);
+      jobs_.erase(jobs_.begin());
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::multimap<absl::Time, std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 }  // namespace twinkle::tinker

@@ -1,0 +1,252 @@
+// TinkerApi's futures: request ids ("tk-…") and the entries behind them (NewEntry,
+// Complete, Attach, Promise), their expiry (Housekeep), seq_id ordering per model (Sequenced,
+// DrainLocked, ArmGapTimer) and retrieve_future's long poll; also what a finished future or
+// a direct call's error answers (Outcome::ToJson, ErrorCategory, HttpStatusFor). Every
+// training and sampling call of tinker_api.cc and tinker_sampling.cc submits through here.
+#include "server/tinker/tinker_api.h"
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/common/log.h"
+#include "server/tinker/tinker_internal.h"
+#include "server/tinker/tinker_json.h"
+
+namespace twinkle::tinker {
+
+namespace {
+
+// Transient refusals the SDK should retry with the same ids (nothing was accepted).
+bool Transient(const absl::Status& s) {
+  return absl::IsResourceExhausted(s) || absl::IsUnavailable(s);
+}
+
+}  // namespace
+
+const char* ErrorCategory(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kCancelled:
+      return "user";
+    default:
+      return "server";
+  }
+}
+
+int HttpStatusFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk: return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kCancelled:
+      return 400;
+    case absl::StatusCode::kUnauthenticated: return 401;
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kFailedPrecondition:
+      return 403;
+    case absl::StatusCode::kNotFound: return 404;
+    case absl::StatusCode::kResourceExhausted: return 429;
+    case absl::StatusCode::kUnimplemented: return 501;
+    case absl::StatusCode::kUnavailable: return 503;
+    case absl::StatusCode::kDeadlineExceeded: return 504;
+    default: return 500;
+  }
+}
+
+Json Outcome::ToJson() const {
+  if (!error.ok()) return {{"error", std::string(error.message())}, {"category", ErrorCategory(error)}};
+  return json;
+}
+
+void TinkerApi::Housekeep() {
+  const absl::Time cutoff = absl::Now() - options_.retention;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      Entry& e = *it->second;
+      absl::MutexLock entry_lock(&e.mu);
+      if (e.outcome != nullptr && e.completed < cutoff) {
+        entries_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  timers_->After(absl::Seconds(60), [this] { Housekeep(); });
+}
+
+std::shared_ptr<TinkerApi::Entry> TinkerApi::NewEntry(const std::string& tenant, const std::string& model_id) {
+  auto e = std::make_shared<Entry>();
+  e->request_id = absl::StrCat("tk-", boot_, "-", next_request_.fetch_add(1));
+  e->tenant = tenant;
+  e->model_id = model_id;
+  absl::MutexLock lock(&mu_);
+  entries_[e->request_id] = e;
+  return e;
+}
+
+void TinkerApi::Complete(const std::shared_ptr<Entry>& entry, Outcome outcome) {
+  auto shared = std::make_shared<const Outcome>(std::move(outcome));
+  std::vector<std::function<void(std::shared_ptr<const Outcome>)>> waiters;
+  {
+    absl::MutexLock lock(&entry->mu);
+    if (entry->outcome != nullptr) return;
+    entry->outcome = shared;
+    entry->completed = absl::Now();
+    waiters.swap(entry->waiters);
+  }
+  for (auto& w : waiters) w(shared);
+}
+
+void TinkerApi::Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode) {
+  absl::Status s = futures_.OnComplete(
+      future_id, entry->tenant, [entry, encode = std::move(encode)](const FutureResult& result) {
+        if (!result.ok()) {
+          Complete(entry, Outcome::Failed(result.status()));
+          return;
+        }
+        Complete(entry, encode(*result));
+      });
+  if (!s.ok()) Complete(entry, Outcome::Failed(s));
+}
+
+Json TinkerApi::Promise(const Entry& entry) const {
+  Json j = {{"request_id", entry.request_id}};
+  j["model_id"] = entry.model_id.empty() ? Json(nullptr) : Json(entry.model_id);
+  if (!entry.sample_sequence_ids.empty()) j["sample_sequence_ids"] = entry.sample_sequence_ids;
+  return j;
+}
+
+// ---- seq_id ordering -----------------------------------------------------------------------
+
+absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit,
+                                          Encoder encode) {
+  absl::MutexLock lock(&model->mu);
+  if (seq_id > 0) {
+    auto seen = model->by_seq.find(seq_id);
+    if (seen != model->by_seq.end()) {
+      absl::MutexLock map_lock(&mu_);
+      auto e = entries_.find(seen->second);
+      if (e != entries_.end()) return Promise(*e->second);
+    }
+  }
+  if (seq_id > model->next_seq) {
+    // Ahead of its turn: wait for the gap to fill (or time out).
+    std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
+    model->by_seq[seq_id] = entry->request_id;
+    model->buffered[seq_id] = Model::Waiting{entry, std::move(submit), std::move(encode)};
+    ArmGapTimer(model);
+    return Promise(*entry);
+  }
+  // In order (or unordered: no seq_id, or one whose turn was skipped): submit now, so a
+  // refusal is the direct answer.
+  absl::StatusOr<uint64_t> id = submit();
+  if (!id.ok() && Transient(id.status())) return id.status();  // not accepted: the SDK retries it
+  std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
+  if (id.ok()) {
+    Attach(entry, *id, std::move(encode));
+  } else {
+    Complete(entry, Outcome::Failed(id.status()));
+  }
+  if (seq_id > 0) model->by_seq[seq_id] = entry->request_id;
+  if (seq_id == model->next_seq) {
+    model->next_seq = seq_id + 1;
+    ++model->progress;
+    DrainLocked(*model);
+  }
+  // Bound the dedupe table.
+  while (model->by_seq.size() > 4096) model->by_seq.erase(model->by_seq.begin());
+  return Promise(*entry);
+}
+
+void TinkerApi::DrainLocked(Model& model) {
+  while (!model.buffered.empty() && model.buffered.begin()->first <= model.next_seq) {
+    auto node = model.buffered.extract(model.buffered.begin());
+    Model::Waiting& w = node.mapped();
+    absl::StatusOr<uint64_t> id = w.submit();
+    if (id.ok()) {
+      Attach(w.entry, *id, std::move(w.encode));
+    } else {
+      Complete(w.entry, Outcome::Failed(id.status()));
+    }
+    model.next_seq = std::max(model.next_seq, node.key() + 1);
+    ++model.progress;
+  }
+}
+
+void TinkerApi::ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const uint64_t progress = model->progress;
+  std::weak_ptr<Model> weak = model;
+  timers_->After(options_.seq_gap_timeout, [this, weak, progress] {
+    std::shared_ptr<Model> m = weak.lock();
+    if (m == nullptr) return;
+    absl::MutexLock lock(&m->mu);
+    if (m->progress != progress || m->buffered.empty()) return;
+    LogWarning(kLog, absl::StrCat("model ", m->model_id, ": seq_id ", m->next_seq, " did not arrive within ",
+                                  absl::FormatDuration(options_.seq_gap_timeout), "; continuing with seq_id ",
+                                  m->buffered.begin()->first));
+    m->next_seq = m->buffered.begin()->first;
+    DrainLocked(*m);
+  });
+}
+
+// ---- futures ----------------------------------------------------------------------------------
+
+void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
+                               std::function<void(absl::StatusOr<Poll>)> done) {
+  absl::StatusOr<std::string> request_id = GetString(body, "request_id");
+  if (!request_id.ok()) return done(request_id.status());
+  std::shared_ptr<Entry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(*request_id);
+    if (it != entries_.end() && it->second->tenant == tenant.id) entry = it->second;
+  }
+  if (entry == nullptr) {
+    return done(absl::NotFoundError(absl::StrCat("request_id: no future '", *request_id, "'")));
+  }
+  // Whichever comes first answers: the completion or the long-poll timer.
+  auto answered = std::make_shared<std::atomic<bool>>(false);
+  auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Poll>)>>(std::move(done));
+  const std::string id = *request_id;
+  auto on_outcome = [answered, shared_done, id](std::shared_ptr<const Outcome> outcome) {
+    if (answered->exchange(true)) return;
+    Poll p;
+    p.outcome = std::move(outcome);
+    p.request_id = id;
+    (*shared_done)(std::move(p));
+  };
+  std::shared_ptr<const Outcome> ready;
+  {
+    absl::MutexLock lock(&entry->mu);
+    if (entry->outcome != nullptr) {
+      ready = entry->outcome;
+    } else {
+      entry->waiters.push_back(on_outcome);
+    }
+  }
+  if (ready != nullptr) return on_outcome(std::move(ready));
+  timers_->After(options_.long_poll, [answered, shared_done, id] {
+    if (answered->exchange(true)) return;
+    Poll p;
+    p.request_id = id;
+    (*shared_done)(std::move(p));
+  });
+}
+
+}  // namespace twinkle::tinker

@@ -1,0 +1,175 @@
+// TinkerApi's direct calls that involve no training op: the client configuration
+// (ClientConfig, DynamicConfig, Capabilities, Telemetry), sessions (CreateSession,
+// SessionHeartbeat, ListSessions, GetSession) and the REST listings of training runs and
+// checkpoints over the run registry (ListTrainingRuns, GetTrainingRun, ListCheckpoints,
+// ListUserCheckpoints, DeleteCheckpoint).
+#include "server/tinker/tinker_api.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "server/tinker/tinker_internal.h"
+#include "server/tinker/tinker_json.h"
+
+namespace twinkle::tinker {
+
+// ---- configuration and sessions --------------------------------------------------------------
+
+Json TinkerApi::ClientConfig() const {
+  return {{"pjwt_auth_enabled", false},
+          {"credential_default_source", "api_key"},
+          {"use_pyqwest_transport", false},
+          {"proto_compress_fwdbwd", false},
+          {"parallel_fwdbwd_chunks", true},
+          {"fwdbwd_max_chunk_len", options_.fwdbwd_max_chunk_len},
+          {"fwdbwd_max_chunk_bytes_count", 5000000},
+          {"create_model_via_load_weights", false},
+          {"sample_no_retries", false},
+          {"sample_enable_stuck_detection", true},
+          {"sample_max_concurrent_requests", options_.sample_max_concurrent_requests},
+          {"sample_use_retrieve_futures", false},
+          {"sample_join_sampling_session", false}};
+}
+
+Json TinkerApi::DynamicConfig() const { return {{"refresh_interval_sec", 300}}; }
+
+Json TinkerApi::Capabilities() const {
+  Json model = {{"model_name", options_.base_model}, {"trainable", true}, {"sampleable", sampler_ != nullptr}};
+  const int64_t context = options_.max_context_length ? options_.max_context_length() : 0;
+  if (context > 0) model["max_context_length"] = context;
+  return {{"supported_models", Json::array({model})}};
+}
+
+Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; }
+
+absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, const Json&) {
+  const std::string id = coordinator_.CreateSession(ContextOf(tenant));
+  return Json{{"session_id", id}, {"type", "create_session"}};
+}
+
+absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {
+  absl::StatusOr<std::string> session = GetString(body, "session_id");
+  if (!session.ok()) return session.status();
+  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) return s;
+  return Json{{"type", "session_heartbeat"}};
+}
+
+// ---- REST ------------------------------------------------------------------------------------
+
+namespace {
+
+std::string IsoTime(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()); }
+
+Json CheckpointJson(const registry::CheckpointRecord& c) {
+  return {{"checkpoint_id", c.checkpoint_id},
+          {"checkpoint_type", c.kind},
+          {"time", IsoTime(c.created)},
+          {"tinker_path", TinkerPathOf(c.run_id, c.checkpoint_id)},
+          {"size_bytes", c.size_bytes},
+          {"public", false},
+          {"expires_at", nullptr}};
+}
+
+}  // namespace
+
+absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
+  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  int32_t total = 0;
+  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {limit, offset}, &total);
+  if (!runs.ok()) return runs.status();
+  Json list = Json::array();
+  for (const registry::RunRecord& r : *runs) {
+    absl::StatusOr<Json> run = GetTrainingRun(tenant, ModelIdOf(r.run_id));
+    if (run.ok()) list.push_back(*std::move(run));
+  }
+  return Json{{"training_runs", std::move(list)}, {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", total}}}};
+}
+
+absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& model_id) {
+  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  const std::string run_id = RunIdOf(model_id);
+  absl::StatusOr<registry::RunRecord> r = registry_->GetRun(tenant.id, run_id);
+  if (!r.ok()) return r.status();
+  Json lora = Json::parse(r->lora_config_json, nullptr, false);
+  Json run = {{"training_run_id", ModelIdOf(r->run_id)},
+              {"base_model", r->base_model},
+              {"model_owner", tenant.id},
+              {"is_lora", true},
+              {"corrupted", false},
+              {"lora_rank", lora.is_object() && lora.contains("r") ? lora["r"] : Json(nullptr)},
+              {"last_request_time", IsoTime(r->last_request)},
+              {"last_checkpoint", nullptr},
+              {"last_sampler_checkpoint", nullptr},
+              {"user_metadata", nullptr}};
+  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
+  if (cks.ok()) {
+    for (const registry::CheckpointRecord& c : *cks) {  // oldest first: the last one wins
+      run[c.kind == "sampler" ? "last_sampler_checkpoint" : "last_checkpoint"] = CheckpointJson(c);
+    }
+  }
+  return run;
+}
+
+absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {
+  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks =
+      registry_->ListCheckpoints(tenant.id, RunIdOf(model_id));
+  if (!cks.ok()) return cks.status();
+  Json list = Json::array();
+  for (const registry::CheckpointRecord& c : *cks) list.push_back(CheckpointJson(c));
+  return Json{{"checkpoints", std::move(list)}, {"cursor", nullptr}};
+}
+
+absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
+  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  int32_t total = 0;
+  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {1 << 20, 0}, &total);
+  if (!runs.ok()) return runs.status();
+  std::vector<Json> all;
+  for (const registry::RunRecord& r : *runs) {
+    absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, r.run_id);
+    if (!cks.ok()) continue;
+    for (const registry::CheckpointRecord& c : *cks) all.push_back(CheckpointJson(c));
+  }
+  Json list = Json::array();
+  for (size_t i = static_cast<size_t>(std::max(offset, 0)); i < all.size() && list.size() < static_cast<size_t>(limit);
+       ++i) {
+    list.push_back(all[i]);
+  }
+  return Json{{"checkpoints", std::move(list)},
+              {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", all.size()}}}};
+}
+
+absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
+                                                 const std::string& checkpoint_id) {
+  if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
+  return Json::object();
+}
+
+absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> sessions;
+  for (const auto& [id, m] : models_) {
+    if (m->tenant == tenant.id &&
+        std::find(sessions.begin(), sessions.end(), m->session_id) == sessions.end()) {
+      sessions.push_back(m->session_id);
+    }
+  }
+  return Json{{"sessions", sessions}};
+}
+
+absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> runs;
+  for (const auto& [id, m] : models_) {
+    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(id);
+  }
+  return Json{{"training_run_ids", runs}, {"sampler_ids", Json::array()}};
+}
+
+}  // namespace twinkle::tinker
