@@ -1,21 +1,21 @@
+// TrainingCoordinator: lifecycle (the scheduler's executor, the checkpoint I/O thread),
+// sessions, and adapters (add, remove, release, housekeeping, run listings). Submission of
+// ops is in coordinator_submit.cc, their execution in coordinator_execution.cc, checkpoints
+// in coordinator_checkpoints.cc.
 #include "core/training/coordinator.h"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "core/common/log.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
-#include "core/storage/names.h"
 #include "core/training/coordinator_state.h"
 #include "core/training/inputs.h"
 
@@ -23,41 +23,6 @@ namespace twinkle::training {
 namespace {
 
 using coordinator_internal::kLog;
-
-
-// Twinkle class names → the engine's loss names; engine names pass through.
-std::string EngineLossName(const std::string& cls) {
-  static const std::map<std::string, std::string> kAliases = {
-      {"CrossEntropyLoss", "twinkle:cross_entropy"}, {"GRPOLoss", "twinkle:grpo"},
-      {"GSPOLoss", "twinkle:gspo"},                  {"CISPOLoss", "twinkle:cispo"},
-      {"BNPOLoss", "twinkle:bnpo"},                  {"DRGRPOLoss", "twinkle:dr_grpo"},
-      {"DPOLoss", "twinkle:dpo"}};
-  auto it = kAliases.find(cls);
-  return it == kAliases.end() ? cls : it->second;
-}
-
-
-// Twinkle's keyword names → the engine optimizer's.
-absl::StatusOr<std::map<std::string, double>> OptimizerHyper(const std::map<std::string, double>& config) {
-  static const std::map<std::string, std::string> kNames = {
-      {"lr", "learning_rate"}, {"learning_rate", "learning_rate"}, {"weight_decay", "weight_decay"},
-      {"beta1", "beta1"},      {"beta2", "beta2"},                 {"eps", "eps"},
-      {"momentum", "momentum"}, {"dampening", "dampening"},        {"nesterov", "nesterov"},
-      {"max_grad_norm", "grad_clip_norm"}};
-  std::map<std::string, double> out = {{"learning_rate", kDefaultLr}, {"weight_decay", kDefaultWeightDecay}};
-  for (const auto& [key, value] : config) {
-    auto it = kNames.find(key);
-    if (it == kNames.end()) {
-      std::vector<std::string> known;
-      for (const auto& [k, v] : kNames) known.push_back(k);
-      return absl::InvalidArgumentError(absl::StrCat("config.", key, ": unknown optimizer argument (accepted: ",
-                                                     absl::StrJoin(known, ", "), ")"));
-    }
-    if (!std::isfinite(value)) return absl::InvalidArgumentError(absl::StrCat("config.", key, ": not finite"));
-    out[it->second] = value;
-  }
-  return out;
-}
 
 bool ValidName(const std::string& name) {
   if (name.empty() || name.size() > 128) return false;
@@ -69,12 +34,6 @@ bool ValidName(const std::string& name) {
 std::string Hex8(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%08llx", static_cast<unsigned long long>(v & 0xffffffffULL));
-  return buf;
-}
-
-std::string FormatNumber(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
   return buf;
 }
 
@@ -387,284 +346,6 @@ void TrainingCoordinator::Housekeep() {
     LogInfo(kLog, absl::StrCat("tenant ", adapter->tenant, ": adapter ", adapter->name, " expired: ", why));
     Release(adapter, absl::AbortedError(absl::StrCat("adapter '", adapter->name, "' expired: ", why)));
   }
-}
-
-// ---- submission ----------------------------------------------------------------------------
-
-absl::Status TrainingCoordinator::CheckPending(const TenantContext& tenant) const {
-  const int64_t pending = scheduler_->queued_for_tenant(tenant.id);
-  if (pending >= tenant.max_pending_ops) {
-    return absl::ResourceExhaustedError(absl::StrCat("you have ", pending, " queued ops, your quota (max_pending_ops) is ",
-                                                     tenant.max_pending_ops, "; wait for some to finish"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitWithWeights(const TenantContext& tenant,
-                                                                const std::string& name,
-                                                                std::function<FutureResult(CapturedWeights)> then,
-                                                                const SubmitOptions& options) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, then = std::move(then)]() -> FutureResult {
-    SyncGeneration();
-    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
-    absl::StatusOr<ipc::Message> state = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
-    if (!state.ok()) return state.status();
-    absl::StatusOr<ipc::AdapterStateReply> body =
-        ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
-    if (!body.ok()) return body.status();
-    // Keep the weights only (the reply also carries gradients and optimizer state).
-    CapturedWeights captured;
-    captured.config = body->config;
-    for (const auto& [key, desc] : body->weights) {
-      if (absl::Status s = ipc::ValidateTensor(desc, state->buffers); !s.ok()) return s;
-      ipc::TensorDesc copy = desc;
-      copy.frame = static_cast<uint32_t>(captured.buffers.size());
-      captured.buffers.push_back(std::move(state->buffers[desc.frame]));
-      captured.weights.emplace(key, std::move(copy));
-    }
-    return then(std::move(captured));
-  }, options);
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitTask(const TenantContext& tenant, const std::string& queue,
-                                                         int64_t tokens, std::function<FutureResult(uint64_t)> run,
-                                                         const SubmitOptions& options) {
-  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
-  sched::Op op;
-  op.tenant = tenant.id;
-  op.adapter = TaskQueue(tenant.id, queue);
-  op.kind = sched::OpKind::kOther;
-  op.tokens = tokens;
-  op.deadline = options.deadline;
-  op.seq_id = options.seq_id;
-  op.idempotency_key = options.idempotency_key;
-  op.payload = ControlPayload{[this, run = std::move(run)]() -> FutureResult { return run(current_op_); }};
-  return scheduler_->Submit(std::move(op));
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControlOp(const TenantContext& tenant,
-                                                              const std::shared_ptr<Adapter>& adapter,
-                                                              std::function<FutureResult()> run,
-                                                              const SubmitOptions& options) {
-  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
-  sched::Op op;
-  op.tenant = tenant.id;
-  op.adapter = adapter->key;
-  op.kind = sched::OpKind::kOther;
-  op.deadline = options.deadline;
-  op.seq_id = options.seq_id;
-  op.idempotency_key = options.idempotency_key;
-  op.payload = ControlPayload{std::move(run)};
-  return scheduler_->Submit(std::move(op));
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext& tenant, const std::string& name,
-                                                            ForwardMode mode, const ForwardArgs& args,
-                                                            bool disable_lora, const SubmitOptions& options) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  const int64_t vocab = engine_.vocab_size();
-  if (vocab <= 0) return absl::UnavailableError("the engine has not loaded the model yet");
-  absl::StatusOr<PackedOp> packed = PackForward(args, vocab, options_.max_tokens_per_request);
-  if (!packed.ok()) return packed.status();
-  if (packed->tokens > tenant.max_tokens_per_request) {
-    return absl::FailedPreconditionError(absl::StrCat("inputs: ", packed->tokens, " tokens, above your quota of ",
-                                                      tenant.max_tokens_per_request, " per request (max_tokens_per_request)"));
-  }
-  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
-  sched::Op op;
-  op.tenant = tenant.id;
-  op.adapter = (*adapter)->key;
-  op.kind = mode == ForwardMode::kForwardBackward ? sched::OpKind::kForwardBackward : sched::OpKind::kForward;
-  op.tokens = packed->tokens;
-  op.deadline = options.deadline;
-  op.seq_id = options.seq_id;
-  op.idempotency_key = options.idempotency_key;
-  op.payload = FusedPayload{*adapter, *std::move(packed), mode, disable_lora && mode == ForwardMode::kForwardOnly};
-  return scheduler_->Submit(std::move(op));
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitBackward(const TenantContext& tenant, const std::string& name,
-                                                             const SubmitOptions& options) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
-  sched::Op op;
-  op.tenant = tenant.id;
-  op.adapter = (*adapter)->key;
-  op.kind = sched::OpKind::kForwardBackward;
-  op.tokens = 1;
-  op.deadline = options.deadline;
-  op.seq_id = options.seq_id;
-  op.idempotency_key = options.idempotency_key;
-  op.payload = FusedPayload{*adapter, std::nullopt, ForwardMode::kForwardBackward, false};
-  return scheduler_->Submit(std::move(op));
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitCalculateLoss(const TenantContext& tenant,
-                                                                  const std::string& name,
-                                                                  const SubmitOptions& options) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  Adapter* a = adapter->get();
-  return SubmitControlOp(tenant, *adapter, [a]() -> FutureResult {
-    if (!a->last_loss) return absl::FailedPreconditionError("calculate_loss: no forward has run on this adapter yet");
-    OpOutput out;
-    out.value = out.loss = *a->last_loss;
-    return out;
-  }, options);
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControl(const TenantContext& tenant, const std::string& name,
-                                                            Control control, double max_norm, double norm_type,
-                                                            const SubmitOptions& options) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  if (control == Control::kClipGradNorm || control == Control::kClipGradAndStep) {
-    if (!(max_norm > 0) || !std::isfinite(max_norm)) {
-      return absl::InvalidArgumentError(absl::StrCat("max_grad_norm: ", max_norm, " must be a positive number"));
-    }
-    if (norm_type != 2 && !std::isinf(norm_type)) {
-      return absl::InvalidArgumentError(absl::StrCat("norm_type: ", norm_type, " is not supported (2 or inf)"));
-    }
-  }
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, control, max_norm, norm_type]() -> FutureResult {
-    return RunControl(*a, control, max_norm, norm_type);
-  }, options);
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetLoss(const TenantContext& tenant, const std::string& name,
-                                                            const std::string& loss_cls,
-                                                            const std::map<std::string, double>& config,
-                                                            const std::map<std::string, std::string>& string_config) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  const std::string engine_name = EngineLossName(loss_cls);
-  const std::vector<std::string> known = engine_.supported_losses();
-  if (std::find(known.begin(), known.end(), engine_name) == known.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "loss_cls: unsupported loss '", loss_cls, "' (supported: CrossEntropyLoss, GRPOLoss, GSPOLoss, CISPOLoss, "
-        "BNPOLoss, DRGRPOLoss, DPOLoss, or the engine names ", absl::StrJoin(known, ", "), ")"));
-  }
-  for (const auto& [key, value] : config) {
-    if (!std::isfinite(value)) return absl::InvalidArgumentError(absl::StrCat("config.", key, ": not finite"));
-  }
-  std::shared_ptr<Adapter> a = *adapter;
-  ipc::LossSpecMsg spec{engine_name, config, string_config};
-  return SubmitControlOp(tenant, a, [a, spec]() -> FutureResult {
-    a->loss = spec;
-    return OpOutput{};
-  }, {});
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetOptimizer(const TenantContext& tenant, const std::string& name,
-                                                                 const std::string& optimizer_cls,
-                                                                 const std::map<std::string, double>& config) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  const std::string kind = absl::AsciiStrToLower(optimizer_cls);
-  if (kind != "adamw" && kind != "adam" && kind != "sgd") {
-    return absl::InvalidArgumentError(absl::StrCat("optimizer_cls: unsupported optimizer '", optimizer_cls,
-                                                   "' (supported: AdamW, Adam, SGD)"));
-  }
-  absl::StatusOr<std::map<std::string, double>> hyper = OptimizerHyper(config);
-  if (!hyper.ok()) return hyper.status();
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, kind, hyper = *hyper]() -> FutureResult {
-    SyncGeneration();
-    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
-    ipc::SetOptimizerRequest req{a->key, kind};
-    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetOptimizer, ipc::Pack(req));
-    if (!r.ok()) return r.status();
-    a->optimizer_cls = kind;
-    a->hyper = hyper;
-    a->optimizer_steps = 0;
-    return OpOutput{};
-  }, {});
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetLrScheduler(const TenantContext& tenant, const std::string& name,
-                                                                   const std::string& scheduler_cls,
-                                                                   const std::map<std::string, double>& config) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  SchedulerSpec spec{scheduler_cls, config};
-  absl::StatusOr<std::unique_ptr<LrScheduler>> made = LrScheduler::Create(spec);
-  if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("scheduler_cls: ", made.status().message()));
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a, spec]() -> FutureResult {
-    a->schedule = spec;
-    a->scheduler = *LrScheduler::Create(spec);
-    a->lr_steps = 0;
-    return OpOutput{};
-  }, {});
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitCalculateMetric(const TenantContext& tenant,
-                                                                    const std::string& name, bool is_training) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a]() -> FutureResult {
-    OpOutput out;
-    if (a->loss_count > 0) out.metric_strings["loss"] = FormatNumber(a->loss_sum / static_cast<double>(a->loss_count));
-    if (a->last_grad_norm) out.metric_strings["grad_norm"] = FormatNumber(*a->last_grad_norm);
-    if (a->last_lr) out.metric_strings["learning rate"] = FormatNumber(*a->last_lr);
-    out.metric_strings["iters"] = absl::StrCat(a->optimizer_steps);
-    a->loss_sum = 0;
-    a->loss_count = 0;
-    return out;
-  }, {});
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetTrainConfigs(const TenantContext& tenant,
-                                                                    const std::string& name) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a]() -> FutureResult {
-    nlohmann::json j;
-    j["adapter_name"] = a->name;
-    j["run_id"] = a->run_id;
-    j["lora"] = {{"r", a->lora.rank}, {"lora_alpha", a->lora.alpha}, {"lora_dropout", a->lora.dropout},
-                 {"target_modules", a->lora.targets}, {"use_rslora", a->lora.use_rslora}};
-    j["gradient_accumulation_steps"] = a->gradient_accumulation_steps;
-    j["loss"] = {{"name", a->loss.name}, {"config", a->loss.config}};
-    j["optimizer"] = {{"name", a->optimizer_cls}, {"config", a->hyper}};
-    if (a->schedule) j["lr_scheduler"] = {{"name", a->schedule->name}, {"config", a->schedule->config}};
-    j["cur_step"] = a->backward_count;
-    j["optimizer_steps"] = a->optimizer_steps;
-    OpOutput out;
-    out.text = j.dump();
-    return out;
-  }, {});
-}
-
-absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetStateDict(const TenantContext& tenant,
-                                                                 const std::string& name) {
-  absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
-  if (!adapter.ok()) return adapter.status();
-  std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a]() -> FutureResult {
-    SyncGeneration();
-    if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
-    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
-    if (!r.ok()) return r.status();
-    absl::StatusOr<ipc::AdapterStateReply> state =
-        ipc::Unpack<ipc::AdapterStateReply>(r->envelope.body, "get_adapter_state reply");
-    if (!state.ok()) return state.status();
-    OpOutput out;
-    for (const auto& [key, desc] : state->weights) {
-      absl::StatusOr<std::vector<float>> values = ReadFloats(desc, r->buffers);
-      if (!values.ok()) return values.status();
-      out.tensors[key] = FloatTensor{desc.shape, *std::move(values)};
-    }
-    return out;
-  }, {});
 }
 
 }  // namespace twinkle::training
