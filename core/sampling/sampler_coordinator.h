@@ -23,6 +23,13 @@
 // into the engine's running batch and runs bounded decode chunks; the engine worker serves
 // calls in arrival order, so training steps and decode chunks interleave and neither waits
 // for more than one of the other (see docs/architecture.md, "Sampler").
+//
+// Which engine samples is the `engine` link given at construction: the training engine
+// (colocated, the default) or a dedicated sampler worker (sampler.devices). Every engine call
+// made here (snapshots, sample_step) goes over that link; only the capture of a live
+// adapter's weights runs on the training engine, in the adapter's queue. So with a dedicated
+// worker the training engine holds no snapshot, and a restart of either engine is seen
+// through its own link's generation.
 
 #include <cstdint>
 #include <deque>
@@ -204,6 +211,7 @@ class SamplerCoordinator {
   // Decode thread only.
   uint64_t generation_ = 0;
   bool reset_engine_ = false;
+  std::string last_step_error_;  // the last sample_step error logged; cleared by a success
 };
 
 }  // namespace twinkle::sampling
