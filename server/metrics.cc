@@ -19,7 +19,7 @@ Metrics::Metrics()
                    .Register(*registry_)),
       worker_up_(prometheus::BuildGauge()
                      .Name("twinkle_worker_up")
-                     .Help("1 when the engine worker of a pool (training, sampler) and rank has loaded the model and is healthy")
+                     .Help("1 when the engine worker of a pool (training, sampler) and rank is healthy and loaded")
                      .Register(*registry_)),
       worker_restarts_(prometheus::BuildCounter()
                            .Name("twinkle_worker_restarts_total")

@@ -316,3 +316,14 @@ def test_killed_sampler_worker_recovers_and_training_is_not_disturbed(
     # The decode loop's retries while the worker was down are logged once per distinct error.
     failures = [line for line in stderr.splitlines() if "sample_step failed" in line]
     assert len(failures) == len({line.split("sample_step failed: ")[1] for line in failures}), failures
+
+
+def test_a_sampler_worker_that_cannot_start_fails_the_launch_naming_it(launch_server: LaunchServer) -> None:
+    # No machine has a cuda:99; the training worker starts fine, the launch still exits 1.
+    server = launch_server({"sampler": {"devices": ["cuda:99"]}}, wait=False)
+    code = server.wait_exit(scaled(120))
+    stderr = server.stderr_text()
+    print(stderr.strip().splitlines()[-3] if stderr.strip() else "(no stderr)")
+    assert code == 1, server.logs()
+    assert "twinkle-server: sampler engine rank 0 on cuda:99 failed to start" in stderr, server.logs()
+    assert not server.engine_workers()
