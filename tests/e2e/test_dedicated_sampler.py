@@ -317,6 +317,20 @@ def test_killed_sampler_worker_recovers_and_training_is_not_disturbed(
     failures = [line for line in stderr.splitlines() if "sample_step failed" in line]
     assert len(failures) == len({line.split("sample_step failed: ")[1] for line in failures}), failures
 
+    # The other way round: a training-worker restart leaves sampling alone (the snapshots live
+    # on the sampler worker only, so nothing is rebuilt or replayed).
+    replays = stderr.count("replaying the running sampling requests")
+    trainer.kill()
+    wait_until(lambda: c.utility.GetServerInfo(upb.GetServerInfoRequest(), timeout=10).devices[0].restarts == 1,
+               scaled(30), "the training worker restarted")
+    server.wait_health("SERVING", scaled(60))
+    again = sample_all(s, sessions, prompts)
+    for kind in sessions:
+        for i in range(2):
+            assert tokens_of(again[kind][i]) == tokens_of(before[kind][i]), kind
+    assert server.stderr_text().count("replaying the running sampling requests") == replays
+    assert sampler_worker(server).pid == new_sampler.pid
+
 
 def test_a_sampler_worker_that_cannot_start_fails_the_launch_naming_it(launch_server: LaunchServer) -> None:
     # No machine has a cuda:99; the training worker starts fine, the launch still exits 1.
