@@ -200,6 +200,10 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
       "--identity", w.identity, "--device", w.device, "--heartbeat-ms",
       absl::StrCat(absl::ToInt64Milliseconds(options_.heartbeat_interval)), "--log-level",
       options_.log_level};
+  if (!options_.pool.empty()) {
+    argv.push_back("--pool");
+    argv.push_back(options_.pool);
+  }
   absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   w.spawned_at = now;
   w.last_seen = now;
