@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -109,7 +110,8 @@ class SignalWatcher {
   std::thread thread_;
 };
 
-// The training coordinator reaches engine rank 0 through the supervisor.
+// The training coordinator reaches engine rank 0 through the supervisor; the sampler
+// reaches rank 0 of the sampler pool's supervisor the same way when it has one.
 class SupervisorEngineLink final : public training::EngineLink {
  public:
   explicit SupervisorEngineLink(Supervisor& supervisor) : supervisor_(supervisor) {}
@@ -198,6 +200,11 @@ class Housekeeper {
   std::thread thread_;
 };
 
+bool DedicatedSampler(const Config& c) { return !c.sampler.devices.empty(); }
+
+// The training workers. With a dedicated sampler pool they never sample, so their KV cache is
+// a single block (the engine allocates one at load; on a GPU 2048 unused blocks would take
+// memory from training).
 SupervisorOptions MakeSupervisorOptions(const Config& c) {
   SupervisorOptions o;
   o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
@@ -206,7 +213,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.dtype = c.model.dtype;
   o.log_level = c.logging.level;
   o.max_lora_rank = c.limits.max_lora_rank;
-  o.kv_cache_blocks = c.sampler.kv_cache_blocks;
+  o.kv_cache_blocks = DedicatedSampler(c) ? 1 : c.sampler.kv_cache_blocks;
   o.kv_block_size = c.sampler.kv_block_size;
   o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
   o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
@@ -215,6 +222,44 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.backoff_max = absl::Milliseconds(c.engine.restart_backoff_max_ms);
   return o;
 }
+
+// The dedicated sampler workers (sampler.devices): the same model, binary, dtype, heartbeats
+// and restart policy as the training workers, with the sampler's KV cache.
+SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
+  SupervisorOptions o = MakeSupervisorOptions(c);
+  o.pool = "sampler";
+  o.devices = c.sampler.devices;
+  o.kv_cache_blocks = c.sampler.kv_cache_blocks;
+  return o;
+}
+
+// Health is SERVING while every worker of both pools is ready. Each supervisor reports its
+// own pool from its own thread, under its own lock; the flags here are combined under a lock
+// of their own (never a supervisor's, which would order the two supervisors' locks both ways),
+// so the last status set is the one of the latest event.
+class ReadinessTracker {
+ public:
+  ReadinessTracker(ServingState& state, grpc::HealthCheckServiceInterface* health, bool dedicated)
+      : state_(state), health_(health), sampler_ready_(!dedicated) {}
+
+  Supervisor::Listener ForPool(const std::string& pool) {
+    return [this, pool](const std::vector<WorkerSnapshot>& workers) {
+      state_.metrics.UpdateWorkers(pool, workers);
+      bool all_ready = !workers.empty();
+      for (const WorkerSnapshot& w : workers) all_ready &= w.ready;
+      absl::MutexLock lock(&mu_);
+      (pool == "sampler" ? sampler_ready_ : training_ready_) = all_ready;
+      if (!state_.draining) health_->SetServingStatus(training_ready_ && sampler_ready_);
+    };
+  }
+
+ private:
+  ServingState& state_;
+  grpc::HealthCheckServiceInterface* health_;
+  absl::Mutex mu_;
+  bool training_ready_ ABSL_GUARDED_BY(mu_) = false;
+  bool sampler_ready_ ABSL_GUARDED_BY(mu_);
+};
 
 void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grpc_address, bool tls) {
   http.Route("GET", "/metrics", [&state](const HttpRequest&) {
@@ -256,7 +301,11 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   const std::string where = config.source_file.string();
   Metrics metrics;
   Supervisor supervisor(MakeSupervisorOptions(config));
+  // Dedicated sampler workers: a second pool with its own supervisor (sampler.devices).
+  std::unique_ptr<Supervisor> sampler_supervisor;
+  if (DedicatedSampler(config)) sampler_supervisor = std::make_unique<Supervisor>(MakeSamplerSupervisorOptions(config));
   ServingState state(config, supervisor, metrics);
+  state.sampler_supervisor = sampler_supervisor.get();
   absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromConfig(config);
   if (!authenticator.ok()) return fail(std::string(authenticator.status().message()));
   (*authenticator)->SetFailureListener([&metrics](const absl::Status&) { metrics.RecordAuthFailure(); });
@@ -304,7 +353,14 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler_options.session_timeout = absl::Seconds(config.sessions.adapter_timeout_s);
   sampler_options.default_max_tokens = config.sampler.default_max_tokens;
   sampler_options.max_num_samples = config.sampler.max_num_samples;
-  sampling::SamplerCoordinator sampler(sampler_options, engine_link, coordinator, &checkpoints, futures);
+  // Colocated, sampling calls go to the training engine and interleave with its steps;
+  // dedicated, they go to the sampler worker. Either way sample requests and snapshots stay
+  // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a
+  // snapshot sees exactly the weights its adapter's earlier ops left).
+  std::optional<SupervisorEngineLink> sampler_link;
+  if (sampler_supervisor != nullptr) sampler_link.emplace(*sampler_supervisor);
+  sampling::SamplerCoordinator sampler(sampler_options, sampler_link ? *sampler_link : engine_link, coordinator,
+                                       &checkpoints, futures);
   state.sampler = &sampler;
   state.authenticator = authenticator->get();
   state.rate_limiter = &rate_limiter;
@@ -401,25 +457,46 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     state.draining = true;
     health->Shutdown();  // every service NOT_SERVING now, and it stays so
     supervisor.RequestStop();
+    if (sampler_supervisor != nullptr) sampler_supervisor->RequestStop();
     shutdown.Notify();
   });
 
   coordinator.Start();
   sampler.Start();
   Housekeeper housekeeper(state);
-  absl::Status started = supervisor.Start([&](const std::vector<WorkerSnapshot>& workers) {
-    metrics.UpdateWorkers(workers);
-    bool all_ready = !workers.empty();
-    for (const WorkerSnapshot& w : workers) all_ready &= w.ready;
-    if (!state.draining) health->SetServingStatus(all_ready);
-  });
+  ReadinessTracker readiness(state, health, sampler_supervisor != nullptr);
+  // Both pools load at once. They are spawned from this thread, which lives as long as the
+  // workers (a worker is killed when the thread that forked it exits); only the wait for the
+  // sampler pool runs on a thread of its own. The first failure stops the other's wait, and
+  // its error (not the other's "stopped before ready") is the one reported.
+  absl::Status started = supervisor.Launch(readiness.ForPool("training"));
+  if (started.ok() && sampler_supervisor != nullptr) {
+    started = sampler_supervisor->Launch(readiness.ForPool("sampler"));
+  }
+  if (started.ok()) {
+    absl::Status sampler_ready = absl::OkStatus();
+    std::thread sampler_waiter;
+    if (sampler_supervisor != nullptr) {
+      sampler_waiter = std::thread([&] {
+        sampler_ready = sampler_supervisor->WaitReady();
+        if (!sampler_ready.ok()) supervisor.RequestStop();
+      });
+    }
+    started = supervisor.WaitReady();
+    if (!started.ok() && sampler_supervisor != nullptr) sampler_supervisor->RequestStop();
+    if (sampler_waiter.joinable()) sampler_waiter.join();
+    if (started.ok() || (absl::IsCancelled(started) && !sampler_ready.ok())) started = sampler_ready;
+  }
   int exit_code = 0;
   if (!started.ok() && !shutdown.HasBeenNotified()) {
     LogError(kLog, std::string(started.message()));
     std::cerr << "twinkle-server: " << started.message() << std::endl;
     exit_code = 1;
   } else {
-    if (started.ok()) LogInfo(kLog, "all engine workers ready: SERVING");
+    if (started.ok()) {
+      LogInfo(kLog, sampler_supervisor != nullptr ? "all engine workers and the dedicated sampler worker ready: SERVING"
+                                                  : "all engine workers ready: SERVING");
+    }
     shutdown.WaitForNotification();
   }
 
@@ -430,6 +507,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler.Stop();      // running sampling requests fail with UNAVAILABLE
   coordinator.Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
   supervisor.Stop(absl::Seconds(5));
+  if (sampler_supervisor != nullptr) sampler_supervisor->Stop(absl::Seconds(5));
   LogInfo(kLog, exit_code == 0 ? "stopped cleanly" : "stopped after a startup error");
   return exit_code;
 }

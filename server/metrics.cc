@@ -19,11 +19,11 @@ Metrics::Metrics()
                    .Register(*registry_)),
       worker_up_(prometheus::BuildGauge()
                      .Name("twinkle_worker_up")
-                     .Help("1 when the engine worker of a rank has loaded the model and is healthy")
+                     .Help("1 when the engine worker of a pool (training, sampler) and rank is healthy and loaded")
                      .Register(*registry_)),
       worker_restarts_(prometheus::BuildCounter()
                            .Name("twinkle_worker_restarts_total")
-                           .Help("Times the supervisor restarted the engine worker of a rank")
+                           .Help("Times the supervisor restarted the engine worker of a pool and rank")
                            .Register(*registry_)),
       steps_(prometheus::BuildCounter()
                  .Name("twinkle_scheduler_steps_total")
@@ -127,16 +127,17 @@ void Metrics::RecordRequest(const std::string& method, const std::string& code, 
   latency->Observe(seconds);
 }
 
-void Metrics::UpdateWorkers(const std::vector<WorkerSnapshot>& workers) {
+void Metrics::UpdateWorkers(const std::string& pool, const std::vector<WorkerSnapshot>& workers) {
   absl::MutexLock lock(&mu_);
-  restarts_seen_.resize(std::max(restarts_seen_.size(), workers.size()), 0);
   for (const WorkerSnapshot& w : workers) {
-    const std::string rank = absl::StrCat(w.rank);
-    worker_up_.Add({{"rank", rank}, {"device", w.device}}).Set(w.ready ? 1 : 0);
-    auto& restarts = worker_restarts_.Add({{"rank", rank}, {"device", w.device}});
-    if (w.restarts > restarts_seen_[w.rank]) {
-      restarts.Increment(static_cast<double>(w.restarts - restarts_seen_[w.rank]));
-      restarts_seen_[w.rank] = w.restarts;
+    const std::map<std::string, std::string> labels = {
+        {"pool", pool}, {"rank", absl::StrCat(w.rank)}, {"device", w.device}};
+    worker_up_.Add(labels).Set(w.ready ? 1 : 0);
+    auto& restarts = worker_restarts_.Add(labels);
+    int64_t& seen = restarts_seen_[{pool, w.rank}];
+    if (w.restarts > seen) {
+      restarts.Increment(static_cast<double>(w.restarts - seen));
+      seen = w.restarts;
     }
   }
 }

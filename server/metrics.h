@@ -2,6 +2,7 @@
 // Prometheus metrics of the coordinator, all named twinkle_*. Per-method labels come from
 // the fixed set of RPC and route names, so label cardinality stays bounded.
 
+#include <map>
 #include <memory>
 #include <shared_mutex>
 #include <string>
@@ -30,8 +31,9 @@ class Metrics {
   // builds and hashes a label map under the family's lock on every call.
   void RecordRequest(const std::string& method, const std::string& code, double seconds);
 
-  // Mirrors the supervisor's view of the workers into twinkle_worker_up/_restarts_total.
-  void UpdateWorkers(const std::vector<WorkerSnapshot>& workers);
+  // Mirrors a supervisor's view of its workers into twinkle_worker_up/_restarts_total,
+  // labelled with its pool ("training", or "sampler" for dedicated sampler workers).
+  void UpdateWorkers(const std::string& pool, const std::vector<WorkerSnapshot>& workers);
 
   // One scheduler step: its kind ("forward", "forward_backward", "other"), the adapters and
   // tokens it held, its tenants' queue waits.
@@ -84,7 +86,7 @@ class Metrics {
   std::shared_mutex series_mu_;
   std::unordered_map<std::string, std::unique_ptr<RequestSeries>> series_;  // by method
   absl::Mutex mu_;
-  std::vector<int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int32_t>, int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);  // (pool, rank)
   // Per-tenant label values: the first kMaxTenantLabels tenants seen get their own; the
   // rest share "other", so a flood of tenants cannot blow up the series count.
   std::string TenantLabel(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -21,11 +21,20 @@ struct ServingState {
   ServingState(const Config& c, const Supervisor& s, Metrics& m)
       : config(c), supervisor(s), metrics(m) {}
 
-  // True when every engine worker is ready and no shutdown has begun.
-  bool Serving() const { return !draining.load() && supervisor.AllReady(); }
+  // True when every engine worker of both pools is ready and no shutdown has begun.
+  bool Serving() const {
+    return !draining.load() && supervisor.AllReady() &&
+           (sampler_supervisor == nullptr || sampler_supervisor->AllReady());
+  }
+  // The workers that sample: the dedicated sampler pool, else the training workers.
+  const Supervisor& sampling_supervisor() const {
+    return sampler_supervisor != nullptr ? *sampler_supervisor : supervisor;
+  }
 
   const Config& config;
-  const Supervisor& supervisor;
+  const Supervisor& supervisor;  // the training workers
+  // The dedicated sampler workers (sampler.devices); null when sampling is colocated.
+  const Supervisor* sampler_supervisor = nullptr;
   Metrics& metrics;
   std::atomic<bool> draining{false};
 

@@ -94,8 +94,13 @@ class ComputeThread {
 
 }  // namespace
 
+std::string WorkerLogName(const WorkerOptions& options) {
+  return options.pool.empty() ? absl::StrCat("engine rank ", options.rank)
+                              : absl::StrCat(options.pool, " engine rank ", options.rank);
+}
+
 absl::Status RunWorker(const WorkerOptions& options) {
-  const std::string log_name = absl::StrCat("engine rank ", options.rank);
+  const std::string log_name = WorkerLogName(options);
   zmq::context_t context(1);
   zmq::socket_t wake_pull(context, zmq::socket_type::pull);
   wake_pull.bind(kWakeEndpoint);

@@ -17,7 +17,12 @@ struct WorkerOptions {
   std::string identity;   // routing id; the supervisor tells each spawn its own
   std::string device = "cpu";
   int heartbeat_interval_ms = 200;
+  std::string pool;       // "" = a training worker, "sampler" = a dedicated one (log lines only)
 };
+
+// "engine rank R", or "<pool> engine rank R": the worker's name in its log lines, the same
+// name the supervisor uses for it.
+std::string WorkerLogName(const WorkerOptions& options);
 
 // Runs until the coordinator says shutdown or goes away. Returns the reason it stopped.
 absl::Status RunWorker(const WorkerOptions& options);

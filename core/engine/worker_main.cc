@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(10, 60000))
       ->default_val(200);
   app.add_option("--log-level", log_level, "debug|info|warning|error")->default_val("info");
+  app.add_option("--pool", options.pool, "the worker's pool, for its log lines: empty (training) or sampler");
   CLI11_PARSE(app, argc, argv);
 
   twinkle::LogLevel level;
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
 
   const absl::Status status = twinkle::engine::RunWorker(options);
   if (!status.ok()) {
-    twinkle::LogError(absl::StrCat("engine rank ", options.rank), status.ToString());
+    twinkle::LogError(twinkle::engine::WorkerLogName(options), status.ToString());
     return 1;
   }
   return 0;

@@ -87,6 +87,11 @@ absl::StatusOr<ipc::Message> Supervisor::CallAndWait(int32_t rank, ipc::Message 
   return result;
 }
 
+std::string Supervisor::WorkerName(int32_t rank) const {
+  return options_.pool.empty() ? absl::StrCat("engine rank ", rank)
+                               : absl::StrCat(options_.pool, " engine rank ", rank);
+}
+
 uint64_t Supervisor::engine_generation() const {
   absl::MutexLock lock(&mu_);
   return engine_generation_;
@@ -100,8 +105,8 @@ void Supervisor::SendQueuedCalls(absl::Time now) {
     const bool known = call.rank >= 0 && call.rank < static_cast<int32_t>(workers_.size());
     Worker* w = known ? workers_[call.rank].get() : nullptr;
     if (w == nullptr || w->state != State::kReady) {
-      completions_.push_back([done = std::move(call.done), rank = call.rank] {
-        done(absl::UnavailableError(absl::StrCat("engine rank ", rank, " is not ready")));
+      completions_.push_back([done = std::move(call.done), name = WorkerName(call.rank)] {
+        done(absl::UnavailableError(absl::StrCat(name, " is not ready")));
       });
       continue;
     }
@@ -124,15 +129,19 @@ void Supervisor::FailCallsLocked(int32_t rank, const std::string& why) {
       ++it;
       continue;
     }
-    completions_.push_back([done = std::move(it->second.done), rank, why] {
-      done(absl::UnavailableError(
-          absl::StrCat("engine rank ", rank, " went down before replying (", why, ")")));
+    completions_.push_back([done = std::move(it->second.done), name = WorkerName(rank), why] {
+      done(absl::UnavailableError(absl::StrCat(name, " went down before replying (", why, ")")));
     });
     it = in_flight_.erase(it);
   }
 }
 
 absl::Status Supervisor::Start(Listener listener) {
+  if (absl::Status s = Launch(std::move(listener)); !s.ok()) return s;
+  return WaitReady();
+}
+
+absl::Status Supervisor::Launch(Listener listener) {
   // A private directory: only this user can reach the socket.
   std::string tmpl = (std::filesystem::temp_directory_path() / "twinkle-XXXXXX").string();
   if (mkdtemp(tmpl.data()) == nullptr) {
@@ -164,7 +173,10 @@ absl::Status Supervisor::Start(Listener listener) {
     }
   }
   thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
 
+absl::Status Supervisor::WaitReady() {
   absl::MutexLock lock(&mu_);
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!startup_error_.ok() || stopping_) return true;
@@ -180,13 +192,18 @@ absl::Status Supervisor::Start(Listener listener) {
 
 void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
   ++w.generation;
-  w.identity = absl::StrCat("rank-", w.rank, "-gen-", w.generation);
+  w.identity = absl::StrCat(options_.pool.empty() ? "" : options_.pool + "-", "rank-", w.rank, "-gen-",
+                            w.generation);
   w.acknowledged = false;
   std::vector<std::string> argv = {
       options_.engine_binary, "--rank", absl::StrCat(w.rank), "--endpoint", endpoint_,
       "--identity", w.identity, "--device", w.device, "--heartbeat-ms",
       absl::StrCat(absl::ToInt64Milliseconds(options_.heartbeat_interval)), "--log-level",
       options_.log_level};
+  if (!options_.pool.empty()) {
+    argv.push_back("--pool");
+    argv.push_back(options_.pool);
+  }
   absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   w.spawned_at = now;
   w.last_seen = now;
@@ -196,7 +213,7 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
   }
   w.process = *process;
   w.state = State::kStarting;
-  LogInfo(kLog, absl::StrCat("started engine rank ", w.rank, " on ", w.device, " (pid ",
+  LogInfo(kLog, absl::StrCat("started ", WorkerName(w.rank), " on ", w.device, " (pid ",
                              w.process.pid(), ")"));
 }
 
@@ -207,14 +224,14 @@ void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& 
   if (!started_) {
     if (startup_error_.ok()) {
       startup_error_ = absl::UnavailableError(
-          absl::StrCat("engine rank ", w.rank, " on ", w.device, " failed to start: ", why));
+          absl::StrCat(WorkerName(w.rank), " on ", w.device, " failed to start: ", why));
     }
     w.state = State::kStopped;
     return;
   }
   w.state = State::kBackoff;
   w.restart_at = now + w.backoff;
-  LogError(kLog, absl::StrCat("engine rank ", w.rank, " is down: ", why, "; restarting in ",
+  LogError(kLog, absl::StrCat(WorkerName(w.rank), " is down: ", why, "; restarting in ",
                               absl::FormatDuration(w.backoff)));
   w.backoff = std::min(w.backoff * 2, options_.backoff_max);
   if (was_ready) NotifyLocked();
@@ -360,14 +377,14 @@ void Supervisor::HandleMessages(absl::Time now) {
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
         ++engine_generation_;
-        LogInfo(kLog, absl::StrCat("engine rank ", w.rank, " ready: ", reply->architecture, ", ",
+        LogInfo(kLog, absl::StrCat(WorkerName(w.rank), " ready: ", reply->architecture, ", ",
                                    reply->parameter_count, " parameters, ", reply->dtype, " on ",
                                    reply->device, ", loaded in ", reply->load_seconds, " s"));
         NotifyLocked();
         break;
       }
       default:
-        LogWarning(kLog, absl::StrCat("engine rank ", w.rank, " sent an unexpected ",
+        LogWarning(kLog, absl::StrCat(WorkerName(w.rank), " sent an unexpected ",
                                       ipc::MessageTypeName(m.envelope.type), " message"));
     }
   }
@@ -429,7 +446,7 @@ void Supervisor::ShutdownWorkers() {
     if (!w->process.running()) continue;
     const std::string how =
         w->process.WaitOrKill(static_cast<int>(absl::ToInt64Milliseconds(grace)));
-    LogInfo(kLog, absl::StrCat("engine rank ", w->rank, " stopped: ", how));
+    LogInfo(kLog, absl::StrCat(WorkerName(w->rank), " stopped: ", how));
     w->state = State::kStopped;
   }
 }

@@ -26,6 +26,10 @@
 namespace twinkle {
 
 struct SupervisorOptions {
+  // Which pool this supervisor runs: "" for the training workers, "sampler" for dedicated
+  // sampler workers. It prefixes log lines and errors ("sampler engine rank 0 ...") and the
+  // workers' routing identities, so two pools in one server can be told apart.
+  std::string pool;
   std::string engine_binary;          // path to twinkle-engine
   std::vector<std::string> devices;   // one worker per entry: "cpu", "cuda:0", ...
   std::string model_dir;
@@ -77,7 +81,17 @@ class Supervisor {
   // Spawns every worker and blocks until all have loaded the model. Fails, naming the rank
   // and the reason, if any worker dies, reports an error, or the startup timeout passes;
   // during startup nothing is retried (a broken model or binary would only loop).
+  // Start = Launch + WaitReady.
   absl::Status Start(Listener listener);
+
+  // Start in two halves, so that a server with two pools spawns both from its main thread
+  // and then waits for both. Launch spawns every worker and starts the loop, without
+  // waiting. Call it on a thread that outlives the workers: they get SIGKILL (their
+  // PR_SET_PDEATHSIG) when the thread that forked them exits, not only the process.
+  absl::Status Launch(Listener listener);
+  // Blocks until every launched worker has loaded the model (OK), one failed (its error),
+  // or RequestStop (Cancelled). Any thread.
+  absl::Status WaitReady();
 
   // Makes a pending or future Start() return Cancelled and the loop wind down; safe from
   // any thread (the signal thread uses it). Stop() still has to be called to reap workers.
@@ -119,6 +133,8 @@ class Supervisor {
   // Fails every call in flight to `rank` (its worker went down).
   void FailCallsLocked(int32_t rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
+  // "engine rank R", or "<pool> engine rank R" for a named pool.
+  std::string WorkerName(int32_t rank) const;
 
   const SupervisorOptions options_;
   const Clock& clock_;

@@ -692,12 +692,17 @@ void SamplerCoordinator::DecodeLoop() {
     if (!reply.ok()) {
       if (engine_.generation() != generation_) continue;  // restarted under us: replay
       // The worker refused the call itself: fail what it carried, keep the rest.
-      LogError(kLog, absl::StrCat("sample_step failed: ", reply.status().message()));
+      // While a worker is down every retry fails alike; log each distinct error once.
+      if (reply.status().message() != last_step_error_) {
+        last_step_error_ = std::string(reply.status().message());
+        LogError(kLog, absl::StrCat("sample_step failed: ", last_step_error_));
+      }
       for (auto& [id, row] : admitted) Finish(*row->request, reply.status());
       absl::SleepFor(absl::Milliseconds(50));
       continue;
     }
     reset_engine_ = false;
+    last_step_error_.clear();
     absl::StatusOr<ipc::SampleStepReply> body = ipc::Unpack<ipc::SampleStepReply>(reply->envelope.body, "sample_step reply");
     if (!body.ok()) {
       LogError(kLog, std::string(body.status().message()));

@@ -23,6 +23,13 @@
 // into the engine's running batch and runs bounded decode chunks; the engine worker serves
 // calls in arrival order, so training steps and decode chunks interleave and neither waits
 // for more than one of the other (see docs/architecture.md, "Sampler").
+//
+// Which engine samples is the `engine` link given at construction: the training engine
+// (colocated, the default) or a dedicated sampler worker (sampler.devices). Every engine call
+// made here (snapshots, sample_step) goes over that link; only the capture of a live
+// adapter's weights runs on the training engine, in the adapter's queue. So with a dedicated
+// worker the training engine holds no snapshot, and a restart of either engine is seen
+// through its own link's generation.
 
 #include <cstdint>
 #include <deque>
@@ -225,6 +232,7 @@ class SamplerCoordinator {
   // (engine request id, sample) whose tokens so far contain a stop string: the next
   // sample_step ends them, so they stop decoding within one chunk of the match.
   std::vector<std::pair<uint64_t, int64_t>> early_stops_;
+  std::string last_step_error_;  // the last sample_step error logged; cleared by a success
 };
 
 }  // namespace twinkle::sampling

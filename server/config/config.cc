@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -99,6 +100,7 @@ template <typename V> void VisitFields(V& v, SchedulerSection& c) {
   v.Field("max_loras", c.max_loras, Range(1, 4096));
 }
 template <typename V> void VisitFields(V& v, SamplerSection& c) {
+  v.Field("devices", c.devices, Spec{});
   v.Field("kv_cache_blocks", c.kv_cache_blocks, Range(1, 1e8));
   v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
   v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
@@ -401,6 +403,44 @@ class YamlReader {
   std::vector<Location> tenant_locations_;
 };
 
+bool IsDevice(const std::string& d) {
+  int index;
+  return d == "cpu" || (absl::StartsWith(d, "cuda:") && absl::SimpleAtoi(d.substr(5), &index) && index >= 0);
+}
+
+// sampler.devices: empty (colocated) or the devices of dedicated sampler workers. A GPU is
+// either the trainer's or the sampler's: two processes each holding a copy of the base model
+// and a KV cache on one GPU would fight over its memory. CPU workers share the host, as
+// engine.devices: [cpu, cpu] does.
+void CheckSamplerDevices(const Config& c, YamlReader& r) {
+  const std::vector<std::string>& devices = c.sampler.devices;
+  // The decode loop drives one engine's running batch; spreading rows over several sampler
+  // workers (with every snapshot on each) is not built yet, so more than one is refused
+  // rather than silently left idle.
+  if (devices.size() > 1) {
+    r.ErrorAtKey("sampler.devices", absl::StrCat("lists ", devices.size(),
+                                                 " devices; one dedicated sampler worker is supported "
+                                                 "today (or none: sample on the training workers)"));
+  }
+  std::set<std::string> seen;
+  for (const std::string& d : devices) {
+    if (!IsDevice(d)) {
+      r.ErrorAtKey("sampler.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
+      continue;
+    }
+    if (!seen.insert(d).second && d != "cpu") {
+      r.ErrorAtKey("sampler.devices", absl::StrCat("'", d, "' is listed twice"));
+    }
+    if (d != "cpu" &&
+        std::find(c.engine.devices.begin(), c.engine.devices.end(), d) != c.engine.devices.end()) {
+      r.ErrorAtKey("sampler.devices",
+                   absl::StrCat("'", d, "' is also in engine.devices; a dedicated sampler worker needs a GPU "
+                                "of its own (only cpu may be shared; leave sampler.devices empty to "
+                                "sample on the training workers)"));
+    }
+  }
+}
+
 // Checks that involve more than one field or more than a range.
 void CheckSemantics(const Config& c, YamlReader& r) {
   const bool loopback = IsLoopbackHost(c.server.host);
@@ -427,12 +467,9 @@ void CheckSemantics(const Config& c, YamlReader& r) {
   }
   if (c.engine.devices.empty()) r.ErrorAtKey("engine.devices", "needs at least one device");
   for (const std::string& d : c.engine.devices) {
-    int index;
-    const bool cuda = absl::StartsWith(d, "cuda:") && absl::SimpleAtoi(d.substr(5), &index) && index >= 0;
-    if (d != "cpu" && !cuda) {
-      r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
-    }
+    if (!IsDevice(d)) r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
   }
+  CheckSamplerDevices(c, r);
   if (c.engine.heartbeat_timeout_ms <= 2 * c.engine.heartbeat_interval_ms) {
     r.ErrorAtKey("engine.heartbeat_timeout_ms",
                  absl::StrCat("must exceed twice heartbeat_interval_ms (",

@@ -76,10 +76,13 @@ struct SchedulerSection {
   int32_t max_loras = 16;              // adapters resident in device slots at once
 };
 
-// The sampler pool (core/sampling, core/engine/sampler): colocated with the training workers,
-// sharing their base weights; decode chunks interleave with training steps.
+// The sampler pool (core/sampling, core/engine/sampler). Colocated (no devices, the default):
+// the training workers sample too, sharing their base weights; decode chunks interleave with
+// training steps. Dedicated (devices listed): sampler workers of their own load the base
+// model on those devices and every sampling call goes to them (docs/architecture.md, "Sampler").
 struct SamplerSection {
-  int64_t kv_cache_blocks = 2048;         // KV cache blocks per worker
+  std::vector<std::string> devices;       // empty = colocated; else one sampler worker per entry
+  int64_t kv_cache_blocks = 2048;         // KV cache blocks per worker that samples
   int32_t kv_block_size = 16;             // tokens per block
   int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
   int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide

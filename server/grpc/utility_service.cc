@@ -34,13 +34,18 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
       response->set_parameter_count(info->parameter_count);
       for (const std::string& loss : info->supported_losses) response->add_supported_loss_names(loss);
     }
-    for (const WorkerSnapshot& w : state_.supervisor.Snapshot()) {
-      auto* device = response->add_devices();
-      device->set_rank(w.rank);
-      device->set_device(w.device);
-      device->set_ready(w.ready);
-      device->set_restarts(w.restarts);
-    }
+    auto add_devices = [&](const Supervisor& supervisor, const char* pool) {
+      for (const WorkerSnapshot& w : supervisor.Snapshot()) {
+        auto* device = response->add_devices();
+        device->set_rank(w.rank);
+        device->set_device(w.device);
+        device->set_ready(w.ready);
+        device->set_restarts(w.restarts);
+        device->set_pool(pool);
+      }
+    };
+    add_devices(state_.supervisor, "training");
+    if (state_.sampler_supervisor != nullptr) add_devices(*state_.sampler_supervisor, "sampler");
     response->set_serving(state_.Serving());
     return absl::OkStatus();
   });
@@ -56,6 +61,22 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
     response->set_max_adapters(max);
     response->set_used_adapters(used);
     response->set_free_adapters(std::max(0, max - used));
+    // The sampler's room is that of the workers that sample: the dedicated pool when there is one.
+    const Supervisor& sampling = state_.sampling_supervisor();
+    response->set_sampler_mode(state_.sampler_supervisor != nullptr ? "dedicated" : "colocated");
+    response->set_sampler_ready(!state_.draining.load() && sampling.AllReady());
+    if (std::optional<ModelInfo> info = sampling.model_info()) {
+      response->set_sampler_kv_blocks_total(info->kv_cache_blocks);
+      response->set_sampler_kv_block_size(info->kv_block_size);
+    }
+    response->set_sampler_max_snapshots(state_.config.sampler.max_snapshots);
+    if (state_.sampler != nullptr) {
+      const sampling::SamplerStats stats = state_.sampler->stats();
+      response->set_sampler_kv_blocks_in_use(stats.blocks_in_use);
+      response->set_sampler_snapshots(static_cast<int32_t>(stats.snapshots));
+      response->set_sampler_running(stats.running);
+      response->set_sampler_waiting(stats.waiting);
+    }
     return absl::OkStatus();
   });
 }

@@ -109,6 +109,45 @@ TEST(ConfigTest, CrossFieldChecks) {
               HasSubstr("server.http_port: must differ from grpc_port"));
 }
 
+TEST(ConfigTest, SamplerDevicesDefaultToColocated) {
+  absl::StatusOr<Config> c = Parse("model:\n  path: m\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->sampler.devices.empty());
+  EXPECT_THAT(RenderConfig(*c, ConfigFormat::kJson), HasSubstr(R"("sampler": {
+    "devices": [],)"));
+}
+
+TEST(ConfigTest, SamplerDevicesAreRead) {
+  // cpu may be shared with the training workers; a GPU the trainer does not use is fine.
+  absl::StatusOr<Config> cpu = Parse("model:\n  path: m\nsampler:\n  devices: [cpu]\n  kv_cache_blocks: 64\n");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->sampler.devices, (std::vector<std::string>{"cpu"}));
+  EXPECT_EQ(cpu->sampler.kv_cache_blocks, 64);
+  absl::StatusOr<Config> gpu =
+      Parse("model:\n  path: m\nengine:\n  devices: [cuda:0]\nsampler:\n  devices: [cuda:1]\n");
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ(gpu->sampler.devices, (std::vector<std::string>{"cuda:1"}));
+  EXPECT_THAT(RenderConfig(*gpu, ConfigFormat::kYaml), HasSubstr("cuda:1"));
+}
+
+TEST(ConfigTest, SamplerDeviceErrorsNameTheKeyAndLine) {
+  // A GPU listed for training and for sampling.
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cuda:0]\nsampler:\n  devices: [cuda:0]\n"),
+              HasSubstr("test.yaml:6: sampler.devices: 'cuda:0' is also in engine.devices"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [gpu1]\n"),
+              HasSubstr("test.yaml:4: sampler.devices: 'gpu1' is not a device (cpu or cuda:N)"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [cuda:-1]\n"),
+              HasSubstr("sampler.devices: 'cuda:-1' is not a device"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [cuda:1, cuda:2]\n"),
+              HasSubstr("sampler.devices: lists 2 devices; one dedicated sampler worker is supported"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [cuda:1, cuda:1]\n"),
+              HasSubstr("sampler.devices: 'cuda:1' is listed twice"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: cpu\n"),
+              HasSubstr("test.yaml:4: sampler.devices: expected a list of strings"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  device: [cpu]\n"),
+              HasSubstr("sampler.device: unknown key"));
+}
+
 TEST(ConfigTest, SeveralErrorsAreReportedTogether) {
   const std::string e = ErrorOf("model:\n  path: m\n  colour: red\nserver:\n  grpc_port: -1\n");
   EXPECT_THAT(e, HasSubstr("model.colour: unknown key"));
