@@ -124,6 +124,15 @@ absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames, const Deco
   return message;
 }
 
+Message MakeRequest(std::string method, std::string body, std::vector<std::string> buffers) {
+  Message request;
+  request.envelope.type = MessageType::kRequest;
+  request.envelope.method = std::move(method);
+  request.envelope.body = std::move(body);
+  request.buffers = std::move(buffers);
+  return request;
+}
+
 Message MakeReply(const Envelope& request, const absl::Status& status, std::string body) {
   Message reply;
   reply.envelope.type = MessageType::kReply;

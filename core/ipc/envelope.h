@@ -62,6 +62,9 @@ std::vector<std::string> EncodeFrames(const Message& message);
 absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames,
                                      const DecodeLimits& limits = {});
 
+// A request for `method` (the link that sends it assigns the request id).
+Message MakeRequest(std::string method, std::string body, std::vector<std::string> buffers = {});
+
 // Builds a reply to `request` carrying `status` (and `body` when status is OK).
 Message MakeReply(const Envelope& request, const absl::Status& status, std::string body = {});
 

@@ -4,7 +4,9 @@
 // constants below; each request body has a matching reply body.
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <msgpack.hpp>
@@ -74,6 +76,40 @@ absl::StatusOr<size_t> DtypeItemSize(absl::string_view dtype);
 
 // Checks that `desc` names an existing frame whose size is exactly numel * itemsize.
 absl::Status ValidateTensor(const TensorDesc& desc, const std::vector<std::string>& buffers);
+
+// The dtype name of an element type that travels in 1-D frames.
+template <typename T>
+constexpr const char* VectorDtype() {
+  if constexpr (std::is_same_v<T, float>) return "float32";
+  else if constexpr (std::is_same_v<T, int64_t>) return "int64";
+  else static_assert(sizeof(T) == 0, "no frame dtype for this element type");
+}
+
+// Appends `values` to `buffers` as a 1-D frame and describes it.
+template <typename T>
+TensorDesc AppendVectorFrame(const std::vector<T>& values, std::vector<std::string>& buffers) {
+  TensorDesc desc;
+  desc.dtype = VectorDtype<T>();
+  desc.shape = {static_cast<int64_t>(values.size())};
+  desc.frame = static_cast<uint32_t>(buffers.size());
+  buffers.emplace_back(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+  return desc;
+}
+
+// A frame's elements, flattened; InternalError naming `what` (e.g. "sample_step reply") when
+// the frame is not of T's dtype or does not match its description.
+template <typename T>
+absl::StatusOr<std::vector<T>> ReadVectorFrame(const TensorDesc& desc, const std::vector<std::string>& buffers,
+                                               absl::string_view what) {
+  if (desc.dtype != VectorDtype<T>()) {
+    return absl::InternalError(absl::StrCat(what, ": expected ", VectorDtype<T>(), ", got ", desc.dtype));
+  }
+  if (absl::Status s = ValidateTensor(desc, buffers); !s.ok()) return s;
+  const std::string& frame = buffers[desc.frame];
+  std::vector<T> out(frame.size() / sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), frame.data(), frame.size());
+  return out;
+}
 
 template <typename T>
 std::string Pack(const T& value) {

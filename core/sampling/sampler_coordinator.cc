@@ -22,50 +22,20 @@ namespace {
 
 constexpr char kLog[] = "sampler";
 
-ipc::TensorDesc AddInt64Frame(const std::vector<int64_t>& values, std::vector<std::string>& buffers) {
-  ipc::TensorDesc desc;
-  desc.dtype = "int64";
-  desc.shape = {static_cast<int64_t>(values.size())};
-  desc.frame = static_cast<uint32_t>(buffers.size());
-  buffers.emplace_back(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(int64_t));
-  return desc;
-}
-
-template <typename T>
-absl::StatusOr<std::vector<T>> ReadFrame(const ipc::TensorDesc& desc, const std::vector<std::string>& buffers,
-                                         const char* dtype) {
-  if (desc.dtype != dtype) {
-    return absl::InternalError(absl::StrCat("sample_step reply: expected ", dtype, ", got ", desc.dtype));
-  }
-  if (absl::Status s = ipc::ValidateTensor(desc, buffers); !s.ok()) return s;
-  const std::string& frame = buffers[desc.frame];
-  std::vector<T> out(frame.size() / sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), frame.data(), frame.size());
-  return out;
-}
-
 // A top-k pair from a sample_step reply: int64 ids and float32 logprobs, both [n, k].
 absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
                                     const std::optional<ipc::TensorDesc>& lps, int64_t k,
                                     const std::vector<std::string>& buffers) {
   if (!ids || !lps) return absl::InternalError("sample_step reply: top-k logprobs asked for but missing");
-  absl::StatusOr<std::vector<int64_t>> token_ids = ReadFrame<int64_t>(*ids, buffers, "int64");
+  absl::StatusOr<std::vector<int64_t>> token_ids = ipc::ReadVectorFrame<int64_t>(*ids, buffers, "sample_step reply");
   if (!token_ids.ok()) return token_ids.status();
-  absl::StatusOr<std::vector<float>> logprobs = ReadFrame<float>(*lps, buffers, "float32");
+  absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(*lps, buffers, "sample_step reply");
   if (!logprobs.ok()) return logprobs.status();
   if (token_ids->size() != logprobs->size() || token_ids->size() % static_cast<size_t>(k) != 0) {
     return absl::InternalError(absl::StrCat("sample_step reply: top-k of ", token_ids->size(), " ids and ",
                                             logprobs->size(), " logprobs is not [n, ", k, "]"));
   }
   return TopLogprobs{k, *std::move(token_ids), *std::move(logprobs)};
-}
-
-ipc::Message EngineRequest(const char* method, std::string body, std::vector<std::string> buffers = {}) {
-  ipc::Message m;
-  m.envelope.method = method;
-  m.envelope.body = std::move(body);
-  m.buffers = std::move(buffers);
-  return m;
 }
 
 std::optional<TokenText> LoadTokenText(const std::string& model_dir) {
@@ -510,8 +480,8 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
   Request& request = *row.request;
   PromptOutput& out = request.output.prompts[row.prompt_index];
   for (const ipc::SampledSequenceMsg& s : result.samples) {
-    absl::StatusOr<std::vector<int64_t>> tokens = ReadFrame<int64_t>(s.tokens, buffers, "int64");
-    absl::StatusOr<std::vector<float>> logprobs = ReadFrame<float>(s.logprobs, buffers, "float32");
+    absl::StatusOr<std::vector<int64_t>> tokens = ipc::ReadVectorFrame<int64_t>(s.tokens, buffers, "sample_step reply");
+    absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(s.logprobs, buffers, "sample_step reply");
     if (!tokens.ok() || !logprobs.ok()) {
       Finish(request, tokens.ok() ? logprobs.status() : tokens.status());
       return;
@@ -541,7 +511,7 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
   if (request.params.prompt_logprobs) {
     out.prompt_logprobs.assign(1, std::numeric_limits<float>::quiet_NaN());
     if (result.prompt_logprobs) {
-      absl::StatusOr<std::vector<float>> lp = ReadFrame<float>(*result.prompt_logprobs, buffers, "float32");
+      absl::StatusOr<std::vector<float>> lp = ipc::ReadVectorFrame<float>(*result.prompt_logprobs, buffers, "sample_step reply");
       if (!lp.ok()) {
         Finish(request, lp.status());
         return;
@@ -574,15 +544,15 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
 absl::Status SamplerCoordinator::EnsureOnEngine(Snapshot& snapshot) {
   if (snapshot.engine_generation != 0 && snapshot.engine_generation == generation_) return absl::OkStatus();
   absl::StatusOr<ipc::Message> created =
-      engine_.Call(EngineRequest(ipc::kMethodCreateAdapter, ipc::Pack(snapshot.weights.config)));
+      engine_.Call(ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(snapshot.weights.config)));
   if (!created.ok()) return created.status();
   ipc::SetAdapterStateRequest set;
   set.adapter_id = snapshot.engine_id;
   set.weights = snapshot.weights.weights;
   absl::StatusOr<ipc::Message> r =
-      engine_.Call(EngineRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), snapshot.weights.buffers));
+      engine_.Call(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), snapshot.weights.buffers));
   if (!r.ok()) {
-    (void)engine_.Call(EngineRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{snapshot.engine_id})));
+    (void)engine_.Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{snapshot.engine_id})));
     return r.status();
   }
   snapshot.engine_generation = generation_;
@@ -596,7 +566,7 @@ void SamplerCoordinator::RemoveDeadSnapshots() {
     dead.swap(graveyard_->engine_ids);
   }
   for (const std::string& id : dead) {
-    absl::StatusOr<ipc::Message> r = engine_.Call(EngineRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{id})));
+    absl::StatusOr<ipc::Message> r = engine_.Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{id})));
     if (!r.ok()) LogWarning(kLog, absl::StrCat("removing snapshot ", id, ": ", r.status().message()));
   }
 }
@@ -663,7 +633,7 @@ void SamplerCoordinator::DecodeLoop() {
       msg.request_id = row->engine_id;
       ipc::SampleRowMsg& r = msg.row;
       r.adapter_id = request.snapshot != nullptr ? request.snapshot->engine_id : "";
-      r.prompt_tokens = AddInt64Frame(request.prompts[row->prompt_index], buffers);
+      r.prompt_tokens = ipc::AppendVectorFrame(request.prompts[row->prompt_index], buffers);
       r.max_tokens = request.params.max_tokens;
       r.temperature = request.params.temperature;
       r.top_p = request.params.top_p;
@@ -688,7 +658,7 @@ void SamplerCoordinator::DecodeLoop() {
       admitted.emplace(row->engine_id, row);
     }
     absl::StatusOr<ipc::Message> reply =
-        engine_.Call(EngineRequest(ipc::kMethodSampleStep, ipc::Pack(step), std::move(buffers)));
+        engine_.Call(ipc::MakeRequest(ipc::kMethodSampleStep, ipc::Pack(step), std::move(buffers)));
     if (!reply.ok()) {
       if (engine_.generation() != generation_) continue;  // restarted under us: replay
       // The worker refused the call itself: fail what it carried, keep the rest.

@@ -19,11 +19,7 @@ using coordinator_internal::kLog;
 
 absl::StatusOr<ipc::Message> TrainingCoordinator::CallEngine(const char* method, std::string body,
                                                              std::vector<std::string> buffers) {
-  ipc::Message m;
-  m.envelope.method = method;
-  m.envelope.body = std::move(body);
-  m.buffers = std::move(buffers);
-  return engine_.Call(std::move(m));
+  return engine_.Call(ipc::MakeRequest(method, std::move(body), std::move(buffers)));
 }
 
 void TrainingCoordinator::SyncGeneration() {
@@ -266,11 +262,11 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
     absl::Status s;
     for (size_t d = 0; d < r.logprobs.size() && s.ok(); ++d) {
       SequenceResult seq;
-      absl::StatusOr<std::vector<float>> lp = ReadFloats(r.logprobs[d], reply->buffers);
+      absl::StatusOr<std::vector<float>> lp = ipc::ReadVectorFrame<float>(r.logprobs[d], reply->buffers, "engine reply");
       if (!lp.ok()) s = lp.status();
       else seq.logps = *std::move(lp);
       if (s.ok() && d < r.elementwise.size()) {
-        absl::StatusOr<std::vector<float>> el = ReadFloats(r.elementwise[d], reply->buffers);
+        absl::StatusOr<std::vector<float>> el = ipc::ReadVectorFrame<float>(r.elementwise[d], reply->buffers, "engine reply");
         if (!el.ok()) s = el.status();
         else seq.loss = *std::move(el);
       }

@@ -333,7 +333,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetStateDict(const TenantCon
     if (!state.ok()) return state.status();
     OpOutput out;
     for (const auto& [key, desc] : state->weights) {
-      absl::StatusOr<std::vector<float>> values = ReadFloats(desc, r->buffers);
+      absl::StatusOr<std::vector<float>> values = ipc::ReadVectorFrame<float>(desc, r->buffers, "engine reply");
       if (!values.ok()) return values.status();
       out.tensors[key] = FloatTensor{desc.shape, *std::move(values)};
     }

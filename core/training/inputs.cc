@@ -8,16 +8,6 @@
 namespace twinkle::training {
 namespace {
 
-template <typename T>
-ipc::TensorDesc AddFrame(const std::vector<T>& values, const char* dtype, std::vector<std::string>& buffers) {
-  ipc::TensorDesc desc;
-  desc.dtype = dtype;
-  desc.shape = {static_cast<int64_t>(values.size())};
-  desc.frame = static_cast<uint32_t>(buffers.size());
-  buffers.emplace_back(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
-  return desc;
-}
-
 absl::Status CheckFinite(const std::vector<float>& values, const std::string& field) {
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) {
@@ -79,8 +69,8 @@ absl::StatusOr<PackedOp> PackDatums(const ForwardArgs& args, int64_t vocab_size,
                                                      " tokens (limits.max_tokens_per_request)"));
     }
     ipc::DatumMsg datum;
-    datum.input_tokens = AddFrame(d.input_tokens, "int64", op.buffers);
-    datum.target_tokens = AddFrame(d.target_tokens, "int64", op.buffers);
+    datum.input_tokens = ipc::AppendVectorFrame(d.input_tokens, op.buffers);
+    datum.target_tokens = ipc::AppendVectorFrame(d.target_tokens, op.buffers);
     for (const auto& [name, values] : d.inputs) {
       const std::string field = absl::StrCat(where, ".loss_fn_inputs.", name);
       if (static_cast<int64_t>(values.size()) != len) {
@@ -88,7 +78,7 @@ absl::StatusOr<PackedOp> PackDatums(const ForwardArgs& args, int64_t vocab_size,
                                                        " differs from the model_input length ", len));
       }
       if (absl::Status st = CheckFinite(values, field); !st.ok()) return st;
-      datum.inputs[name] = AddFrame(values, "float32", op.buffers);
+      datum.inputs[name] = ipc::AppendVectorFrame(values, op.buffers);
     }
     op.trained_tokens += len;
     op.msg.datums.push_back(std::move(datum));
@@ -161,24 +151,24 @@ absl::StatusOr<PackedOp> PackForward(const ForwardArgs& args, int64_t vocab_size
       }
     }
     ipc::DatumMsg datum;
-    datum.input_tokens = AddFrame(f.input_ids, "int64", op.buffers);
-    datum.target_tokens = AddFrame(targets, "int64", op.buffers);
-    datum.inputs["mask"] = AddFrame(mask, "float32", op.buffers);
+    datum.input_tokens = ipc::AppendVectorFrame(f.input_ids, op.buffers);
+    datum.target_tokens = ipc::AppendVectorFrame(targets, op.buffers);
+    datum.inputs["mask"] = ipc::AppendVectorFrame(mask, op.buffers);
     if (!args.advantages.empty()) {
       // Zero where nothing is trained, so losses without a mask (Tinker's) train the same tokens.
       std::vector<float> adv(len, 0.f);
       for (int64_t i = 0; i < len; ++i) adv[i] = mask[i] * args.advantages[s];
-      datum.inputs["advantages"] = AddFrame(adv, "float32", op.buffers);
+      datum.inputs["advantages"] = ipc::AppendVectorFrame(adv, op.buffers);
     }
     if (!args.old_logps.empty()) {
       absl::StatusOr<std::vector<float>> lp = Scatter(args.old_logps[s], mask, absl::StrCat("old_logps[", s, "]"));
       if (!lp.ok()) return lp.status();
-      datum.inputs["logprobs"] = AddFrame(*lp, "float32", op.buffers);
+      datum.inputs["logprobs"] = ipc::AppendVectorFrame(*lp, op.buffers);
     }
     if (!args.ref_logps.empty()) {
       absl::StatusOr<std::vector<float>> lp = Scatter(args.ref_logps[s], mask, absl::StrCat("ref_logps[", s, "]"));
       if (!lp.ok()) return lp.status();
-      datum.inputs["ref_logprobs"] = AddFrame(*lp, "float32", op.buffers);
+      datum.inputs["ref_logprobs"] = ipc::AppendVectorFrame(*lp, op.buffers);
     }
     op.msg.datums.push_back(std::move(datum));
     op.lengths.push_back(len);
@@ -197,18 +187,6 @@ ipc::TrainOpMsg AppendFrames(const PackedOp& op, std::vector<std::string>& buffe
     for (auto& [name, desc] : d.inputs) desc.frame += offset;
   }
   return msg;
-}
-
-absl::StatusOr<std::vector<float>> ReadFloats(const ipc::TensorDesc& desc,
-                                              const std::vector<std::string>& buffers) {
-  if (desc.dtype != "float32") {
-    return absl::InternalError(absl::StrCat("engine reply: expected float32, got ", desc.dtype));
-  }
-  if (absl::Status s = ipc::ValidateTensor(desc, buffers); !s.ok()) return s;
-  const std::string& frame = buffers[desc.frame];
-  std::vector<float> out(frame.size() / sizeof(float));
-  if (!out.empty()) std::memcpy(out.data(), frame.data(), frame.size());
-  return out;
 }
 
 }  // namespace twinkle::training

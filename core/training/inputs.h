@@ -41,8 +41,4 @@ absl::StatusOr<PackedOp> PackForward(const ForwardArgs& args, int64_t vocab_size
 // Moves `op`'s frames behind `buffers`, renumbering its TensorDescs; returns the message.
 ipc::TrainOpMsg AppendFrames(const PackedOp& op, std::vector<std::string>& buffers);
 
-// Reads a float32 frame that an engine reply refers to.
-absl::StatusOr<std::vector<float>> ReadFloats(const ipc::TensorDesc& desc,
-                                              const std::vector<std::string>& buffers);
-
 }  // namespace twinkle::training

@@ -97,6 +97,34 @@ TEST(IpcEnvelopeTest, MistypedBodyIsAnError) {
   EXPECT_THAT(r.status().message(), HasSubstr("malformed hello body"));
 }
 
+TEST(IpcEnvelopeTest, MakeRequestCarriesMethodBodyAndBuffers) {
+  Message m = MakeRequest(kMethodLoadModel, "body", {"abc"});
+  EXPECT_EQ(m.envelope.type, MessageType::kRequest);
+  EXPECT_EQ(m.envelope.method, "load_model");
+  EXPECT_EQ(m.envelope.body, "body");
+  EXPECT_EQ(m.buffers, std::vector<std::string>{"abc"});
+}
+
+TEST(IpcTensorTest, VectorFramesRoundTripAndCheckTheirDtype) {
+  std::vector<std::string> buffers = {"unrelated"};
+  const TensorDesc ids = AppendVectorFrame(std::vector<int64_t>{-1, 7, 1LL << 40}, buffers);
+  const TensorDesc lps = AppendVectorFrame(std::vector<float>{-0.5f, -2.25f}, buffers);
+  const TensorDesc none = AppendVectorFrame(std::vector<float>{}, buffers);
+  EXPECT_EQ(ids.dtype, "int64");
+  EXPECT_EQ(ids.frame, 1u);
+  EXPECT_EQ(lps.shape, std::vector<int64_t>{2});
+  EXPECT_EQ(*ReadVectorFrame<int64_t>(ids, buffers, "test"), (std::vector<int64_t>{-1, 7, 1LL << 40}));
+  EXPECT_EQ(*ReadVectorFrame<float>(lps, buffers, "test"), (std::vector<float>{-0.5f, -2.25f}));
+  EXPECT_TRUE(ReadVectorFrame<float>(none, buffers, "test")->empty());
+
+  absl::StatusOr<std::vector<float>> wrong = ReadVectorFrame<float>(ids, buffers, "sample_step reply");
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("sample_step reply: expected float32, got int64"));
+  TensorDesc short_frame = lps;
+  short_frame.shape = {3};  // more elements than the frame holds
+  EXPECT_FALSE(ReadVectorFrame<float>(short_frame, buffers, "test").ok());
+}
+
 TEST(IpcTensorTest, ValidatesFrameSizeAgainstShape) {
   std::vector<std::string> buffers = {std::string(2 * 3 * 4, '\0'), std::string(5, '\0')};
   EXPECT_TRUE(ValidateTensor({"float32", {2, 3}, 0}, buffers).ok());
