@@ -3,9 +3,11 @@
 #   1. Debian packages (scripts/debian-packages.txt)
 #   2. Python venv with pinned packages, outside the checkout and keyed by the requirements'
 #      hash (~/.cache/twinkle/venv-<hash>), linked as .venv, so fresh clones reuse it
-#   3. the Python client (client/python) with its generated gRPC code
-#   4. a tiny random Qwen3 model in HF format under models/ (no hub: made locally)
-#   5. CMake configure + Release build with ccache into build/ (binaries in build/bin/)
+#   3. a wheelhouse for the offline clean-venv check of the Python client
+#      (~/.cache/twinkle/wheelhouse-<hash>, linked as .wheelhouse)
+#   4. the Python client (client/python) with its generated gRPC code
+#   5. a tiny random Qwen3 model in HF format under models/ (no hub: made locally)
+#   6. CMake configure + Release build with ccache into build/ (binaries in build/bin/)
 # Environment: TWINKLE_CACHE (default ~/.cache/twinkle), TWINKLE_BUILD_TYPE (Release),
 # TWINKLE_WITH_CUDA=1 to build the CUDA engine (needs nvcc matching the torch wheel).
 set -euo pipefail
@@ -59,7 +61,43 @@ TORCH_DIR="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])
 [ -f "$TORCH_DIR/lib/libtorch_cpu.so" ] || { echo "no LibTorch in $TORCH_DIR"; exit 1; }
 phase_done
 
-# ---- 3. Python client ----------------------------------------------------------------------
+# ---- 3. Wheelhouse -------------------------------------------------------------------------
+phase "wheelhouse (for the client's offline clean-venv check)"
+# scripts/check_client_install.sh (a step of test.sh) installs client/python into a fresh venv
+# from these wheels alone, no index: pip (the fresh venv upgrades itself), the isolated
+# build's requirements, the runtime dependencies and the [template,data] extras, all read
+# from pyproject.toml and pinned by requirements.txt. `pip wheel` rather than `pip download`:
+# a package with no wheel for this Python is built here, once, not offline in the check.
+# Keyed by that list, the pins and the Python, in the cache like the venv.
+wheel_reqs_text=$("$PY" - client/python/pyproject.toml <<'EOF'
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)
+extras = project["project"]["optional-dependencies"]
+print("\n".join(["pip", *project["build-system"]["requires"], *project["project"]["dependencies"],
+                 *extras["template"], *extras["data"]]))
+EOF
+)
+mapfile -t wheel_reqs <<< "$wheel_reqs_text"
+wheel_key=$( (echo "$wheel_reqs_text"; cat scripts/requirements.txt; "$PY" --version) | sha256sum | cut -c1-16)
+WHEELHOUSE="$CACHE/wheelhouse-$wheel_key"
+if [ ! -f "$WHEELHOUSE/.twinkle-complete" ]; then
+  echo "   filling $WHEELHOUSE"
+  rm -rf "$WHEELHOUSE"
+  "$PY" -m pip wheel -q -w "$WHEELHOUSE" -c scripts/requirements.txt "${wheel_reqs[@]}"
+  touch "$WHEELHOUSE/.twinkle-complete"   # written last: a half-filled one is never reused
+  echo "   $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1)"
+else
+  echo "   reusing $WHEELHOUSE"
+fi
+if [ "$(readlink .wheelhouse 2>/dev/null)" != "$WHEELHOUSE" ]; then ln -sfn "$WHEELHOUSE" .wheelhouse; fi
+phase_done
+
+# ---- 4. Python client ----------------------------------------------------------------------
 phase "Python client (client/python)"
 client_hash=$( (find client/python proto -type f \( -name '*.py' -o -name '*.toml' -o -name '*.proto' \) \
                   -not -path '*/_proto/*' -not -path '*/build/*' | sort | xargs sha256sum) | sha256sum | cut -c1-16)
@@ -77,7 +115,7 @@ else
 fi
 phase_done
 
-# ---- 4. Tiny model -------------------------------------------------------------------------
+# ---- 5. Tiny model -------------------------------------------------------------------------
 phase "tiny model (models/tiny-qwen3)"
 # Made once per version of the script and the pinned packages, in the cache; the checkout
 # links to it, so a fresh clone does not rebuild it.
@@ -91,7 +129,7 @@ if [ "$(readlink models/tiny-qwen3 2>/dev/null)" != "$MODEL" ]; then
 fi
 phase_done
 
-# ---- 5. Build ------------------------------------------------------------------------------
+# ---- 6. Build ------------------------------------------------------------------------------
 phase "build ($BUILD_TYPE) into build/"
 export CCACHE_BASEDIR="$ROOT"          # relative paths in the cache key: hits across clones
 export CCACHE_DIR="${CCACHE_DIR:-$CACHE/ccache}"
