@@ -9,17 +9,56 @@
 #      installed nor imported, `pip check` is clean
 #   4. installs the [template,data] extras and encodes a conversation with the tiny model's
 #      tokenizer (models/tiny-qwen3, when present) - still without torch
-# Needs PyPI (or a pip cache / index holding those packages); not part of the offline tests.
-# Takes about 1-2 minutes with a warm pip cache. Usage: scripts/check_client_install.sh
+# Where the packages come from:
+#   --wheelhouse DIR (or TWINKLE_WHEELHOUSE=DIR): offline. Every pip call, the isolated
+#     build's included, uses only DIR (PIP_NO_INDEX=1, PIP_FIND_LINKS=DIR), so the check
+#     needs no network. scripts/setup.sh fills one for the venv's Python and links it as
+#     .wheelhouse; scripts/test.sh runs the check this way. PYTHON defaults to .venv/bin/python
+#     here (the wheels are for its version).
+#   otherwise: the configured package index (PyPI), PYTHON defaults to python3.
+# Takes about 35 s offline on the 2-core machines. On any failure it exits non-zero and its
+# last line names the step that failed.
+# Usage: scripts/check_client_install.sh [--wheelhouse DIR]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+WHEELHOUSE="${TWINKLE_WHEELHOUSE:-}"
+while (($#)); do
+  case "$1" in
+    --wheelhouse) WHEELHOUSE="${2:?--wheelhouse needs a directory}"; shift 2 ;;
+    --wheelhouse=*) WHEELHOUSE="${1#*=}"; shift ;;
+    -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "check_client_install: unknown argument $1 (usage: --wheelhouse DIR)" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$WHEELHOUSE" ]; then
+  compgen -G "$WHEELHOUSE/*.whl" >/dev/null \
+    || { echo "check_client_install: no wheels in $WHEELHOUSE (run scripts/setup.sh)" >&2; exit 2; }
+  WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd -P)"
+  # pip reads these in every call, and its build isolation passes them on to the pip that
+  # installs the build requirements: nothing is fetched from an index. The hub too stays off.
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE" PIP_DISABLE_PIP_VERSION_CHECK=1 \
+         HF_HUB_OFFLINE=1
+  default_python="$ROOT/.venv/bin/python"; [ -x "$default_python" ] || default_python=python3
+  source_line="the wheelhouse $WHEELHOUSE only (offline)"
+else
+  default_python=python3
+  source_line="the package index (${PIP_INDEX_URL:-PyPI or the configured index})"
+fi
+PYTHON="${PYTHON:-$default_python}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/twinkle-client-install.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)
-step() { echo "== check_client_install: $1 ($(( $(date +%s) - start )) s)"; }
+current="starting"
+finish() {
+  local rc=$?
+  rm -rf "$WORK"
+  if [ "$rc" -ne 0 ]; then
+    echo "== check_client_install: FAILED (exit $rc) at step: $current ($(( $(date +%s) - start )) s)"
+  fi
+}
+trap finish EXIT
+step() { current="$1"; echo "== check_client_install: $1 ($(( $(date +%s) - start )) s)"; }
+echo "== check_client_install: packages from $source_line; Python $("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"
 
-# Copy the sources so the build never writes into the checkout (egg-info, build/, _proto).
 step "copying client/python and proto/"
 mkdir -p "$WORK/src/client"
 cp -r "$ROOT/proto" "$WORK/src/proto"
@@ -104,4 +143,5 @@ EOF
 else
   echo "   (no models/tiny-qwen3: run scripts/setup.sh for the template check)"
 fi
-step "done: twinkle-server-client installs and imports cleanly"
+current="done"
+echo "== check_client_install: PASSED: twinkle-server-client builds, installs and imports cleanly without torch ($(( $(date +%s) - start )) s)"
