@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: setup (idempotent, quick when nothing changed), then ctest (GoogleTest
-# units and the link-isolation check), then pytest (end-to-end against the real binaries).
+# Runs every test: setup (idempotent, quick when nothing changed), the Python SDK's
+# clean-venv install (scripts/check_client_install.sh, offline from setup's wheelhouse), then
+# ctest (GoogleTest units and the link-isolation check), then pytest (end-to-end against the
+# real binaries).
 # Exits non-zero on any failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,6 +11,11 @@ cd "$ROOT"
 start=$(date +%s)
 "$ROOT/scripts/setup.sh"
 echo "== test: setup took $(( $(date +%s) - start )) s"
+
+t=$(date +%s)
+echo "== test: client install (client/python into a clean venv without torch, offline from .wheelhouse)"
+TWINKLE_WHEELHOUSE="$ROOT/.wheelhouse" PYTHON="$ROOT/.venv/bin/python" "$ROOT/scripts/check_client_install.sh"
+echo "== test: client install took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
 echo "== test: ctest"
