@@ -35,6 +35,7 @@ struct Supervisor::Worker {
   WorkerProcess process;
   std::string identity;        // routing id of the current spawn; older ones are ignored
   uint64_t generation = 0;
+  uint64_t loaded_generation = 0;  // engine_generation_ when this rank last loaded the model
   absl::Time spawned_at;
   absl::Time last_seen;        // last message of any kind from this spawn
   absl::Time restart_at;
@@ -95,6 +96,12 @@ std::string Supervisor::WorkerName(int32_t rank) const {
 uint64_t Supervisor::engine_generation() const {
   absl::MutexLock lock(&mu_);
   return engine_generation_;
+}
+
+uint64_t Supervisor::engine_generation(int32_t rank) const {
+  absl::MutexLock lock(&mu_);
+  if (rank < 0 || rank >= static_cast<int32_t>(workers_.size())) return 0;
+  return workers_[rank]->loaded_generation;
 }
 
 void Supervisor::SendQueuedCalls(absl::Time now) {
@@ -376,7 +383,7 @@ void Supervisor::HandleMessages(absl::Time now) {
                                 reply->max_position_embeddings};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
-        ++engine_generation_;
+        w.loaded_generation = ++engine_generation_;
         LogInfo(kLog, absl::StrCat(WorkerName(w.rank), " ready: ", reply->architecture, ", ",
                                    reply->parameter_count, " parameters, ", reply->dtype, " on ",
                                    reply->device, ", loaded in ", reply->load_seconds, " s"));

@@ -114,6 +114,10 @@ class Supervisor {
   // Increments every time a worker (re)loads the model: engine-side state such as adapters
   // does not survive a change of it.
   uint64_t engine_generation() const;
+  // The same count as it stood when worker `rank` last loaded the model (0: not yet, or no
+  // such rank): it changes only when that worker reloads, so a restart of another rank leaves
+  // this one's state, and its users, alone.
+  uint64_t engine_generation(int32_t rank) const;
 
   bool AllReady() const;
   std::vector<WorkerSnapshot> Snapshot() const;
