@@ -111,14 +111,15 @@ class SignalWatcher {
 };
 
 // The training coordinator reaches engine rank 0 through the supervisor; the sampler
-// reaches rank 0 of the sampler pool's supervisor the same way when it has one.
+// reaches each rank of the sampler pool's supervisor the same way when it has one. A link's
+// generation is its own rank's: another rank's restart does not touch it.
 class SupervisorEngineLink final : public training::EngineLink {
  public:
-  explicit SupervisorEngineLink(Supervisor& supervisor) : supervisor_(supervisor) {}
+  explicit SupervisorEngineLink(Supervisor& supervisor, int32_t rank = 0) : supervisor_(supervisor), rank_(rank) {}
   absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
-    return supervisor_.CallAndWait(0, std::move(request));
+    return supervisor_.CallAndWait(rank_, std::move(request));
   }
-  uint64_t generation() const override { return supervisor_.engine_generation(); }
+  uint64_t generation() const override { return supervisor_.engine_generation(rank_); }
   int64_t vocab_size() const override {
     std::optional<ModelInfo> info = supervisor_.model_info();
     return info ? info->vocab_size : 0;
@@ -134,6 +135,7 @@ class SupervisorEngineLink final : public training::EngineLink {
 
  private:
   Supervisor& supervisor_;
+  const int32_t rank_;
 };
 
 training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
@@ -354,13 +356,21 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler_options.default_max_tokens = config.sampler.default_max_tokens;
   sampler_options.max_num_samples = config.sampler.max_num_samples;
   // Colocated, sampling calls go to the training engine and interleave with its steps;
-  // dedicated, they go to the sampler worker. Either way sample requests and snapshots stay
+  // dedicated, they go to the sampler workers. Either way sample requests and snapshots stay
   // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a
   // snapshot sees exactly the weights its adapter's earlier ops left).
-  std::optional<SupervisorEngineLink> sampler_link;
-  if (sampler_supervisor != nullptr) sampler_link.emplace(*sampler_supervisor);
-  sampling::SamplerCoordinator sampler(sampler_options, sampler_link ? *sampler_link : engine_link, coordinator,
-                                       &checkpoints, futures);
+  // One lane per engine that samples: each rank of the dedicated pool, else the training engine.
+  std::vector<std::unique_ptr<SupervisorEngineLink>> sampler_links;
+  std::vector<training::EngineLink*> sampling_engines;
+  if (sampler_supervisor != nullptr) {
+    for (int32_t rank = 0; rank < static_cast<int32_t>(config.sampler.devices.size()); ++rank) {
+      sampler_links.push_back(std::make_unique<SupervisorEngineLink>(*sampler_supervisor, rank));
+      sampling_engines.push_back(sampler_links.back().get());
+    }
+  } else {
+    sampling_engines.push_back(&engine_link);
+  }
+  sampling::SamplerCoordinator sampler(sampler_options, sampling_engines, coordinator, &checkpoints, futures);
   state.sampler = &sampler;
   state.authenticator = authenticator->get();
   state.rate_limiter = &rate_limiter;

@@ -1,7 +1,9 @@
+// SamplerCoordinator: sampling sessions (on the base model, a checkpoint path, or a live
+// adapter snapshot), the snapshots they pin, and SubmitSample's checks and queueing. The
+// decode thread that runs the queued requests is in sampler_decode.cc.
 #include "core/sampling/sampler_coordinator.h"
 
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -16,27 +18,13 @@
 #include "core/common/log.h"
 #include "core/ipc/training_messages.h"
 #include "core/scheduler/op.h"
+#include "core/sampling/sampler_state.h"
 
 namespace twinkle::sampling {
 namespace {
 
-constexpr char kLog[] = "sampler";
+using sampler_internal::kLog;
 
-// A top-k pair from a sample_step reply: int64 ids and float32 logprobs, both [n, k].
-absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
-                                    const std::optional<ipc::TensorDesc>& lps, int64_t k,
-                                    const std::vector<std::string>& buffers) {
-  if (!ids || !lps) return absl::InternalError("sample_step reply: top-k logprobs asked for but missing");
-  absl::StatusOr<std::vector<int64_t>> token_ids = ipc::ReadVectorFrame<int64_t>(*ids, buffers, "sample_step reply");
-  if (!token_ids.ok()) return token_ids.status();
-  absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(*lps, buffers, "sample_step reply");
-  if (!logprobs.ok()) return logprobs.status();
-  if (token_ids->size() != logprobs->size() || token_ids->size() % static_cast<size_t>(k) != 0) {
-    return absl::InternalError(absl::StrCat("sample_step reply: top-k of ", token_ids->size(), " ids and ",
-                                            logprobs->size(), " logprobs is not [n, ", k, "]"));
-  }
-  return TopLogprobs{k, *std::move(token_ids), *std::move(logprobs)};
-}
 
 std::optional<TokenText> LoadTokenText(const std::string& model_dir) {
   if (model_dir.empty()) return std::nullopt;
@@ -79,76 +67,61 @@ std::vector<int64_t> LoadEosTokenIds(const std::string& model_dir) {
 
 }  // namespace
 
-// An immutable copy of adapter weights, on the engine as adapter `engine_id` once the
-// decode thread put it there (again after an engine restart).
-struct SamplerCoordinator::Snapshot {
-  std::string engine_id;
-  std::string tenant;
-  std::string source;  // the checkpoint path, or "adapter <name>"
-  training::TrainingCoordinator::CapturedWeights weights;
-  uint64_t engine_generation = 0;  // decode thread: the engine generation it was created in; 0 = not yet
-};
+// The lanes are made before model_ binds to the first one's link.
+std::vector<std::unique_ptr<SamplerCoordinator::Lane>> SamplerCoordinator::MakeLanes(
+    const std::vector<training::EngineLink*>& engines) {
+  std::vector<std::unique_ptr<Lane>> lanes;
+  for (training::EngineLink* engine : engines) {
+    auto lane = std::make_unique<Lane>();
+    lane->index = lanes.size();
+    lane->engine = engine;
+    lanes.push_back(std::move(lane));
+  }
+  return lanes;
+}
 
-struct SamplerCoordinator::Session {
-  std::string id;
-  std::string tenant;
-  std::string model_path;
-  std::shared_ptr<Snapshot> snapshot;  // null: the base model
-  absl::Time last_used;
-};
-
-// One SubmitSample call: its prompts run as engine rows; the future completes when the last
-// row finished (or the first one failed).
-struct SamplerCoordinator::Request {
-  uint64_t future_id = 0;
-  std::string tenant;
-  std::shared_ptr<Snapshot> snapshot;
-  std::vector<std::vector<int64_t>> prompts;
-  SamplingParams params;
-  SampleOutput output;
-  size_t rows_left = 0;
-  bool finished = false;  // guarded by the coordinator's mu_
-};
-
-struct SamplerCoordinator::Row {
-  std::shared_ptr<Request> request;
-  size_t prompt_index = 0;
-  uint64_t engine_id = 0;
-  // Rows with stop strings (decode thread only): each sample's tokens so far, from the
-  // engine's progress reports, and whether it has been told to stop.
-  std::vector<std::vector<int64_t>> partial;
-  std::vector<bool> stop_sent;
-};
-
-SamplerCoordinator::SamplerCoordinator(SamplerOptions options, training::EngineLink& engine,
+SamplerCoordinator::SamplerCoordinator(SamplerOptions options, std::vector<training::EngineLink*> engines,
                                        training::TrainingCoordinator& training,
                                        training::CheckpointStore* checkpoints, FutureStore& futures,
                                        const Clock& clock)
     : options_(std::move(options)),
-      engine_(engine),
+      lanes_(MakeLanes(engines)),
+      model_(*lanes_.at(0)->engine),
       training_(training),
       checkpoints_(checkpoints),
       futures_(futures),
       clock_(clock),
       token_text_(LoadTokenText(options_.model_dir)),
-      eos_token_ids_(options_.model_dir.empty() ? std::vector<int64_t>{} : LoadEosTokenIds(options_.model_dir)) {}
+      eos_token_ids_(options_.model_dir.empty() ? std::vector<int64_t>{} : LoadEosTokenIds(options_.model_dir)) {
+  absl::MutexLock lock(&graveyard_->mu);
+  graveyard_->engine_ids.resize(lanes_.size());
+}
 
 SamplerCoordinator::~SamplerCoordinator() { Stop(); }
 
 void SamplerCoordinator::Start() {
   absl::MutexLock lock(&mu_);
-  if (decode_thread_.joinable()) return;
+  if (started_) return;
+  started_ = true;
   stop_ = false;
-  decode_thread_ = std::thread([this] { DecodeLoop(); });
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    lane->thread = std::thread([this, l = lane.get()] { DecodeLoop(*l); });
+  }
 }
 
 void SamplerCoordinator::Stop() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
-    wake_.SignalAll();
+    WakeAllLanes();
   }
-  if (decode_thread_.joinable()) decode_thread_.join();
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    if (lane->thread.joinable()) lane->thread.join();
+  }
+}
+
+void SamplerCoordinator::WakeAllLanes() {
+  for (const std::unique_ptr<Lane>& lane : lanes_) lane->wake.Signal();
 }
 
 // ---- sessions and snapshots ------------------------------------------------------------------
@@ -171,6 +144,7 @@ std::shared_ptr<SamplerCoordinator::Snapshot> SamplerCoordinator::NewSnapshot(
   snapshot->weights = std::move(weights);
   snapshot->weights.config.adapter_id = snapshot->engine_id;
   snapshot->weights.config.dropout = 0;
+  snapshot->engine_generation.assign(lanes_.size(), 0);
   {
     absl::MutexLock lock(&graveyard_->mu);
     ++graveyard_->live;
@@ -180,7 +154,9 @@ std::shared_ptr<SamplerCoordinator::Snapshot> SamplerCoordinator::NewSnapshot(
     {
       absl::MutexLock lock(&graveyard->mu);
       --graveyard->live;
-      if (s->engine_generation != 0) graveyard->engine_ids.push_back(s->engine_id);
+      for (size_t lane = 0; lane < s->engine_generation.size(); ++lane) {
+        if (s->engine_generation[lane] != 0) graveyard->engine_ids[lane].push_back(s->engine_id);
+      }
     }
     delete s;
   });
@@ -304,7 +280,7 @@ absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const
     }
     closed = std::move(it->second);
     sessions_.erase(it);
-    wake_.Signal();  // its snapshot may be freed now
+    WakeAllLanes();  // its snapshot may be freed now
   }
   // Its queue goes too (requests already handed to the decode thread still finish).
   training_.scheduler().DropAdapter(training::TrainingCoordinator::TaskQueue(tenant.id, "sampler/" + session_id),
@@ -325,15 +301,24 @@ void SamplerCoordinator::Housekeep() {
       ++it;
     }
   }
-  if (!expired.empty()) wake_.Signal();
+  if (!expired.empty()) WakeAllLanes();
 }
 
 SamplerStats SamplerCoordinator::stats() const {
   absl::MutexLock lock(&mu_);
-  SamplerStats s = engine_stats_;
+  SamplerStats s;
   s.sessions = static_cast<int64_t>(sessions_.size());
-  s.waiting = static_cast<int64_t>(waiting_.size());
-  s.running = static_cast<int64_t>(running_.size());
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    SamplerLaneStats l{static_cast<int64_t>(lane->waiting.size()), static_cast<int64_t>(lane->running.size()),
+                       lane->blocks_in_use, lane->blocks_total, lane->tokens_generated};
+    s.waiting += l.waiting;
+    s.running += l.running;
+    s.blocks_in_use += l.blocks_in_use;
+    s.blocks_total += l.blocks_total;
+    s.tokens_generated += l.tokens_generated;
+    if (lane->block_size != 0) s.block_size = lane->block_size;
+    s.lanes.push_back(l);
+  }
   absl::MutexLock dead(&graveyard_->mu);
   s.snapshots = graveyard_->live;
   return s;
@@ -364,7 +349,7 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
         absl::StrCat("num_samples: ", params.num_samples, " must be in [1, ", options_.max_num_samples, "]"));
   }
   if (prompts.empty()) return absl::InvalidArgumentError("prompts: empty; give at least one prompt");
-  const int64_t vocab = engine_.vocab_size();
+  const int64_t vocab = model_.vocab_size();
   const int64_t max_top = vocab > 0 ? std::min(vocab, ipc::kMaxTopLogprobs) : ipc::kMaxTopLogprobs;
   if (params.top_logprobs < 0 || params.top_logprobs > max_top) {
     return absl::InvalidArgumentError(
@@ -374,7 +359,7 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
     return absl::InvalidArgumentError(
         absl::StrCat("prompt_top_logprobs: ", params.prompt_top_logprobs, " must be in [0, ", max_top, "]"));
   }
-  const int64_t max_positions = engine_.max_position_embeddings();
+  const int64_t max_positions = model_.max_position_embeddings();
   int64_t total_tokens = 0;
   for (size_t p = 0; p < prompts.size(); ++p) {
     const std::vector<int64_t>& prompt = prompts[p];
@@ -439,6 +424,21 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
                               options);
 }
 
+SamplerCoordinator::Lane& SamplerCoordinator::LeastLoadedLane() {
+  Lane* best = nullptr;
+  int64_t best_tokens = 0;
+  for (const std::unique_ptr<Lane>& lane : lanes_) {
+    int64_t tokens = 0;
+    for (const std::shared_ptr<Row>& row : lane->waiting) tokens += row->tokens;
+    for (const auto& [id, row] : lane->running) tokens += row->tokens;
+    if (best == nullptr || tokens < best_tokens) {
+      best = lane.get();
+      best_tokens = tokens;
+    }
+  }
+  return *best;
+}
+
 void SamplerCoordinator::Enqueue(std::shared_ptr<Request> request) {
   absl::MutexLock lock(&mu_);
   ++in_flight_by_tenant_[request->tenant];
@@ -447,302 +447,14 @@ void SamplerCoordinator::Enqueue(std::shared_ptr<Request> request) {
     row->request = request;
     row->prompt_index = i;
     row->engine_id = next_row_++;
-    waiting_.push_back(std::move(row));
+    row->tokens = (static_cast<int64_t>(request->prompts[i].size()) + request->params.max_tokens) *
+                  request->params.num_samples;
+    Lane& lane = LeastLoadedLane();
+    lane.waiting.push_back(std::move(row));
+    lane.wake.Signal();
   }
-  wake_.Signal();
 }
 
 // ---- the decode thread -----------------------------------------------------------------------
-
-void SamplerCoordinator::Finish(Request& request, FutureResult result) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (request.finished) return;
-    request.finished = true;
-    if (--in_flight_by_tenant_[request.tenant] <= 0) in_flight_by_tenant_.erase(request.tenant);
-    // Its other rows leave the engine's batch and the waiting line.
-    for (auto it = running_.begin(); it != running_.end();) {
-      if (it->second->request.get() == &request) {
-        cancel_.push_back(it->first);
-        it = running_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    std::erase_if(waiting_, [&](const std::shared_ptr<Row>& r) { return r->request.get() == &request; });
-  }
-  request.snapshot.reset();
-  futures_.Complete(request.future_id, std::move(result));
-}
-
-void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result,
-                                 const std::vector<std::string>& buffers) {
-  Request& request = *row.request;
-  PromptOutput& out = request.output.prompts[row.prompt_index];
-  for (const ipc::SampledSequenceMsg& s : result.samples) {
-    absl::StatusOr<std::vector<int64_t>> tokens = ipc::ReadVectorFrame<int64_t>(s.tokens, buffers, "sample_step reply");
-    absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(s.logprobs, buffers, "sample_step reply");
-    if (!tokens.ok() || !logprobs.ok()) {
-      Finish(request, tokens.ok() ? logprobs.status() : tokens.status());
-      return;
-    }
-    SampledSequence seq{*std::move(tokens), *std::move(logprobs), s.stop_reason, {}};
-    if (const int64_t k = request.params.top_logprobs; k > 0) {
-      absl::StatusOr<TopLogprobs> top = ReadTop(s.top_token_ids, s.top_logprobs, k, buffers);
-      if (!top.ok()) {
-        Finish(request, top.status());
-        return;
-      }
-      seq.top_logprobs = *std::move(top);
-    }
-    if (!request.params.stop_strings.empty() && token_text_) {
-      if (std::optional<size_t> n = token_text_->TokensThroughFirstStop(seq.tokens, request.params.stop_strings)) {
-        seq.tokens.resize(*n);
-        seq.logprobs.resize(std::min(seq.logprobs.size(), *n));
-        TopLogprobs& top = seq.top_logprobs;
-        const size_t cells = std::min(top.token_ids.size(), *n * static_cast<size_t>(top.k));
-        top.token_ids.resize(cells);
-        top.logprobs.resize(cells);
-        seq.stop_reason = "stop";
-      }
-    }
-    out.sequences.push_back(std::move(seq));
-  }
-  if (request.params.prompt_logprobs) {
-    out.prompt_logprobs.assign(1, std::numeric_limits<float>::quiet_NaN());
-    if (result.prompt_logprobs) {
-      absl::StatusOr<std::vector<float>> lp = ipc::ReadVectorFrame<float>(*result.prompt_logprobs, buffers, "sample_step reply");
-      if (!lp.ok()) {
-        Finish(request, lp.status());
-        return;
-      }
-      out.prompt_logprobs.insert(out.prompt_logprobs.end(), lp->begin(), lp->end());
-    }
-  }
-  if (const int64_t k = request.params.prompt_top_logprobs; k > 0) {
-    absl::StatusOr<TopLogprobs> top = ReadTop(result.prompt_top_token_ids, result.prompt_top_logprobs, k, buffers);
-    if (!top.ok()) {
-      Finish(request, top.status());
-      return;
-    }
-    // Position 0 has no distribution: it gets placeholder cells, so position i is prompt[i]'s.
-    TopLogprobs& aligned = out.prompt_top_logprobs;
-    aligned.k = k;
-    aligned.token_ids.assign(k, -1);
-    aligned.logprobs.assign(k, std::numeric_limits<float>::quiet_NaN());
-    aligned.token_ids.insert(aligned.token_ids.end(), top->token_ids.begin(), top->token_ids.end());
-    aligned.logprobs.insert(aligned.logprobs.end(), top->logprobs.begin(), top->logprobs.end());
-  }
-  bool done = false;
-  {
-    absl::MutexLock lock(&mu_);
-    done = --request.rows_left == 0;
-  }
-  if (done) Finish(request, std::any(std::move(request.output)));
-}
-
-absl::Status SamplerCoordinator::EnsureOnEngine(Snapshot& snapshot) {
-  if (snapshot.engine_generation != 0 && snapshot.engine_generation == generation_) return absl::OkStatus();
-  absl::StatusOr<ipc::Message> created =
-      engine_.Call(ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(snapshot.weights.config)));
-  if (!created.ok()) return created.status();
-  ipc::SetAdapterStateRequest set;
-  set.adapter_id = snapshot.engine_id;
-  set.weights = snapshot.weights.weights;
-  absl::StatusOr<ipc::Message> r =
-      engine_.Call(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), snapshot.weights.buffers));
-  if (!r.ok()) {
-    (void)engine_.Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{snapshot.engine_id})));
-    return r.status();
-  }
-  snapshot.engine_generation = generation_;
-  return absl::OkStatus();
-}
-
-void SamplerCoordinator::RemoveDeadSnapshots() {
-  std::vector<std::string> dead;
-  {
-    absl::MutexLock lock(&graveyard_->mu);
-    dead.swap(graveyard_->engine_ids);
-  }
-  for (const std::string& id : dead) {
-    absl::StatusOr<ipc::Message> r = engine_.Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{id})));
-    if (!r.ok()) LogWarning(kLog, absl::StrCat("removing snapshot ", id, ": ", r.status().message()));
-  }
-}
-
-void SamplerCoordinator::DecodeLoop() {
-  while (true) {
-    std::vector<std::shared_ptr<Row>> admit;
-    std::vector<uint64_t> cancel;
-    bool have_running = false;
-    {
-      absl::MutexLock lock(&mu_);
-      while (!stop_ && waiting_.empty() && running_.empty() && cancel_.empty()) {
-        // Wake now and then to free snapshots whose last session closed.
-        wake_.WaitWithTimeout(&mu_, absl::Milliseconds(500));
-        absl::MutexLock dead(&graveyard_->mu);
-        if (!graveyard_->engine_ids.empty()) break;
-      }
-      if (stop_) break;
-      admit.assign(waiting_.begin(), waiting_.end());
-      cancel.swap(cancel_);
-      have_running = !running_.empty();
-    }
-    // A new engine process holds neither snapshots nor running rows: rebuild, replay.
-    const uint64_t gen = engine_.generation();
-    if (gen != generation_) {
-      if (generation_ != 0) LogWarning(kLog, "engine restarted: replaying the running sampling requests");
-      generation_ = gen;
-      reset_engine_ = true;
-      early_stops_.clear();  // the replayed rows start over
-      absl::MutexLock lock(&mu_);
-      std::vector<std::shared_ptr<Row>> replay;
-      for (auto& [id, row] : running_) replay.push_back(row);  // by engine id = arrival order
-      running_.clear();
-      waiting_.insert(waiting_.begin(), replay.begin(), replay.end());
-      admit.assign(waiting_.begin(), waiting_.end());
-      cancel.clear();
-      have_running = false;
-    }
-    RemoveDeadSnapshots();
-    if (admit.empty() && !have_running && cancel.empty()) continue;
-
-    ipc::SampleStepRequest step;
-    std::vector<std::string> buffers;
-    step.reset = reset_engine_;
-    step.cancel = std::move(cancel);
-    for (const auto& [id, sample] : early_stops_) step.stop.push_back({id, sample});
-    early_stops_.clear();
-    step.max_decode_steps = options_.max_decode_steps_per_call;
-    std::map<uint64_t, std::shared_ptr<Row>> admitted;
-    for (const std::shared_ptr<Row>& row : admit) {
-      Request& request = *row->request;
-      if (request.snapshot != nullptr) {
-        if (absl::Status s = EnsureOnEngine(*request.snapshot); !s.ok()) {
-          Finish(request, absl::Status(s.code(), absl::StrCat("loading the sampler weights of ",
-                                                              request.snapshot->source, ": ", s.message())));
-          continue;
-        }
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        if (request.finished) continue;
-      }
-      ipc::SampleAdmitMsg msg;
-      msg.request_id = row->engine_id;
-      ipc::SampleRowMsg& r = msg.row;
-      r.adapter_id = request.snapshot != nullptr ? request.snapshot->engine_id : "";
-      r.prompt_tokens = ipc::AppendVectorFrame(request.prompts[row->prompt_index], buffers);
-      r.max_tokens = request.params.max_tokens;
-      r.temperature = request.params.temperature;
-      r.top_p = request.params.top_p;
-      r.top_k = request.params.top_k;
-      r.stop_token_ids = request.params.stop_token_ids;
-      if (!request.params.ignore_eos) {
-        r.stop_token_ids.insert(r.stop_token_ids.end(), eos_token_ids_.begin(), eos_token_ids_.end());
-      }
-      r.seed = *request.params.seed + row->prompt_index;  // prompts of one request draw independently
-      r.num_samples = request.params.num_samples;
-      r.want_prompt_logprobs = request.params.prompt_logprobs;
-      r.top_logprobs = request.params.top_logprobs;
-      r.prompt_top_logprobs = request.params.prompt_top_logprobs;
-      // Stop strings are matched on the decoded text as tokens arrive (the progress loop below);
-      // the final result is cut again in Collect, so the early stop only saves decoding.
-      r.report_tokens = !request.params.stop_strings.empty() && token_text_.has_value();
-      if (r.report_tokens) {
-        row->partial.assign(request.params.num_samples, {});
-        row->stop_sent.assign(request.params.num_samples, false);
-      }
-      step.admit.push_back(std::move(msg));
-      admitted.emplace(row->engine_id, row);
-    }
-    absl::StatusOr<ipc::Message> reply =
-        engine_.Call(ipc::MakeRequest(ipc::kMethodSampleStep, ipc::Pack(step), std::move(buffers)));
-    if (!reply.ok()) {
-      if (engine_.generation() != generation_) continue;  // restarted under us: replay
-      // The worker refused the call itself: fail what it carried, keep the rest.
-      // While a worker is down every retry fails alike; log each distinct error once.
-      if (reply.status().message() != last_step_error_) {
-        last_step_error_ = std::string(reply.status().message());
-        LogError(kLog, absl::StrCat("sample_step failed: ", last_step_error_));
-      }
-      for (auto& [id, row] : admitted) Finish(*row->request, reply.status());
-      absl::SleepFor(absl::Milliseconds(50));
-      continue;
-    }
-    reset_engine_ = false;
-    last_step_error_.clear();
-    absl::StatusOr<ipc::SampleStepReply> body = ipc::Unpack<ipc::SampleStepReply>(reply->envelope.body, "sample_step reply");
-    if (!body.ok()) {
-      LogError(kLog, std::string(body.status().message()));
-      for (auto& [id, row] : admitted) Finish(*row->request, body.status());
-      continue;
-    }
-    std::set<uint64_t> deferred(body->deferred.begin(), body->deferred.end());
-    std::vector<std::pair<std::shared_ptr<Row>, std::string>> rejected;
-    std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleRowResultMsg*>> finished;
-    std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleProgressMsg*>> progress;
-    {
-      absl::MutexLock lock(&mu_);
-      // Admitted rows leave the waiting line (deferred ones stay, in order).
-      std::erase_if(waiting_, [&](const std::shared_ptr<Row>& r) {
-        return admitted.count(r->engine_id) != 0 && deferred.count(r->engine_id) == 0;
-      });
-      for (const auto& [id, row] : admitted) {
-        if (deferred.count(id) == 0 && !row->request->finished) running_[id] = row;
-      }
-      for (const ipc::SampleRejectedMsg& r : body->rejected) {
-        if (auto it = running_.find(r.request_id); it != running_.end()) {
-          rejected.emplace_back(it->second, r.error);
-          running_.erase(it);
-        }
-      }
-      for (const ipc::SampleFinishedMsg& f : body->finished) {
-        if (auto it = running_.find(f.request_id); it != running_.end()) {
-          finished.emplace_back(it->second, &f.result);
-          running_.erase(it);
-        }
-      }
-      for (const ipc::SampleProgressMsg& m : body->progress) {
-        if (auto it = running_.find(m.request_id); it != running_.end()) progress.emplace_back(it->second, &m);
-      }
-      engine_stats_.blocks_in_use = body->blocks_in_use;
-      engine_stats_.blocks_total = body->blocks_total;
-      engine_stats_.block_size = body->block_size;
-    }
-    for (auto& [row, m] : progress) {
-      const size_t sample = static_cast<size_t>(m->sample);
-      if (sample >= row->partial.size() || row->stop_sent[sample]) continue;
-      std::vector<int64_t>& tokens = row->partial[sample];
-      tokens.insert(tokens.end(), m->tokens.begin(), m->tokens.end());
-      if (token_text_->TokensThroughFirstStop(tokens, row->request->params.stop_strings)) {
-        row->stop_sent[sample] = true;
-        early_stops_.emplace_back(row->engine_id, m->sample);
-      }
-    }
-    for (auto& [row, error] : rejected) Finish(*row->request, absl::InvalidArgumentError(error));
-    int64_t generated = 0;
-    for (auto& [row, result] : finished) {
-      for (const ipc::SampledSequenceMsg& s : result->samples) {
-        generated += s.tokens.shape.empty() ? 0 : s.tokens.shape[0];
-      }
-    }
-    {
-      // Counted before the futures complete, so a caller who has its result sees it counted.
-      absl::MutexLock lock(&mu_);
-      engine_stats_.tokens_generated += generated;
-    }
-    for (auto& [row, result] : finished) Collect(*row, *result, reply->buffers);
-  }
-  // Shutting down: nothing more will run.
-  std::vector<std::shared_ptr<Request>> pending;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& row : waiting_) pending.push_back(row->request);
-    for (const auto& [id, row] : running_) pending.push_back(row->request);
-  }
-  for (const auto& r : pending) Finish(*r, absl::UnavailableError("the server is shutting down"));
-}
 
 }  // namespace twinkle::sampling

@@ -24,12 +24,15 @@
 // calls in arrival order, so training steps and decode chunks interleave and neither waits
 // for more than one of the other (see docs/architecture.md, "Sampler").
 //
-// Which engine samples is the `engine` link given at construction: the training engine
-// (colocated, the default) or a dedicated sampler worker (sampler.devices). Every engine call
-// made here (snapshots, sample_step) goes over that link; only the capture of a live
-// adapter's weights runs on the training engine, in the adapter's queue. So with a dedicated
-// worker the training engine holds no snapshot, and a restart of either engine is seen
-// through its own link's generation.
+// Which engines sample are the links given at construction: the training engine (colocated,
+// the default) or the dedicated sampler workers (sampler.devices), one lane each with a decode
+// thread of its own. A request's rows (its prompts) are spread over the lanes when its turn
+// comes, each to the lane with the fewest tokens waiting and running; a snapshot is put on a
+// lane's engine when a row there first needs it. Every engine call made here (snapshots,
+// sample_step) goes over a lane's link; only the capture of a live adapter's weights runs on
+// the training engine, in the adapter's queue. So with dedicated workers the training engine
+// holds no snapshot, and a restart of any engine is seen through its own link's generation
+// and replays only that lane's rows.
 
 #include <cstdint>
 #include <deque>
@@ -37,7 +40,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -129,20 +131,32 @@ struct SamplerOptions {
   int64_t max_num_samples = 128;
 };
 
+// One lane (engine that samples): its share of the figures below.
+struct SamplerLaneStats {
+  int64_t waiting = 0;
+  int64_t running = 0;
+  int64_t blocks_in_use = 0;
+  int64_t blocks_total = 0;
+  int64_t tokens_generated = 0;
+};
+
+// Sums over the lanes, and each lane's own figures (`lanes`, in link order).
 struct SamplerStats {
   int64_t sessions = 0;
   int64_t snapshots = 0;
   int64_t waiting = 0;   // handed over by the scheduler, not yet admitted
-  int64_t running = 0;   // in the engine's batch
+  int64_t running = 0;   // in an engine's batch
   int64_t blocks_in_use = 0;
-  int64_t blocks_total = 0;
+  int64_t blocks_total = 0;  // known once a lane's engine has answered a sample_step
   int64_t block_size = 0;
   int64_t tokens_generated = 0;
+  std::vector<SamplerLaneStats> lanes;
 };
 
 class SamplerCoordinator {
  public:
-  SamplerCoordinator(SamplerOptions options, training::EngineLink& engine,
+  // `engines`: the links of the engines that sample (at least one; the same model on each).
+  SamplerCoordinator(SamplerOptions options, std::vector<training::EngineLink*> engines,
                      training::TrainingCoordinator& training, training::CheckpointStore* checkpoints,
                      FutureStore& futures, const Clock& clock = RealClock());
   ~SamplerCoordinator();
@@ -175,6 +189,7 @@ class SamplerCoordinator {
   struct Session;
   struct Request;
   struct Row;
+  struct Lane;
 
   absl::StatusOr<std::shared_ptr<Session>> FindSession(const TenantContext& tenant, const std::string& id);
   std::shared_ptr<Snapshot> NewSnapshot(const std::string& tenant, const std::string& source,
@@ -184,18 +199,25 @@ class SamplerCoordinator {
                          std::shared_ptr<Snapshot> snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckSnapshotRoom() const;
   absl::Status CheckSessionRoom(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Scheduler thread: the op's turn came; its rows wait for the decode thread.
+  // Scheduler thread: the op's turn came; its rows wait for the decode threads, each on the
+  // lane that had the fewest tokens waiting and running.
   void Enqueue(std::shared_ptr<Request> request);
+  Lane& LeastLoadedLane() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WakeAllLanes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Decode thread.
-  void DecodeLoop();
-  absl::Status EnsureOnEngine(Snapshot& snapshot);
-  void RemoveDeadSnapshots();
+  // A lane's decode thread.
+  void DecodeLoop(Lane& lane);
+  absl::Status EnsureOnEngine(Lane& lane, Snapshot& snapshot);
+  void RemoveDeadSnapshots(Lane& lane);
+  // Any decode thread: the request is done (or failed); its other rows leave every lane.
   void Finish(Request& request, FutureResult result);
   void Collect(Row& row, const ipc::SampleRowResultMsg& result, const std::vector<std::string>& buffers);
 
+  static std::vector<std::unique_ptr<Lane>> MakeLanes(const std::vector<training::EngineLink*>& engines);
+
   const SamplerOptions options_;
-  training::EngineLink& engine_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // fixed at construction
+  training::EngineLink& model_;  // lanes_[0]'s link: vocabulary and positions (the same on every lane)
   training::TrainingCoordinator& training_;
   training::CheckpointStore* checkpoints_;
   FutureStore& futures_;
@@ -206,33 +228,21 @@ class SamplerCoordinator {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::weak_ptr<Snapshot>> snapshots_by_source_ ABSL_GUARDED_BY(mu_);  // tenant + path
-  std::deque<std::shared_ptr<Row>> waiting_ ABSL_GUARDED_BY(mu_);  // FIFO, not yet in the engine
-  std::map<uint64_t, std::shared_ptr<Row>> running_ ABSL_GUARDED_BY(mu_);  // by engine request id
   std::map<std::string, int64_t> in_flight_by_tenant_ ABSL_GUARDED_BY(mu_);  // requests handed over
-  std::vector<uint64_t> cancel_ ABSL_GUARDED_BY(mu_);  // engine rows of failed requests, to drop
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_snapshot_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_row_ ABSL_GUARDED_BY(mu_) = 1;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  SamplerStats engine_stats_ ABSL_GUARDED_BY(mu_);
-  absl::CondVar wake_;  // with mu_: work arrived or stop
-  std::thread decode_thread_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
 
   // Snapshots die wherever their last holder lets go (often under mu_), so their engine ids
-  // go to a list of their own, emptied by the decode thread.
+  // go to lists of their own, one per lane that holds them, emptied by that lane's thread.
   struct Graveyard {
     absl::Mutex mu;
-    std::vector<std::string> engine_ids ABSL_GUARDED_BY(mu);
+    std::vector<std::vector<std::string>> engine_ids ABSL_GUARDED_BY(mu);  // by lane
     int64_t live ABSL_GUARDED_BY(mu) = 0;
   };
   std::shared_ptr<Graveyard> graveyard_ = std::make_shared<Graveyard>();
-  // Decode thread only.
-  uint64_t generation_ = 0;
-  bool reset_engine_ = false;
-  // (engine request id, sample) whose tokens so far contain a stop string: the next
-  // sample_step ends them, so they stop decoding within one chunk of the match.
-  std::vector<std::pair<uint64_t, int64_t>> early_stops_;
-  std::string last_step_error_;  // the last sample_step error logged; cleared by a success
 };
 
 }  // namespace twinkle::sampling

@@ -1,0 +1,343 @@
+// SamplerCoordinator, the decode threads (one per lane, i.e. per engine that samples): each
+// admits its lane's waiting rows into its engine's continuous batch (ipc sample_step), runs
+// bounded decode chunks, ends samples early whose text met a stop string, rebuilds snapshots
+// and replays its rows after its engine restarts, and turns finished rows into results
+// (Collect) and completed futures (Finish). Sessions, snapshots, submission and the spreading
+// of rows over lanes are in sampler_coordinator.cc.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/common/log.h"
+#include "core/ipc/envelope.h"
+#include "core/ipc/training_messages.h"
+#include "core/sampling/sampler_coordinator.h"
+#include "core/sampling/sampler_state.h"
+
+namespace twinkle::sampling {
+namespace {
+
+using sampler_internal::kLog;
+
+// A top-k pair from a sample_step reply: int64 ids and float32 logprobs, both [n, k].
+absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
+                                    const std::optional<ipc::TensorDesc>& lps, int64_t k,
+                                    const std::vector<std::string>& buffers) {
+  if (!ids || !lps) return absl::InternalError("sample_step reply: top-k logprobs asked for but missing");
+  absl::StatusOr<std::vector<int64_t>> token_ids = ipc::ReadVectorFrame<int64_t>(*ids, buffers, "sample_step reply");
+  if (!token_ids.ok()) return token_ids.status();
+  absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(*lps, buffers, "sample_step reply");
+  if (!logprobs.ok()) return logprobs.status();
+  if (token_ids->size() != logprobs->size() || token_ids->size() % static_cast<size_t>(k) != 0) {
+    return absl::InternalError(absl::StrCat("sample_step reply: top-k of ", token_ids->size(), " ids and ",
+                                            logprobs->size(), " logprobs is not [n, ", k, "]"));
+  }
+  return TopLogprobs{k, *std::move(token_ids), *std::move(logprobs)};
+}
+
+}  // namespace
+
+void SamplerCoordinator::Finish(Request& request, FutureResult result) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (request.finished) return;
+    request.finished = true;
+    if (--in_flight_by_tenant_[request.tenant] <= 0) in_flight_by_tenant_.erase(request.tenant);
+    // Its other rows leave the engines' batches and the waiting lines, on every lane.
+    for (const std::unique_ptr<Lane>& lane : lanes_) {
+      for (auto it = lane->running.begin(); it != lane->running.end();) {
+        if (it->second->request.get() == &request) {
+          lane->cancel.push_back(it->first);
+          it = lane->running.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      std::erase_if(lane->waiting, [&](const std::shared_ptr<Row>& r) { return r->request.get() == &request; });
+    }
+  }
+  request.snapshot.reset();
+  futures_.Complete(request.future_id, std::move(result));
+}
+
+void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result,
+                                 const std::vector<std::string>& buffers) {
+  Request& request = *row.request;
+  PromptOutput& out = request.output.prompts[row.prompt_index];
+  for (const ipc::SampledSequenceMsg& s : result.samples) {
+    absl::StatusOr<std::vector<int64_t>> tokens = ipc::ReadVectorFrame<int64_t>(s.tokens, buffers, "sample_step reply");
+    absl::StatusOr<std::vector<float>> logprobs = ipc::ReadVectorFrame<float>(s.logprobs, buffers, "sample_step reply");
+    if (!tokens.ok() || !logprobs.ok()) {
+      Finish(request, tokens.ok() ? logprobs.status() : tokens.status());
+      return;
+    }
+    SampledSequence seq{*std::move(tokens), *std::move(logprobs), s.stop_reason, {}};
+    if (const int64_t k = request.params.top_logprobs; k > 0) {
+      absl::StatusOr<TopLogprobs> top = ReadTop(s.top_token_ids, s.top_logprobs, k, buffers);
+      if (!top.ok()) {
+        Finish(request, top.status());
+        return;
+      }
+      seq.top_logprobs = *std::move(top);
+    }
+    if (!request.params.stop_strings.empty() && token_text_) {
+      if (std::optional<size_t> n = token_text_->TokensThroughFirstStop(seq.tokens, request.params.stop_strings)) {
+        seq.tokens.resize(*n);
+        seq.logprobs.resize(std::min(seq.logprobs.size(), *n));
+        TopLogprobs& top = seq.top_logprobs;
+        const size_t cells = std::min(top.token_ids.size(), *n * static_cast<size_t>(top.k));
+        top.token_ids.resize(cells);
+        top.logprobs.resize(cells);
+        seq.stop_reason = "stop";
+      }
+    }
+    out.sequences.push_back(std::move(seq));
+  }
+  if (request.params.prompt_logprobs) {
+    out.prompt_logprobs.assign(1, std::numeric_limits<float>::quiet_NaN());
+    if (result.prompt_logprobs) {
+      absl::StatusOr<std::vector<float>> lp = ipc::ReadVectorFrame<float>(*result.prompt_logprobs, buffers, "sample_step reply");
+      if (!lp.ok()) {
+        Finish(request, lp.status());
+        return;
+      }
+      out.prompt_logprobs.insert(out.prompt_logprobs.end(), lp->begin(), lp->end());
+    }
+  }
+  if (const int64_t k = request.params.prompt_top_logprobs; k > 0) {
+    absl::StatusOr<TopLogprobs> top = ReadTop(result.prompt_top_token_ids, result.prompt_top_logprobs, k, buffers);
+    if (!top.ok()) {
+      Finish(request, top.status());
+      return;
+    }
+    // Position 0 has no distribution: it gets placeholder cells, so position i is prompt[i]'s.
+    TopLogprobs& aligned = out.prompt_top_logprobs;
+    aligned.k = k;
+    aligned.token_ids.assign(k, -1);
+    aligned.logprobs.assign(k, std::numeric_limits<float>::quiet_NaN());
+    aligned.token_ids.insert(aligned.token_ids.end(), top->token_ids.begin(), top->token_ids.end());
+    aligned.logprobs.insert(aligned.logprobs.end(), top->logprobs.begin(), top->logprobs.end());
+  }
+  bool done = false;
+  {
+    absl::MutexLock lock(&mu_);
+    done = --request.rows_left == 0;
+  }
+  if (done) Finish(request, std::any(std::move(request.output)));
+}
+
+absl::Status SamplerCoordinator::EnsureOnEngine(Lane& lane, Snapshot& snapshot) {
+  uint64_t& on_engine = snapshot.engine_generation[lane.index];
+  if (on_engine != 0 && on_engine == lane.generation) return absl::OkStatus();
+  training::EngineLink& engine = *lane.engine;
+  absl::StatusOr<ipc::Message> created =
+      engine.Call(ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(snapshot.weights.config)));
+  if (!created.ok()) return created.status();
+  ipc::SetAdapterStateRequest set;
+  set.adapter_id = snapshot.engine_id;
+  set.weights = snapshot.weights.weights;
+  absl::StatusOr<ipc::Message> r =
+      engine.Call(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), snapshot.weights.buffers));
+  if (!r.ok()) {
+    (void)engine.Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{snapshot.engine_id})));
+    return r.status();
+  }
+  on_engine = lane.generation;
+  return absl::OkStatus();
+}
+
+void SamplerCoordinator::RemoveDeadSnapshots(Lane& lane) {
+  std::vector<std::string> dead;
+  {
+    absl::MutexLock lock(&graveyard_->mu);
+    dead.swap(graveyard_->engine_ids[lane.index]);
+  }
+  for (const std::string& id : dead) {
+    absl::StatusOr<ipc::Message> r = lane.engine->Call(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{id})));
+    if (!r.ok()) LogWarning(kLog, absl::StrCat("removing snapshot ", id, ": ", r.status().message()));
+  }
+}
+
+void SamplerCoordinator::DecodeLoop(Lane& lane) {
+  training::EngineLink& engine = *lane.engine;
+  while (true) {
+    std::vector<std::shared_ptr<Row>> admit;
+    std::vector<uint64_t> cancel;
+    bool have_running = false;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && lane.waiting.empty() && lane.running.empty() && lane.cancel.empty()) {
+        // Wake now and then to free snapshots whose last session closed.
+        lane.wake.WaitWithTimeout(&mu_, absl::Milliseconds(500));
+        absl::MutexLock dead(&graveyard_->mu);
+        if (!graveyard_->engine_ids[lane.index].empty()) break;
+      }
+      if (stop_) break;
+      admit.assign(lane.waiting.begin(), lane.waiting.end());
+      cancel.swap(lane.cancel);
+      have_running = !lane.running.empty();
+    }
+    // A new engine process holds neither snapshots nor running rows: rebuild, replay.
+    const uint64_t gen = engine.generation();
+    if (gen != lane.generation) {
+      if (lane.generation != 0) {
+        LogWarning(kLog, absl::StrCat("lane ", lane.index,
+                                      ": engine restarted: replaying the running sampling requests"));
+      }
+      lane.generation = gen;
+      lane.reset_engine = true;
+      lane.early_stops.clear();  // the replayed rows start over
+      absl::MutexLock lock(&mu_);
+      std::vector<std::shared_ptr<Row>> replay;
+      for (auto& [id, row] : lane.running) replay.push_back(row);  // by engine id = arrival order
+      lane.running.clear();
+      lane.waiting.insert(lane.waiting.begin(), replay.begin(), replay.end());
+      admit.assign(lane.waiting.begin(), lane.waiting.end());
+      cancel.clear();
+      have_running = false;
+    }
+    RemoveDeadSnapshots(lane);
+    if (admit.empty() && !have_running && cancel.empty()) continue;
+
+    ipc::SampleStepRequest step;
+    std::vector<std::string> buffers;
+    step.reset = lane.reset_engine;
+    step.cancel = std::move(cancel);
+    for (const auto& [id, sample] : lane.early_stops) step.stop.push_back({id, sample});
+    lane.early_stops.clear();
+    step.max_decode_steps = options_.max_decode_steps_per_call;
+    std::map<uint64_t, std::shared_ptr<Row>> admitted;
+    for (const std::shared_ptr<Row>& row : admit) {
+      Request& request = *row->request;
+      if (request.snapshot != nullptr) {
+        if (absl::Status s = EnsureOnEngine(lane, *request.snapshot); !s.ok()) {
+          Finish(request, absl::Status(s.code(), absl::StrCat("loading the sampler weights of ",
+                                                              request.snapshot->source, ": ", s.message())));
+          continue;
+        }
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        if (request.finished) continue;
+      }
+      ipc::SampleAdmitMsg msg;
+      msg.request_id = row->engine_id;
+      ipc::SampleRowMsg& r = msg.row;
+      r.adapter_id = request.snapshot != nullptr ? request.snapshot->engine_id : "";
+      r.prompt_tokens = ipc::AppendVectorFrame(request.prompts[row->prompt_index], buffers);
+      r.max_tokens = request.params.max_tokens;
+      r.temperature = request.params.temperature;
+      r.top_p = request.params.top_p;
+      r.top_k = request.params.top_k;
+      r.stop_token_ids = request.params.stop_token_ids;
+      if (!request.params.ignore_eos) {
+        r.stop_token_ids.insert(r.stop_token_ids.end(), eos_token_ids_.begin(), eos_token_ids_.end());
+      }
+      r.seed = *request.params.seed + row->prompt_index;  // prompts of one request draw independently
+      r.num_samples = request.params.num_samples;
+      r.want_prompt_logprobs = request.params.prompt_logprobs;
+      r.top_logprobs = request.params.top_logprobs;
+      r.prompt_top_logprobs = request.params.prompt_top_logprobs;
+      // Stop strings are matched on the decoded text as tokens arrive (the progress loop below);
+      // the final result is cut again in Collect, so the early stop only saves decoding.
+      r.report_tokens = !request.params.stop_strings.empty() && token_text_.has_value();
+      if (r.report_tokens) {
+        row->partial.assign(request.params.num_samples, {});
+        row->stop_sent.assign(request.params.num_samples, false);
+      }
+      step.admit.push_back(std::move(msg));
+      admitted.emplace(row->engine_id, row);
+    }
+    absl::StatusOr<ipc::Message> reply =
+        engine.Call(ipc::MakeRequest(ipc::kMethodSampleStep, ipc::Pack(step), std::move(buffers)));
+    if (!reply.ok()) {
+      if (engine.generation() != lane.generation) continue;  // restarted under us: replay
+      // The worker refused the call itself: fail what it carried, keep the rest.
+      // While a worker is down every retry fails alike; log each distinct error once.
+      if (reply.status().message() != lane.last_step_error) {
+        lane.last_step_error = std::string(reply.status().message());
+        LogError(kLog, absl::StrCat("lane ", lane.index, ": sample_step failed: ", lane.last_step_error));
+      }
+      for (auto& [id, row] : admitted) Finish(*row->request, reply.status());
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
+    lane.reset_engine = false;
+    lane.last_step_error.clear();
+    absl::StatusOr<ipc::SampleStepReply> body = ipc::Unpack<ipc::SampleStepReply>(reply->envelope.body, "sample_step reply");
+    if (!body.ok()) {
+      LogError(kLog, std::string(body.status().message()));
+      for (auto& [id, row] : admitted) Finish(*row->request, body.status());
+      continue;
+    }
+    std::set<uint64_t> deferred(body->deferred.begin(), body->deferred.end());
+    std::vector<std::pair<std::shared_ptr<Row>, std::string>> rejected;
+    std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleRowResultMsg*>> finished;
+    std::vector<std::pair<std::shared_ptr<Row>, const ipc::SampleProgressMsg*>> progress;
+    {
+      absl::MutexLock lock(&mu_);
+      // Admitted rows leave the waiting line (deferred ones stay, in order).
+      std::erase_if(lane.waiting, [&](const std::shared_ptr<Row>& r) {
+        return admitted.count(r->engine_id) != 0 && deferred.count(r->engine_id) == 0;
+      });
+      for (const auto& [id, row] : admitted) {
+        if (deferred.count(id) == 0 && !row->request->finished) lane.running[id] = row;
+      }
+      for (const ipc::SampleRejectedMsg& r : body->rejected) {
+        if (auto it = lane.running.find(r.request_id); it != lane.running.end()) {
+          rejected.emplace_back(it->second, r.error);
+          lane.running.erase(it);
+        }
+      }
+      for (const ipc::SampleFinishedMsg& f : body->finished) {
+        if (auto it = lane.running.find(f.request_id); it != lane.running.end()) {
+          finished.emplace_back(it->second, &f.result);
+          lane.running.erase(it);
+        }
+      }
+      for (const ipc::SampleProgressMsg& m : body->progress) {
+        if (auto it = lane.running.find(m.request_id); it != lane.running.end()) progress.emplace_back(it->second, &m);
+      }
+      lane.blocks_in_use = body->blocks_in_use;
+      lane.blocks_total = body->blocks_total;
+      lane.block_size = body->block_size;
+    }
+    for (auto& [row, m] : progress) {
+      const size_t sample = static_cast<size_t>(m->sample);
+      if (sample >= row->partial.size() || row->stop_sent[sample]) continue;
+      std::vector<int64_t>& tokens = row->partial[sample];
+      tokens.insert(tokens.end(), m->tokens.begin(), m->tokens.end());
+      if (token_text_->TokensThroughFirstStop(tokens, row->request->params.stop_strings)) {
+        row->stop_sent[sample] = true;
+        lane.early_stops.emplace_back(row->engine_id, m->sample);
+      }
+    }
+    for (auto& [row, error] : rejected) Finish(*row->request, absl::InvalidArgumentError(error));
+    int64_t generated = 0;
+    for (auto& [row, result] : finished) {
+      for (const ipc::SampledSequenceMsg& s : result->samples) {
+        generated += s.tokens.shape.empty() ? 0 : s.tokens.shape[0];
+      }
+    }
+    {
+      // Counted before the futures complete, so a caller who has its result sees it counted.
+      absl::MutexLock lock(&mu_);
+      lane.tokens_generated += generated;
+    }
+    for (auto& [row, result] : finished) Collect(*row, *result, reply->buffers);
+  }
+  // Shutting down: nothing more will run on this lane.
+  std::vector<std::shared_ptr<Request>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& row : lane.waiting) pending.push_back(row->request);
+    for (const auto& [id, row] : lane.running) pending.push_back(row->request);
+  }
+  for (const auto& r : pending) Finish(*r, absl::UnavailableError("the server is shutting down"));
+}
+
+}  // namespace twinkle::sampling
