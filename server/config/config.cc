@@ -414,14 +414,6 @@ bool IsDevice(const std::string& d) {
 // engine.devices: [cpu, cpu] does.
 void CheckSamplerDevices(const Config& c, YamlReader& r) {
   const std::vector<std::string>& devices = c.sampler.devices;
-  // The decode loop drives one engine's running batch; spreading rows over several sampler
-  // workers (with every snapshot on each) is not built yet, so more than one is refused
-  // rather than silently left idle.
-  if (devices.size() > 1) {
-    r.ErrorAtKey("sampler.devices", absl::StrCat("lists ", devices.size(),
-                                                 " devices; one dedicated sampler worker is supported "
-                                                 "today (or none: sample on the training workers)"));
-  }
   std::set<std::string> seen;
   for (const std::string& d : devices) {
     if (!IsDevice(d)) {

@@ -65,8 +65,11 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
     const Supervisor& sampling = state_.sampling_supervisor();
     response->set_sampler_mode(state_.sampler_supervisor != nullptr ? "dedicated" : "colocated");
     response->set_sampler_ready(!state_.draining.load() && sampling.AllReady());
+    // Colocated, only the training pool's rank 0 samples; dedicated, every sampler worker does.
+    const int64_t sampling_workers =
+        state_.sampler_supervisor != nullptr ? static_cast<int64_t>(state_.config.sampler.devices.size()) : 1;
     if (std::optional<ModelInfo> info = sampling.model_info()) {
-      response->set_sampler_kv_blocks_total(info->kv_cache_blocks);
+      response->set_sampler_kv_blocks_total(info->kv_cache_blocks * sampling_workers);
       response->set_sampler_kv_block_size(info->kv_block_size);
     }
     response->set_sampler_max_snapshots(state_.config.sampler.max_snapshots);
@@ -76,6 +79,18 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
       response->set_sampler_snapshots(static_cast<int32_t>(stats.snapshots));
       response->set_sampler_running(stats.running);
       response->set_sampler_waiting(stats.waiting);
+      const std::vector<WorkerSnapshot> workers = sampling.Snapshot();
+      for (size_t lane = 0; lane < stats.lanes.size(); ++lane) {
+        const sampling::SamplerLaneStats& l = stats.lanes[lane];
+        twinkle::v1::SamplerWorkerLoad* load = response->add_sampler_workers();
+        load->set_rank(static_cast<int32_t>(lane));  // lane i is rank i of the pool that samples
+        if (lane < workers.size()) load->set_device(workers[lane].device);
+        load->set_kv_blocks_total(l.blocks_total);
+        load->set_kv_blocks_in_use(l.blocks_in_use);
+        load->set_running(l.running);
+        load->set_waiting(l.waiting);
+        load->set_tokens_generated(l.tokens_generated);
+      }
     }
     return absl::OkStatus();
   });

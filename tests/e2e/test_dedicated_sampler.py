@@ -341,3 +341,114 @@ def test_a_sampler_worker_that_cannot_start_fails_the_launch_naming_it(launch_se
     assert code == 1, server.logs()
     assert "twinkle-server: sampler engine rank 0 on cuda:99 failed to start" in stderr, server.logs()
     assert not server.engine_workers()
+
+
+POOL: dict[str, Any] = {"sampler": {"devices": ["cpu", "cpu"]}, "engine": {"restart_backoff_initial_ms": 200}}
+
+
+def sampler_worker_of_rank(server: Any, rank: int) -> psutil.Process:
+    [worker] = [w for w in server.engine_workers() if identity(w).startswith(f"sampler-rank-{rank}-")]
+    return worker
+
+
+def lane_loads(c: Client) -> list[upb.SamplerWorkerLoad]:
+    return list(c.utility.GetCapacity(upb.GetCapacityRequest(), timeout=10).sampler_workers)
+
+
+def sample_concurrently(s: Sampler, sessions: dict[str, str], prompts: list[list[int]]) -> dict[str, Any]:
+    """sample_all's requests, every session's at once from threads of their own, so rows of
+    different requests share the two workers' batches."""
+    out: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def one(kind: str, session: str) -> None:
+        try:
+            out[kind] = sample_all(s, {kind: session}, prompts)[kind]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=item) for item in sessions.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return out
+
+
+def test_two_sampler_workers_share_the_rows_and_one_restarts_alone(
+        launch_server: LaunchServer, tiny_model: Path) -> None:
+    n_vocab = vocab(tiny_model)
+    prompts = prompts_for(31, n_vocab, 6)
+
+    colocated = launch_server()
+    _, s, sessions, _, _ = scenario(colocated, n_vocab)
+    expected = sample_all(s, sessions, prompts)
+    colocated.stop()
+
+    server = launch_server(POOL)
+    c, s, sessions, _, _ = scenario(server, n_vocab)
+    info = c.utility.GetServerInfo(upb.GetServerInfoRequest(), timeout=10)
+    assert [(d.pool, d.rank, d.device, d.ready) for d in info.devices] == [
+        ("training", 0, "cpu", True), ("sampler", 0, "cpu", True), ("sampler", 1, "cpu", True)]
+    got = sample_concurrently(s, sessions, prompts)
+
+    # Both workers generated, and the results are the colocated server's, row for row: a
+    # row's tokens depend on its own seed and weights, not on which worker ran it or beside what.
+    loads = lane_loads(c)
+    assert [(w.rank, w.device) for w in loads] == [(0, "cpu"), (1, "cpu")]
+    print("tokens generated per sampler worker:", [w.tokens_generated for w in loads])
+    assert all(w.tokens_generated > 0 for w in loads), loads
+    assert all(w.kv_blocks_total == 2048 and w.kv_blocks_in_use == 0 for w in loads), loads
+    capacity = c.utility.GetCapacity(upb.GetCapacityRequest(), timeout=10)
+    assert capacity.sampler_mode == "dedicated" and capacity.sampler_kv_blocks_total == 2 * 2048
+    for kind in sessions:
+        for i in range(2):
+            assert tokens_of(got[kind][i]) == tokens_of(expected[kind][i]), f"{kind}: two workers and colocated differ"
+            assert np.max(np.abs(logprobs_of(got[kind][i]) - logprobs_of(expected[kind][i]))) <= 1e-5, kind
+
+    # Kill rank 1 while a long request has rows on both workers: rank 0 goes on undisturbed,
+    # rank 1's rows are replayed on its new process, and the request's tokens are unchanged.
+    long_request = spb.SampleRequest(
+        sampling_session_id=sessions["snapshot"], prompts=[spb.Prompt(tokens=p) for p in prompts[:4]],
+        params=spb.SamplingParams(max_tokens=300, temperature=1.0, seed=5, num_samples=4, ignore_eos=True))
+    long_expected = tokens_of(s.call("Sample", long_request))
+    rank0, rank1 = sampler_worker_of_rank(server, 0), sampler_worker_of_rank(server, 1)
+    long_request.options.return_future = True
+    future = s.call("Sample", long_request).future_id
+    wait_until(lambda: all(w.running > 0 for w in lane_loads(c)), scaled(30), "rows running on both sampler workers")
+    rank1.kill()
+    wait_until(lambda: any(identity(w).startswith("sampler-rank-1-") and w.pid != rank1.pid
+                           for w in server.engine_workers()), scaled(30), "a new sampler rank 1")
+    server.wait_health("SERVING", scaled(60))
+    while True:
+        try:
+            r = s.call("WaitSample", tpb.WaitFutureRequest(future_id=future, timeout_ms=10000))
+        except grpc.RpcError as e:
+            print(f"in-flight request: {e.code().name} ({e.details()})")
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            break
+        if r.done:
+            assert tokens_of(r) == long_expected
+            print("in-flight request: rank 1's rows replayed, the tokens of an undisturbed run")
+            break
+    assert sampler_worker_of_rank(server, 0).pid == rank0.pid, "sampler rank 0 was restarted"
+    stderr = server.stderr_text()
+    assert "sampler engine rank 1 is down" in stderr and "sampler engine rank 0 is down" not in stderr
+    assert "lane 0: engine restarted" not in stderr, "rank 0's rows were replayed for rank 1's restart"
+    samples = metrics(server)
+    assert prom.value(samples, "twinkle_worker_restarts_total", pool="sampler", rank="1") == 1
+    assert prom.value(samples, "twinkle_worker_restarts_total", pool="sampler", rank="0") == 0
+
+    # Every session still gives the same results, its snapshot rebuilt on the new rank 1.
+    after = sample_concurrently(s, sessions, prompts)
+    for kind in sessions:
+        for i in range(2):
+            assert tokens_of(after[kind][i]) == tokens_of(expected[kind][i]), kind
+
+    # Closing the sessions frees every snapshot on both workers.
+    for session in sessions.values():
+        s.call("CloseSamplingSession", spb.SamplingSessionRequest(sampling_session_id=session))
+    wait_until(lambda: c.utility.GetCapacity(upb.GetCapacityRequest(), timeout=10).sampler_snapshots == 0,
+               scaled(30), "the snapshots freed")
+    assert "removing snapshot" not in server.stderr_text(), server.logs()
