@@ -42,10 +42,14 @@ absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
 }  // namespace
 
 void SamplerCoordinator::Finish(Request& request, FutureResult result) {
+  std::shared_ptr<Snapshot> released;  // let go after the lock (its deleter takes the graveyard's)
   {
     absl::MutexLock lock(&mu_);
     if (request.finished) return;
     request.finished = true;
+    // Other lanes may be admitting rows of this request right now: they copy the pointer
+    // under mu_, so it is reset under mu_ too.
+    released = std::move(request.snapshot);
     if (--in_flight_by_tenant_[request.tenant] <= 0) in_flight_by_tenant_.erase(request.tenant);
     // Its other rows leave the engines' batches and the waiting lines, on every lane.
     for (const std::unique_ptr<Lane>& lane : lanes_) {
@@ -60,7 +64,7 @@ void SamplerCoordinator::Finish(Request& request, FutureResult result) {
       std::erase_if(lane->waiting, [&](const std::shared_ptr<Row>& r) { return r->request.get() == &request; });
     }
   }
-  request.snapshot.reset();
+  released.reset();
   futures_.Complete(request.future_id, std::move(result));
 }
 
@@ -213,21 +217,25 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
     std::map<uint64_t, std::shared_ptr<Row>> admitted;
     for (const std::shared_ptr<Row>& row : admit) {
       Request& request = *row->request;
-      if (request.snapshot != nullptr) {
-        if (absl::Status s = EnsureOnEngine(lane, *request.snapshot); !s.ok()) {
-          Finish(request, absl::Status(s.code(), absl::StrCat("loading the sampler weights of ",
-                                                              request.snapshot->source, ": ", s.message())));
-          continue;
-        }
-      }
+      // The request's rows may be on several lanes, and another lane's thread may finish it
+      // (and drop its snapshot) at any time: this lane works on a copy taken under mu_.
+      std::shared_ptr<Snapshot> snapshot;
       {
         absl::MutexLock lock(&mu_);
         if (request.finished) continue;
+        snapshot = request.snapshot;
+      }
+      if (snapshot != nullptr) {
+        if (absl::Status s = EnsureOnEngine(lane, *snapshot); !s.ok()) {
+          Finish(request, absl::Status(s.code(), absl::StrCat("loading the sampler weights of ", snapshot->source,
+                                                              ": ", s.message())));
+          continue;
+        }
       }
       ipc::SampleAdmitMsg msg;
       msg.request_id = row->engine_id;
       ipc::SampleRowMsg& r = msg.row;
-      r.adapter_id = request.snapshot != nullptr ? request.snapshot->engine_id : "";
+      r.adapter_id = snapshot != nullptr ? snapshot->engine_id : "";
       r.prompt_tokens = ipc::AppendVectorFrame(request.prompts[row->prompt_index], buffers);
       r.max_tokens = request.params.max_tokens;
       r.temperature = request.params.temperature;
@@ -285,7 +293,12 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
         return admitted.count(r->engine_id) != 0 && deferred.count(r->engine_id) == 0;
       });
       for (const auto& [id, row] : admitted) {
-        if (deferred.count(id) == 0 && !row->request->finished) lane.running[id] = row;
+        if (deferred.count(id) != 0) continue;
+        if (!row->request->finished) {
+          lane.running[id] = row;
+        } else {
+          lane.cancel.push_back(id);  // finished meanwhile by another lane: drop it from the batch
+        }
       }
       for (const ipc::SampleRejectedMsg& r : body->rejected) {
         if (auto it = lane.running.find(r.request_id); it != lane.running.end()) {

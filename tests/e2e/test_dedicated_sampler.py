@@ -77,6 +77,22 @@ def logprobs_of(reply: spb.SampleResponse) -> np.ndarray:
     return np.concatenate([np.asarray(q.logprobs, dtype=np.float64) for p in reply.results for q in p.sequences])
 
 
+def wait_replayed_or_unavailable(s: Sampler, future: int, expected: list[list[list[int]]]) -> bool:
+    """A request in flight when its worker was killed: True when it completed with the tokens
+    of an undisturbed run (replayed on the new worker), False when it failed retryably."""
+    while True:
+        try:
+            r = s.call("WaitSample", tpb.WaitFutureRequest(future_id=future, timeout_ms=10000))
+        except grpc.RpcError as e:
+            print(f"in-flight request: {e.code().name} ({e.details()})")
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            return False
+        if r.done:
+            assert tokens_of(r) == expected
+            print("in-flight request: replayed on the new worker, the tokens of an undisturbed run")
+            return True
+
+
 def scenario(server: Any, n_vocab: int) -> tuple[Client, Sampler, dict[str, str], str, str]:
     """Trains adapter "rl" 3 steps; sessions on a live snapshot of it, on its sampler_weights
     checkpoint (saved at the same step) and on the base model."""
@@ -287,18 +303,8 @@ def test_killed_sampler_worker_recovers_and_training_is_not_disturbed(
     assert worst == 0.0
 
     # The in-flight request: the same tokens as before the kill, or a retryable error.
-    while True:
-        try:
-            r = s.call("WaitSample", tpb.WaitFutureRequest(future_id=future, timeout_ms=10000))
-        except grpc.RpcError as e:
-            print(f"in-flight request: {e.code().name} ({e.details()})")
-            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-            break
-        if r.done:
-            assert tokens_of(r) == long_expected
-            assert "replaying the running sampling requests" in server.stderr_text()
-            print("in-flight request: replayed on the new worker, the tokens of an undisturbed run")
-            break
+    if wait_replayed_or_unavailable(s, future, long_expected):
+        assert "replaying the running sampling requests" in server.stderr_text()
 
     # Sessions survived: snapshots are rebuilt on the new worker, same results.
     after = sample_all(s, sessions, prompts)
@@ -421,17 +427,7 @@ def test_two_sampler_workers_share_the_rows_and_one_restarts_alone(
     wait_until(lambda: any(identity(w).startswith("sampler-rank-1-") and w.pid != rank1.pid
                            for w in server.engine_workers()), scaled(30), "a new sampler rank 1")
     server.wait_health("SERVING", scaled(60))
-    while True:
-        try:
-            r = s.call("WaitSample", tpb.WaitFutureRequest(future_id=future, timeout_ms=10000))
-        except grpc.RpcError as e:
-            print(f"in-flight request: {e.code().name} ({e.details()})")
-            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-            break
-        if r.done:
-            assert tokens_of(r) == long_expected
-            print("in-flight request: rank 1's rows replayed, the tokens of an undisturbed run")
-            break
+    wait_replayed_or_unavailable(s, future, long_expected)
     assert sampler_worker_of_rank(server, 0).pid == rank0.pid, "sampler rank 0 was restarted"
     stderr = server.stderr_text()
     assert "sampler engine rank 1 is down" in stderr and "sampler engine rank 0 is down" not in stderr
