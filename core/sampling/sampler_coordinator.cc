@@ -1,6 +1,6 @@
 // SamplerCoordinator: sampling sessions (on the base model, a checkpoint path, or a live
-// adapter snapshot), the snapshots they pin, and SubmitSample's checks and queueing. The
-// decode thread that runs the queued requests is in sampler_decode.cc.
+// adapter snapshot), the snapshots they pin, SubmitSample's checks and the spreading of its
+// rows over the lanes. The lanes' decode threads, which run the rows, are in sampler_decode.cc.
 #include "core/sampling/sampler_coordinator.h"
 
 #include <cmath>
@@ -24,7 +24,6 @@ namespace twinkle::sampling {
 namespace {
 
 using sampler_internal::kLog;
-
 
 std::optional<TokenText> LoadTokenText(const std::string& model_dir) {
   if (model_dir.empty()) return std::nullopt;
@@ -425,6 +424,7 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
 }
 
 SamplerCoordinator::Lane& SamplerCoordinator::LeastLoadedLane() {
+  if (lanes_.size() == 1) return *lanes_[0];  // colocated, or one dedicated worker: nothing to weigh
   Lane* best = nullptr;
   int64_t best_tokens = 0;
   for (const std::unique_ptr<Lane>& lane : lanes_) {

@@ -65,16 +65,15 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
     const Supervisor& sampling = state_.sampling_supervisor();
     response->set_sampler_mode(state_.sampler_supervisor != nullptr ? "dedicated" : "colocated");
     response->set_sampler_ready(!state_.draining.load() && sampling.AllReady());
-    // Colocated, only the training pool's rank 0 samples; dedicated, every sampler worker does.
-    const int64_t sampling_workers =
-        state_.sampler_supervisor != nullptr ? static_cast<int64_t>(state_.config.sampler.devices.size()) : 1;
-    if (std::optional<ModelInfo> info = sampling.model_info()) {
-      response->set_sampler_kv_blocks_total(info->kv_cache_blocks * sampling_workers);
-      response->set_sampler_kv_block_size(info->kv_block_size);
-    }
     response->set_sampler_max_snapshots(state_.config.sampler.max_snapshots);
     if (state_.sampler != nullptr) {
       const sampling::SamplerStats stats = state_.sampler->stats();
+      // One lane per worker that samples (the training pool's rank 0 when colocated, every
+      // sampler worker when dedicated), each with the cache size every worker loaded with.
+      if (std::optional<ModelInfo> info = sampling.model_info()) {
+        response->set_sampler_kv_blocks_total(info->kv_cache_blocks * static_cast<int64_t>(stats.lanes.size()));
+        response->set_sampler_kv_block_size(info->kv_block_size);
+      }
       response->set_sampler_kv_blocks_in_use(stats.blocks_in_use);
       response->set_sampler_snapshots(static_cast<int32_t>(stats.snapshots));
       response->set_sampler_running(stats.running);
