@@ -222,6 +222,9 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);
   o.backoff_initial = absl::Milliseconds(c.engine.restart_backoff_initial_ms);
   o.backoff_max = absl::Milliseconds(c.engine.restart_backoff_max_ms);
+  o.call_timeout = absl::Seconds(c.engine.call_timeout_s);
+  o.call_timeout_per_mib = absl::Seconds(c.engine.call_timeout_per_mib_s);
+  o.test_hooks = c.testing.hooks;
   return o;
 }
 

@@ -4,6 +4,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/engine/loss/loss_probe.h"
@@ -33,9 +35,30 @@ absl::StatusOr<c10::Device> ParseDevice(const std::string& name) {
   }
 }
 
+// The debug methods of --test-hooks.
+absl::StatusOr<MethodReply> DebugSleep(const ipc::Message& request) {
+  absl::StatusOr<ipc::DebugRequest> req = ipc::Unpack<ipc::DebugRequest>(request.envelope.body, "debug_sleep");
+  if (!req.ok()) return req.status();
+  absl::SleepFor(absl::Milliseconds(req->milliseconds));
+  return MethodReply{};
+}
+
+absl::StatusOr<MethodReply> DebugReplyFrames(const ipc::Message& request) {
+  absl::StatusOr<ipc::DebugRequest> req =
+      ipc::Unpack<ipc::DebugRequest>(request.envelope.body, "debug_reply_frames");
+  if (!req.ok()) return req.status();
+  MethodReply reply;
+  reply.buffers.resize(static_cast<size_t>(std::max<int64_t>(0, req->frames)));
+  return reply;
+}
+
 }  // namespace
 
-RequestHandler::RequestHandler(std::string device) : device_(std::move(device)) {
+RequestHandler::RequestHandler(std::string device, bool test_hooks) : device_(std::move(device)) {
+  if (test_hooks) {
+    methods_[ipc::kMethodDebugSleep] = DebugSleep;
+    methods_[ipc::kMethodDebugReplyFrames] = DebugReplyFrames;
+  }
   // Training methods answer FailedPrecondition until a model is loaded; LoadModel replaces
   // these entries with the trainer's.
   for (const char* name : {ipc::kMethodCreateAdapter, ipc::kMethodRemoveAdapter, ipc::kMethodForward,

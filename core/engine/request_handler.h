@@ -21,7 +21,8 @@ using Method = std::function<absl::StatusOr<MethodReply>(const ipc::Message& req
 
 class RequestHandler {
  public:
-  explicit RequestHandler(std::string device);
+  // test_hooks: also answer the debug methods (ipc::kMethodDebugSleep, ...).
+  RequestHandler(std::string device, bool test_hooks);
   ~RequestHandler();
 
   // Runs one request; the reply carries the method's body and tensor frames.

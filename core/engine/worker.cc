@@ -26,8 +26,8 @@ constexpr char kWakeEndpoint[] = "inproc://twinkle-engine-wake";
 // `done` plus a one-byte wake-up on the inproc socket.
 class ComputeThread {
  public:
-  ComputeThread(zmq::context_t& context, std::string device)
-      : handler_(std::move(device)), wake_(context, zmq::socket_type::push) {
+  ComputeThread(zmq::context_t& context, std::string device, bool test_hooks)
+      : handler_(std::move(device), test_hooks), wake_(context, zmq::socket_type::push) {
     wake_.connect(kWakeEndpoint);
     thread_ = std::thread([this] { Loop(); });
   }
@@ -92,6 +92,22 @@ class ComputeThread {
   std::thread thread_;
 };
 
+// Sends a reply; one over the message limits (a result larger than the link carries) goes
+// as an error reply naming the limit instead, so the caller learns why and the coordinator
+// never sees a message it would refuse. Only a socket failure is an error here.
+absl::Status SendReply(zmq::socket_t& dealer, const ipc::Message& reply, const std::string& log_name) {
+  absl::Status s = ipc::SendMessage(dealer, reply);
+  if (!absl::IsResourceExhausted(s)) return s;
+  LogWarning(log_name, absl::StrCat("reply to request ", reply.envelope.request_id, " (",
+                                    reply.envelope.method, ") is too large: ", s.message()));
+  return ipc::SendMessage(
+      dealer, ipc::MakeReply(reply.envelope,
+                             absl::InvalidArgumentError(absl::StrCat(
+                                 "the engine's reply to ", reply.envelope.method,
+                                 " is too large for the engine link (", s.message(),
+                                 "); split the request into smaller ones"))));
+}
+
 }  // namespace
 
 std::string WorkerLogName(const WorkerOptions& options) {
@@ -120,7 +136,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
                                                  options.device});
   if (absl::Status s = ipc::SendMessage(dealer, hello); !s.ok()) return s;
 
-  ComputeThread compute(context, options.device);
+  ComputeThread compute(context, options.device, options.test_hooks);
   const pid_t parent = getppid();
   const absl::Duration interval = absl::Milliseconds(options.heartbeat_interval_ms);
   absl::Time next_heartbeat = absl::Now();
@@ -153,7 +169,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
       while (wake_pull.recv(ignored, zmq::recv_flags::dontwait)) {
       }
       for (ipc::Message& reply : compute.TakeReplies()) {
-        if (absl::Status s = ipc::SendMessage(dealer, reply); !s.ok()) return s;
+        if (absl::Status s = SendReply(dealer, reply, log_name); !s.ok()) return s;
       }
     }
     if (items[0].revents & ZMQ_POLLIN) {
@@ -162,7 +178,19 @@ absl::Status RunWorker(const WorkerOptions& options) {
         if (absl::IsNotFound(received.status())) break;
         if (!received.ok()) return received.status();
         if (!received->message.ok()) {
-          LogWarning(log_name, absl::StrCat("dropping a bad message: ", received->message.status().message()));
+          // A request whose envelope is readable is answered with the error, so its caller
+          // fails at once instead of waiting for a reply that would never come.
+          const absl::Status& error = received->message.status();
+          if (received->header && received->header->type == ipc::MessageType::kRequest) {
+            LogWarning(log_name, absl::StrCat("refusing request ", received->header->request_id, " (",
+                                              received->header->method, "): ", error.message()));
+            if (absl::Status s = SendReply(dealer, ipc::MakeReply(*received->header, error), log_name);
+                !s.ok()) {
+              return s;
+            }
+          } else {
+            LogWarning(log_name, absl::StrCat("dropping a bad message: ", error.message()));
+          }
           continue;
         }
         ipc::Message& message = *received->message;

@@ -18,6 +18,7 @@ struct WorkerOptions {
   std::string device = "cpu";
   int heartbeat_interval_ms = 200;
   std::string pool;       // "" = a training worker, "sampler" = a dedicated one (log lines only)
+  bool test_hooks = false;  // answer the debug methods (tests only; see ipc::kMethodDebugSleep)
 };
 
 // "engine rank R", or "<pool> engine rank R": the worker's name in its log lines, the same

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
       ->default_val(200);
   app.add_option("--log-level", log_level, "debug|info|warning|error")->default_val("info");
   app.add_option("--pool", options.pool, "the worker's pool, for its log lines: empty (training) or sampler");
+  app.add_flag("--test-hooks", options.test_hooks, "answer the debug methods (tests only)");
   CLI11_PARSE(app, argc, argv);
 
   twinkle::LogLevel level;

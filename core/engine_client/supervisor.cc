@@ -120,13 +120,51 @@ void Supervisor::SendQueuedCalls(absl::Time now) {
     call.request.envelope.type = ipc::MessageType::kRequest;
     const uint64_t id = call.request.envelope.request_id = next_request_id_++;
     if (absl::Status s = ipc::SendMessage(zmq_->router, call.request, w->identity); !s.ok()) {
+      if (absl::IsResourceExhausted(s)) {  // over the link's limits: nothing was sent
+        completions_.push_back([done = std::move(call.done), s, method = call.request.envelope.method] {
+          done(absl::InvalidArgumentError(absl::StrCat(
+              "the ", method, " request is too large for the engine link (", s.message(),
+              "); split it into smaller requests")));
+        });
+        continue;
+      }
       completions_.push_back([done = std::move(call.done), s] {
         done(absl::UnavailableError(absl::StrCat("cannot reach the engine: ", s.message())));
       });
       WorkerDownLocked(*w, now, std::string(s.message()));
       continue;
     }
-    in_flight_[id] = {call.rank, std::move(call.done)};
+    in_flight_[id] = {call.rank, std::move(call.done), call.request.envelope.method,
+                      CallBudget(call.request), std::nullopt};
+  }
+}
+
+absl::Duration Supervisor::CallBudget(const ipc::Message& request) const {
+  size_t bytes = request.envelope.body.size();
+  for (const std::string& b : request.buffers) bytes += b.size();
+  return options_.call_timeout +
+         options_.call_timeout_per_mib * (static_cast<double>(bytes) / (1 << 20));
+}
+
+void Supervisor::NoteBusyLocked(uint64_t request_id, absl::Time now) {
+  if (request_id == 0) return;
+  auto it = in_flight_.find(request_id);
+  if (it != in_flight_.end() && !it->second.started_at) it->second.started_at = now;
+}
+
+void Supervisor::CheckDeadlinesLocked(absl::Time now) {
+  for (const auto& [id, call] : in_flight_) {
+    if (!call.started_at || now - *call.started_at <= call.budget) continue;
+    Worker& w = *workers_[call.rank];
+    if (w.state != State::kReady) continue;
+    // Copies: WorkerDownLocked erases this call from in_flight_.
+    const std::string why = absl::StrCat(
+        "request ", id, " (", call.method, ") ran for ",
+        absl::FormatDuration(absl::Trunc(now - *call.started_at, absl::Milliseconds(1))),
+        ", past its deadline of ", absl::FormatDuration(absl::Trunc(call.budget, absl::Milliseconds(1))),
+        " (pid ", w.process.pid(), " killed)");
+    WorkerDownLocked(w, now, why);
+    return;  // the map changed; the next tick checks the rest
   }
 }
 
@@ -211,6 +249,7 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
     argv.push_back("--pool");
     argv.push_back(options_.pool);
   }
+  if (options_.test_hooks) argv.push_back("--test-hooks");
   absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   w.spawned_at = now;
   w.last_seen = now;
@@ -316,8 +355,24 @@ void Supervisor::HandleMessages(absl::Time now) {
     if (it == workers_.end()) continue;  // a previous spawn's last words
     Worker& w = **it;
     if (!received->message.ok()) {
-      WorkerDownLocked(w, now, absl::StrCat("sent a bad message: ",
-                                            received->message.status().message()));
+      // A reply we can match to its call fails that call alone (the worker answered; only
+      // this message was unreadable); anything else means the worker is broken.
+      const absl::Status& error = received->message.status();
+      if (received->header && received->header->type == ipc::MessageType::kReply) {
+        auto call = in_flight_.find(received->header->request_id);
+        if (call != in_flight_.end()) {
+          w.last_seen = now;
+          LogError(kLog, absl::StrCat(WorkerName(w.rank), " sent an unreadable reply to request ",
+                                      call->first, " (", call->second.method, "): ", error.message()));
+          completions_.push_back([done = std::move(call->second.done), error, method = call->second.method] {
+            done(absl::InternalError(absl::StrCat("the engine's reply to ", method,
+                                                  " could not be read: ", error.message())));
+          });
+          in_flight_.erase(call);
+          continue;
+        }
+      }
+      WorkerDownLocked(w, now, absl::StrCat("sent a bad message: ", error.message()));
       continue;
     }
     w.last_seen = now;
@@ -352,8 +407,11 @@ void Supervisor::HandleMessages(absl::Time now) {
         w.state = State::kLoading;
         break;
       }
-      case ipc::MessageType::kHeartbeat:
+      case ipc::MessageType::kHeartbeat: {
+        absl::StatusOr<ipc::HeartbeatBody> beat = ipc::Unpack<ipc::HeartbeatBody>(m.envelope.body, "heartbeat");
+        if (beat.ok()) NoteBusyLocked(beat->busy_request_id, now);
         break;
+      }
       case ipc::MessageType::kReply: {
         if (m.envelope.request_id != w.load_request_id) {
           auto call = in_flight_.find(m.envelope.request_id);
@@ -399,6 +457,7 @@ void Supervisor::HandleMessages(absl::Time now) {
 
 void Supervisor::Housekeep(absl::Time now) {
   absl::MutexLock lock(&mu_);
+  CheckDeadlinesLocked(now);
   for (auto& wp : workers_) {
     Worker& w = *wp;
     switch (w.state) {

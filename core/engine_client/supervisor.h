@@ -43,6 +43,14 @@ struct SupervisorOptions {
   absl::Duration startup_timeout = absl::Seconds(120);
   absl::Duration backoff_initial = absl::Milliseconds(500);
   absl::Duration backoff_max = absl::Seconds(30);
+  // Each call's deadline, counted from when the worker's heartbeat first reports it
+  // executing (time queued behind other calls on the worker does not count): the base plus
+  // the per-MiB allowance times the request's size, a work estimate that grows with the
+  // tokens or tensors it carries. A call past its deadline means a hung device step: the
+  // worker is killed and restarted, and its callers get UNAVAILABLE (retryable).
+  absl::Duration call_timeout = absl::InfiniteDuration();
+  absl::Duration call_timeout_per_mib = absl::ZeroDuration();
+  bool test_hooks = false;  // passes --test-hooks: the worker then accepts its debug methods
 };
 
 struct WorkerSnapshot {
@@ -104,7 +112,9 @@ class Supervisor {
   // are set here) to engine rank `rank` and calls `done` with its reply, on the supervisor
   // thread, once. Any thread may call. The reply's status is already folded in: `done` gets
   // the worker's error as a Status, or the reply Message. UNAVAILABLE when the worker is not
-  // ready, or when it goes down before replying (the request is lost with it).
+  // ready, or when it goes down before replying (the request is lost with it, and a call
+  // past its deadline takes the worker down). INVALID_ARGUMENT, with the worker untouched,
+  // when the request or its reply is larger than the link carries (ipc::DecodeLimits).
   using ReplyCallback = std::function<void(absl::StatusOr<ipc::Message>)>;
   void Call(int32_t rank, ipc::Message request, ReplyCallback done);
 
@@ -169,7 +179,15 @@ class Supervisor {
   struct InFlightCall {
     int32_t rank;
     ReplyCallback done;
+    std::string method;
+    absl::Duration budget;                 // its deadline, counted from `started_at`
+    std::optional<absl::Time> started_at;  // first heartbeat that reported it executing
   };
+  // Marks the call a heartbeat reports executing as started.
+  void NoteBusyLocked(uint64_t request_id, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes down the workers of calls past their deadline.
+  void CheckDeadlinesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Duration CallBudget(const ipc::Message& request) const;
   std::vector<OutgoingCall> outgoing_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, InFlightCall> in_flight_ ABSL_GUARDED_BY(mu_);
   // Callbacks to run once the lock is released (they may call back into the supervisor).

@@ -48,15 +48,14 @@ std::vector<std::string> EncodeFrames(const Message& message) {
   return frames;
 }
 
-absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames, const DecodeLimits& limits) {
+absl::Status CheckFrames(const std::vector<std::string>& frames, const DecodeLimits& limits) {
   if (frames.empty()) return absl::InvalidArgumentError("ipc: message has no envelope frame");
   if (frames.size() > limits.max_frames) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ipc: message has ", frames.size(), " frames; limit is ", limits.max_frames));
   }
-  const std::string& head = frames[0];
-  if (head.size() > limits.max_envelope_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("ipc: envelope of ", head.size(),
+  if (frames[0].size() > limits.max_envelope_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("ipc: envelope of ", frames[0].size(),
                                                      " bytes exceeds the limit of ",
                                                      limits.max_envelope_bytes));
   }
@@ -68,9 +67,16 @@ absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames, const Deco
                                                        limits.max_buffer_bytes));
     }
   }
+  return absl::OkStatus();
+}
 
-  Message message;
-  Envelope& e = message.envelope;
+absl::StatusOr<Envelope> DecodeEnvelope(absl::string_view head, const DecodeLimits& limits) {
+  if (head.size() > limits.max_envelope_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("ipc: envelope of ", head.size(),
+                                                     " bytes exceeds the limit of ",
+                                                     limits.max_envelope_bytes));
+  }
+  Envelope e;
   bool has_version = false, has_type = false;
   try {
     msgpack::object_handle handle = msgpack::unpack(head.data(), head.size());
@@ -119,6 +125,15 @@ absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames, const Deco
     return absl::FailedPreconditionError(absl::StrCat(
         "ipc: protocol version ", e.version, " does not match ours (", kProtocolVersion, ")"));
   }
+  return e;
+}
+
+absl::StatusOr<Message> DecodeFrames(std::vector<std::string> frames, const DecodeLimits& limits) {
+  if (absl::Status s = CheckFrames(frames, limits); !s.ok()) return s;
+  absl::StatusOr<Envelope> envelope = DecodeEnvelope(frames[0], limits);
+  if (!envelope.ok()) return envelope.status();
+  Message message;
+  message.envelope = *std::move(envelope);
   message.buffers.assign(std::make_move_iterator(frames.begin() + 1),
                          std::make_move_iterator(frames.end()));
   return message;

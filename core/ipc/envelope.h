@@ -31,11 +31,16 @@ enum class MessageType : uint8_t {
   kShutdown = 6,   // coordinator -> worker, exit cleanly
 };
 
-// Limits applied when decoding; anything larger is rejected before it is parsed.
+// Limits of one message, applied by both ends: a sender checks its encoded frames
+// (CheckFrames) before sending, so a message the peer would refuse is never sent, and a
+// receiver rejects a larger one before parsing it. They are sized so that every legitimate
+// message fits: the adapter state of an 80-layer model with every target and its optimizer
+// (about 3,400 tensors, a few hundred KiB of descriptors), a 1024-datum chunk with five
+// tensors per datum, and a sampling reply of 16 prompts x 128 samples (two frames a row).
 struct DecodeLimits {
-  size_t max_envelope_bytes = 1 << 20;       // the msgpack frame
-  size_t max_buffer_bytes = size_t{1} << 34;  // one tensor frame (16 GiB)
-  size_t max_frames = 4096;
+  size_t max_envelope_bytes = size_t{64} << 20;  // the msgpack frame (64 MiB)
+  size_t max_buffer_bytes = size_t{1} << 34;     // one tensor frame (16 GiB)
+  size_t max_frames = size_t{1} << 20;
 };
 
 struct Envelope {
@@ -55,6 +60,14 @@ struct Message {
 
 // Serializes a message into frames. Never fails for a well-formed Message.
 std::vector<std::string> EncodeFrames(const Message& message);
+
+// Checks encoded frames against `limits` (the checks DecodeFrames applies before parsing):
+// ResourceExhausted naming the count or size and the limit.
+absl::Status CheckFrames(const std::vector<std::string>& frames, const DecodeLimits& limits = {});
+
+// Parses the envelope frame alone (frame 0), e.g. to answer a message whose other frames
+// were refused. Same errors as DecodeFrames, less the frame checks.
+absl::StatusOr<Envelope> DecodeEnvelope(absl::string_view head, const DecodeLimits& limits = {});
 
 // Parses frames into a message. Rejects (InvalidArgument / ResourceExhausted) a missing
 // envelope, an envelope that is not a msgpack map of the expected shape, an unknown type,

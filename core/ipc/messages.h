@@ -111,6 +111,17 @@ absl::StatusOr<std::vector<T>> ReadVectorFrame(const TensorDesc& desc, const std
   return out;
 }
 
+// Debug methods, answered only by a worker started with --test-hooks (the server passes
+// it when the config sets testing.hooks): they stand in for a hung device step and for a
+// result too large for the link, so tests can check what the coordinator does about each.
+inline constexpr char kMethodDebugSleep[] = "debug_sleep";          // sleeps, then replies
+inline constexpr char kMethodDebugReplyFrames[] = "debug_reply_frames";  // replies with N frames
+struct DebugRequest {
+  int64_t milliseconds = 0;  // debug_sleep
+  int64_t frames = 0;        // debug_reply_frames: empty tensor frames in the reply
+  MSGPACK_DEFINE_MAP(milliseconds, frames);
+};
+
 template <typename T>
 std::string Pack(const T& value) {
   msgpack::sbuffer buffer;

@@ -9,8 +9,9 @@
 namespace twinkle::ipc {
 
 absl::Status SendMessage(zmq::socket_t& socket, const Message& message,
-                         absl::string_view routing_id) {
+                         absl::string_view routing_id, const DecodeLimits& limits) {
   std::vector<std::string> frames = EncodeFrames(message);
+  if (absl::Status s = CheckFrames(frames, limits); !s.ok()) return s;
   try {
     if (!routing_id.empty()) {
       socket.send(zmq::buffer(routing_id.data(), routing_id.size()), zmq::send_flags::sndmore);
@@ -47,7 +48,24 @@ absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing
   std::vector<std::string> frames;
   frames.reserve(parts.size() - first);
   for (size_t i = first; i < parts.size(); ++i) frames.push_back(parts[i].to_string());
-  received.message = DecodeFrames(std::move(frames), limits);
+  if (frames.empty()) {
+    received.message = absl::InvalidArgumentError("ipc: message has no envelope frame");
+    return received;
+  }
+  const absl::Status within_limits = CheckFrames(frames, limits);
+  absl::StatusOr<Envelope> envelope = DecodeEnvelope(frames[0], limits);
+  if (!envelope.ok()) {
+    received.message = envelope.status();
+  } else if (!within_limits.ok()) {
+    received.message = within_limits;
+    received.header = *std::move(envelope);
+  } else {
+    Message message;
+    message.envelope = *std::move(envelope);
+    message.buffers.assign(std::make_move_iterator(frames.begin() + 1),
+                           std::make_move_iterator(frames.end()));
+    received.message = std::move(message);
+  }
   return received;
 }
 

@@ -3,6 +3,7 @@
 // socket and each worker connects a DEALER whose routing id names it; so a ROUTER-side
 // message carries the routing id as an extra first frame.
 
+#include <optional>
 #include <string>
 #include "absl/strings/string_view.h"
 
@@ -14,18 +15,24 @@
 
 namespace twinkle::ipc {
 
-// Sends `message`; on a ROUTER socket pass the peer's routing id. Never throws.
+// Sends `message`; on a ROUTER socket pass the peer's routing id. Never throws. A message
+// over `limits` is not sent: ResourceExhausted naming the limit (the peer would refuse it);
+// a socket failure is Unavailable.
 absl::Status SendMessage(zmq::socket_t& socket, const Message& message,
-                         absl::string_view routing_id = {});
+                         absl::string_view routing_id = {}, const DecodeLimits& limits = {});
 
 struct Received {
   std::string routing_id;                // set on ROUTER sockets
   absl::StatusOr<Message> message;       // a decode error keeps the routing id for a reply
+  // When `message` is an error but its envelope frame could still be read (the frames
+  // after it broke a limit, say): who sent it and for which request, so that the receiver
+  // can answer that request with the error instead of leaving its caller waiting.
+  std::optional<Envelope> header;
 };
 
 // Receives one whole multipart message without blocking: returns NotFound when none is
 // waiting, Unavailable when the socket failed. Frames that do not decode come back as an
-// error in Received::message, so the caller can log and drop them.
+// error in Received::message (with Received::header where the envelope was readable).
 absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing_id,
                                         const DecodeLimits& limits = {});
 

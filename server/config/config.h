@@ -41,6 +41,11 @@ struct EngineSection {
   double startup_timeout_s = 120;
   int32_t restart_backoff_initial_ms = 500;
   int32_t restart_backoff_max_ms = 30000;
+  // One engine call's deadline: call_timeout_s plus call_timeout_per_mib_s per MiB of the
+  // request, from when the worker starts it. Past it the step is taken as hung: the worker
+  // is restarted and the caller gets a retryable error.
+  double call_timeout_s = 600;
+  double call_timeout_per_mib_s = 120;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

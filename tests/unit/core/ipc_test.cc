@@ -1,8 +1,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "core/ipc/envelope.h"
 #include "core/ipc/messages.h"
+#include "core/ipc/socket.h"
 
 namespace twinkle::ipc {
 namespace {
@@ -134,6 +138,64 @@ TEST(IpcTensorTest, ValidatesFrameSizeAgainstShape) {
   EXPECT_THAT(ValidateTensor({"float32", {-1}, 0}, buffers).message(), HasSubstr("negative"));
   EXPECT_THAT(ValidateTensor({"int64", {int64_t{1} << 62, 8}, 0}, buffers).message(),
               HasSubstr("overflows"));
+}
+
+// Two ends of an inproc pair, as the engine link's ROUTER/DEALER are for these purposes.
+struct SocketPair {
+  zmq::context_t context{1};
+  zmq::socket_t a{context, zmq::socket_type::pair};
+  zmq::socket_t b{context, zmq::socket_type::pair};
+  SocketPair() {
+    a.bind("inproc://ipc-test");
+    b.connect("inproc://ipc-test");
+  }
+  absl::StatusOr<Received> Receive(const DecodeLimits& limits) {
+    for (int i = 0; i < 1000; ++i) {
+      absl::StatusOr<Received> r = ReceiveMessage(b, /*with_routing_id=*/false, limits);
+      if (!absl::IsNotFound(r.status())) return r;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return absl::DeadlineExceededError("nothing arrived");
+  }
+};
+
+TEST(IpcSocketTest, SendRefusesAMessageOverTheLimitsAndSendsNothing) {
+  SocketPair pair;
+  DecodeLimits limits;
+  limits.max_frames = 3;
+  Message m = MakeRequest("forward", "", {"a", "b", "c"});  // 4 frames: limit + 1
+  const absl::Status s = SendMessage(pair.a, m, {}, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("4 frames; limit is 3"));
+  m.buffers.pop_back();  // at the limit
+  ASSERT_TRUE(SendMessage(pair.a, m, {}, limits).ok());
+  absl::StatusOr<Received> r = pair.Receive(limits);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->message.ok()) << r->message.status();
+  EXPECT_EQ(r->message->buffers, (std::vector<std::string>{"a", "b"}));  // the refused one never came
+}
+
+TEST(IpcSocketTest, AMessageOverTheReceiversLimitsKeepsItsHeaderSoItCanBeAnswered) {
+  SocketPair pair;
+  Message m = MakeRequest("forward_backward", "body", {"a", "b", "c"});
+  m.envelope.request_id = 42;
+  ASSERT_TRUE(SendMessage(pair.a, m).ok());
+  DecodeLimits tight;
+  tight.max_frames = 2;
+  absl::StatusOr<Received> r = pair.Receive(tight);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->message.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(r->header.has_value());
+  EXPECT_EQ(r->header->request_id, 42u);
+  EXPECT_EQ(r->header->method, "forward_backward");
+  EXPECT_EQ(r->header->type, MessageType::kRequest);
+
+  // An unreadable envelope has no header to answer.
+  ASSERT_TRUE(pair.a.send(zmq::str_buffer("\xc1"), zmq::send_flags::none));
+  r = pair.Receive(DecodeLimits{});
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->message.ok());
+  EXPECT_FALSE(r->header.has_value());
 }
 
 }  // namespace
