@@ -43,6 +43,20 @@
 namespace twinkle {
 namespace {
 
+// Linking grpc++_reflection registers its builder plugin in a static initializer, so every
+// ServerBuilder adds the reflection service whether or not we ask. With auth on, reflection
+// would answer anyone without a key (it lists every service); this option takes the plugin
+// back out of the builder.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return p->name() == "proto_server_reflection";
+    });
+  }
+};
+
 constexpr char kLog[] = "server";
 constexpr int kHttpThreads = 2;
 
@@ -398,8 +412,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     credentials = grpc::SslServerCredentials(ssl);
   }
   grpc::EnableDefaultHealthCheckService(true);
-  // Reflection lets grpcurl discover the API; with auth on it is left out, so that nothing
-  // but health answers a caller without a key.
+  // Reflection lets grpcurl discover the API; with auth on it is left out (below), so that
+  // nothing but health answers a caller without a key.
   if (!config.auth.enabled) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The Tinker API (tinker-protocol.md, server/tinker): HTTP under /api/v1 and tinker.v1.TinkerService.
   tinker::TinkerOptions tinker_options;
@@ -429,6 +443,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   // silently and split the traffic; a port in use must be a startup error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
+  if (config.auth.enabled) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(&utility);
   builder.RegisterService(&training_service);
   builder.RegisterService(&tinker_service);

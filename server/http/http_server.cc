@@ -31,6 +31,17 @@ constexpr size_t kMaxBodyBytes = 64 << 20;
 constexpr auto kIdleTimeout = std::chrono::seconds(120);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
+// What every session shares with the server and must outlive it: the io_context its socket
+// is registered with. A session can outlive the HttpServer (a long-poll's responder is held
+// by a future's completion callback until the coordinator is destroyed, after the HTTP
+// server), and destroying a socket after its io_context is undefined behaviour (it was the
+// segfault after "stopped cleanly"). So the io_context lives in this shared block, held by
+// the server and by every session, and goes with the last of them.
+struct IoCore {
+  asio::io_context io;
+  std::atomic<bool> stopped{false};  // set by Stop(): responders then write nothing
+};
+
 struct Routes {
   std::map<std::pair<std::string, std::string>, AsyncHttpHandler> exact;
   struct Prefix {
@@ -38,6 +49,7 @@ struct Routes {
     AsyncHttpHandler handler;
   };
   std::vector<Prefix> prefixes;  // longest prefix first
+  std::vector<HttpHeaderCheck> header_checks;
 };
 
 // One connection: (TLS handshake,) read a request, answer it, repeat while keep-alive.
@@ -46,8 +58,9 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   using Stream = std::conditional_t<kTls, beast::ssl_stream<beast::tcp_stream>, beast::tcp_stream>;
 
  public:
-  Session(tcp::socket socket, ssl::context* tls, const Routes& routes, Metrics& metrics)
-      : stream_(MakeStream(std::move(socket), tls)), routes_(routes), metrics_(metrics) {}
+  Session(std::shared_ptr<IoCore> core, tcp::socket socket, ssl::context* tls, const Routes& routes,
+          Metrics& metrics)
+      : core_(std::move(core)), stream_(MakeStream(std::move(socket), tls)), routes_(routes), metrics_(metrics) {}
 
   void Run() {
     asio::dispatch(stream_.get_executor(), [self = this->shared_from_this()] { self->Start(); });
@@ -83,8 +96,42 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     parser_.emplace();
     parser_->body_limit(kMaxBodyBytes);
     beast::get_lowest_layer(stream_).expires_after(kIdleTimeout);
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+  }
+
+  // The header is in: run the header checks; the body is read only if none answers.
+  void OnHeader(beast::error_code ec) {
+    if (ec == http::error::end_of_stream) return Close();
+    if (ec) return;
+    if (!routes_.header_checks.empty()) {
+      HttpRequest head = RequestLine(parser_->get());
+      for (const HttpHeaderCheck& check : routes_.header_checks) {
+        std::optional<HttpResponse> refusal = check(head);
+        if (!refusal) continue;
+        // Not keep-alive: the unread body would otherwise be taken for the next request.
+        MakeResponder(absl::StrCat(head.method, " ", head.path), parser_->get().version(),
+                      /*keep_alive=*/false)(*std::move(refusal));
+        return;
+      }
+    }
     http::async_read(stream_, buffer_, *parser_,
                      [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  // Method, path, query and headers of a request (not its body).
+  static HttpRequest RequestLine(const http::request<http::string_body>& req) {
+    HttpRequest request;
+    request.method = std::string(req.method_string());
+    const std::string target(req.target());
+    const size_t q = target.find('?');
+    request.path = target.substr(0, q);
+    if (q != std::string::npos) request.query = target.substr(q + 1);
+    for (const auto& field : req) {
+      request.headers.emplace(absl::AsciiStrToLower(std::string(field.name_string())),
+                              std::string(field.value()));
+    }
+    return request;
   }
 
   void Close() {
@@ -104,16 +151,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     if (ec == http::error::end_of_stream) return Close();
     if (ec) return;  // timeout, reset, or a TLS error: nothing more can be said on it
     http::request<http::string_body> req = parser_->release();
-    HttpRequest request;
-    request.method = std::string(req.method_string());
-    const std::string target(req.target());
-    const size_t q = target.find('?');
-    request.path = target.substr(0, q);
-    if (q != std::string::npos) request.query = target.substr(q + 1);
-    for (const auto& field : req) {
-      request.headers.emplace(absl::AsciiStrToLower(std::string(field.name_string())),
-                              std::string(field.value()));
-    }
+    HttpRequest request = RequestLine(req);
     request.body = std::move(req.body());
     Dispatch(request, req.version(), req.keep_alive());
   }
@@ -125,6 +163,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     auto done = std::make_shared<std::atomic<bool>>(false);
     return [self = this->shared_from_this(), timer, done, version, keep_alive](HttpResponse response) {
       if (done->exchange(true)) return;
+      if (self->core_->stopped.load()) return;  // the I/O threads are gone; nobody would write it
       timer->set_code(absl::StrCat(response.status));
       asio::post(self->stream_.get_executor(), [self, response = std::move(response), version, keep_alive]() mutable {
         self->Write(std::move(response), version, keep_alive);
@@ -175,6 +214,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
         {status, "application/json", body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)});
   }
 
+  std::shared_ptr<IoCore> core_;  // first: destroyed after stream_, whose socket it serves
   Stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -220,16 +260,16 @@ struct HttpServer::Impl {
   Impl(Metrics& m, HttpTlsOptions t) : metrics(m), tls_options(std::move(t)) {}
 
   void Accept() {
-    acceptor->async_accept(asio::make_strand(io), [this](beast::error_code ec, tcp::socket socket) {
+    acceptor->async_accept(asio::make_strand(core->io), [this](beast::error_code ec, tcp::socket socket) {
       if (ec) {
         if (ec != asio::error::operation_aborted) {
           LogWarning("http", absl::StrCat("accept failed: ", ec.message()));
         }
         if (!acceptor->is_open()) return;
       } else if (tls) {
-        std::make_shared<Session<true>>(std::move(socket), tls.get(), routes, metrics)->Run();
+        std::make_shared<Session<true>>(core, std::move(socket), tls.get(), routes, metrics)->Run();
       } else {
-        std::make_shared<Session<false>>(std::move(socket), nullptr, routes, metrics)->Run();
+        std::make_shared<Session<false>>(core, std::move(socket), nullptr, routes, metrics)->Run();
       }
       Accept();
     });
@@ -239,7 +279,7 @@ struct HttpServer::Impl {
   const HttpTlsOptions tls_options;
   std::unique_ptr<ssl::context> tls;  // set when TLS is on; outlives every session (io first)
   Routes routes;
-  asio::io_context io;
+  std::shared_ptr<IoCore> core = std::make_shared<IoCore>();
   std::optional<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
 };
@@ -264,6 +304,10 @@ void HttpServer::RoutePrefix(const std::string& method, const std::string& prefi
   std::stable_sort(v.begin(), v.end(), [](const Routes::Prefix& a, const Routes::Prefix& b) {
     return a.prefix.size() > b.prefix.size();
   });
+}
+
+void HttpServer::AddHeaderCheck(HttpHeaderCheck check) {
+  impl_->routes.header_checks.push_back(std::move(check));
 }
 
 std::string UrlDecode(absl::string_view text, bool plus_is_space) {
@@ -315,7 +359,7 @@ absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int thr
   const asio::ip::address address = asio::ip::make_address(bind_host, ec);
   if (ec) return absl::InvalidArgumentError(absl::StrCat("bad HTTP host '", host, "': ", ec.message()));
   const tcp::endpoint endpoint(address, static_cast<uint16_t>(port));
-  impl_->acceptor.emplace(impl_->io);
+  impl_->acceptor.emplace(impl_->core->io);
   impl_->acceptor->open(endpoint.protocol(), ec);
   if (!ec) impl_->acceptor->set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) impl_->acceptor->bind(endpoint, ec);
@@ -326,19 +370,21 @@ absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int thr
   }
   const int bound = impl_->acceptor->local_endpoint().port();
   impl_->Accept();
-  for (int i = 0; i < threads; ++i) impl_->threads.emplace_back([this] { impl_->io.run(); });
+  for (int i = 0; i < threads; ++i) impl_->threads.emplace_back([core = impl_->core] { core->io.run(); });
   return bound;
 }
 
 void HttpServer::Stop() {
   if (!impl_ || impl_->threads.empty()) return;
-  asio::post(impl_->io, [this] {
+  impl_->core->stopped = true;
+  asio::post(impl_->core->io, [this] {
     beast::error_code ignored;
     impl_->acceptor->close(ignored);
   });
-  impl_->io.stop();
+  impl_->core->io.stop();
   for (std::thread& t : impl_->threads) t.join();
   impl_->threads.clear();
+  impl_->acceptor.reset();  // its socket belongs to the io_context too
 }
 
 }  // namespace twinkle

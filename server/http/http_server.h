@@ -63,6 +63,11 @@ struct HttpTlsOptions {
 };
 
 using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
+// Runs on each request once its header is read, before its body (HttpRequest::body is empty
+// here): a response it returns is sent at once and the connection closed, the body never
+// read. This is where a caller without a valid key is refused before it can make the server
+// read (and hold) a large body. Must be quick: it runs on an I/O thread.
+using HttpHeaderCheck = std::function<std::optional<HttpResponse>(const HttpRequest& head)>;
 // Sends the response; call it exactly once, from any thread (later calls are ignored).
 using HttpResponder = std::function<void(HttpResponse)>;
 using AsyncHttpHandler = std::function<void(const HttpRequest&, HttpResponder)>;
@@ -79,6 +84,8 @@ class HttpServer {
   // the handler finds the rest in HttpRequest::path_tail. Exact routes win; among prefix
   // routes the longest prefix wins.
   void RoutePrefix(const std::string& method, const std::string& prefix, AsyncHttpHandler handler);
+  // Adds a header check (before Start); checks run in the order added, the first response wins.
+  void AddHeaderCheck(HttpHeaderCheck check);
 
   // Binds host:port (0 = any free port), starts `threads` I/O threads, returns the port.
   // With TLS, first loads the certificate, key and client CA (InvalidArgument naming the

@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -40,8 +41,41 @@ HttpResponse Answer(const absl::StatusOr<Json>& result) {
   return result.ok() ? JsonResponse(*result) : ErrorResponse(result.status());
 }
 
+// JSON nested deeper than this is refused before it is parsed: nlohmann's tree is freed and
+// printed recursively, so a body of 300k '[' would exhaust the stack. Tinker's deepest
+// legitimate body (a datum's loss_fn_inputs in a forward_backward) nests 7 levels.
+constexpr int kMaxJsonDepth = 64;
+
+// Whether `text` opens more than `max_depth` arrays/objects at once (brackets inside strings
+// do not count). Linear, no allocation.
+bool NestedDeeperThan(absl::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<Json> ParseBody(const HttpRequest& request) {
   if (request.body.empty()) return Json::object();
+  if (NestedDeeperThan(request.body, kMaxJsonDepth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+  }
   Json j = Json::parse(request.body, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
   return j;
@@ -226,6 +260,17 @@ class Routes {
 
 void AddTinkerRoutes(HttpServer& http, TinkerApi& api, ServingState& state) {
   Routes(http, api, state).AddAll();
+  // Every /api/v1 route but the open ones checks the key from the header, before the body is
+  // read: a caller without a valid key cannot make the server read and hold a large body.
+  // The handlers check again (Admit), which also covers draining.
+  http.AddHeaderCheck([&state](const HttpRequest& head) -> std::optional<HttpResponse> {
+    static const absl::flat_hash_set<std::string> kOpen = {
+        absl::StrCat(kApi, "/telemetry"), absl::StrCat(kApi, "/healthz"), absl::StrCat(kApi, "/twinkle/endpoints")};
+    if (!absl::StartsWith(head.path, absl::StrCat(kApi, "/")) || kOpen.contains(head.path)) return std::nullopt;
+    absl::StatusOr<const tenancy::Tenant*> tenant = state.authenticator->AuthenticateHttp(head.headers);
+    if (tenant.ok()) return std::nullopt;
+    return ErrorResponse(tenant.status());
+  });
 }
 
 }  // namespace twinkle::tinker

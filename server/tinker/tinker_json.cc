@@ -1,5 +1,6 @@
 #include "server/tinker/tinker_json.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -148,14 +149,19 @@ Json FiniteOrNull(const std::vector<float>& values) {
   return a;
 }
 
-absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const std::string& field) {
+absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const std::string& field,
+                                                 size_t max_elements) {
   if (tensor.has_sparse_csr()) {
     if (tensor.shape_size() != 2) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": a sparse (CSR) tensor needs a 2-D shape"));
     }
     const int64_t rows = tensor.shape(0), cols = tensor.shape(1);
-    if (rows < 0 || cols < 0 || static_cast<double>(rows) * static_cast<double>(cols) > kMaxDenseElements) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": sparse tensor too large to densify"));
+    // Checked before densifying: a 132-byte tensor can declare a shape of 2^26 elements.
+    const double elements = static_cast<double>(rows) * static_cast<double>(cols);
+    if (rows < 0 || cols < 0 || elements > static_cast<double>(std::min(max_elements, kMaxDenseElements))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": sparse tensor of shape [", rows, ", ", cols, "] is larger than the ", max_elements,
+          " elements a loss_fn_input may hold (one per model_input token)"));
     }
     absl::StatusOr<std::vector<double>> values = Decode(tensor.sparse_csr().values(), tensor.dtype(), field);
     if (!values.ok()) return values.status();
@@ -204,7 +210,7 @@ absl::StatusOr<training::TokenDatum> DatumFromProto(const v1::Datum& datum, cons
   std::map<std::string, std::vector<double>> inputs;
   for (const auto& [name, tensor] : datum.loss_fn_inputs()) {
     absl::StatusOr<std::vector<double>> values =
-        TensorValues(tensor, absl::StrCat(field, ".loss_fn_inputs.", name));
+        TensorValues(tensor, absl::StrCat(field, ".loss_fn_inputs.", name), tokens.size());
     if (!values.ok()) return values.status();
     inputs[name] = *std::move(values);
   }
@@ -256,12 +262,27 @@ absl::StatusOr<training::TokenDatum> DatumFromJson(const Json& datum, const std:
   return BuildDatum(*std::move(tokens), std::move(inputs), field);
 }
 
+namespace {
+
+// The longest string a loss config value may be: the engine's string options are short
+// names ("mean", "sigmoid"); anything longer is refused here, before it is copied onward.
+constexpr size_t kMaxLossConfigString = 256;
+
+absl::Status CheckLossConfigString(const std::string& key, const std::string& value) {
+  if (value.size() <= kMaxLossConfigString) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("loss_fn_config.", key, ": a string of ", value.size(),
+                                                 " bytes exceeds the limit of ", kMaxLossConfigString));
+}
+
+}  // namespace
+
 absl::StatusOr<training::LossOverride> LossFromProto(const v1::ForwardBackwardRequest& request) {
   training::LossOverride loss;
   loss.name = request.loss_fn().empty() ? "cross_entropy" : request.loss_fn();
   if (request.loss_fn_config_v2_size() > 0) {
     for (const auto& [key, value] : request.loss_fn_config_v2()) {
       if (value.has_text()) {
+        if (absl::Status s = CheckLossConfigString(key, value.text()); !s.ok()) return s;
         loss.string_config[key] = value.text();
       } else {
         loss.config[key] = value.number();
@@ -287,6 +308,9 @@ absl::StatusOr<training::LossOverride> LossFromJson(const Json& input) {
       if (value.is_number()) {
         loss.config[key] = value.get<double>();
       } else if (value.is_string()) {
+        if (absl::Status s = CheckLossConfigString(key, value.get_ref<const std::string&>()); !s.ok()) {
+          return s;
+        }
         loss.string_config[key] = value.get<std::string>();
       } else {
         return absl::InvalidArgumentError(absl::StrCat("loss_fn_config.", key, ": expected a number or a string"));

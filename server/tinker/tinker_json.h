@@ -28,8 +28,10 @@ absl::StatusOr<bool> GetBool(const nlohmann::json& body, const char* key, bool f
 // Values as a JSON array, non-finite ones as null (orjson rejects NaN / Infinity).
 nlohmann::json FiniteOrNull(const std::vector<float>& values);
 
-// Tensor → flat values (dense or CSR; float32, bfloat16, int64 or int32).
-absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const std::string& field);
+// Tensor → flat values (dense or CSR; float32, bfloat16, int64 or int32). A CSR tensor whose
+// shape holds more than `max_elements` is refused before it is densified.
+absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const std::string& field,
+                                                 size_t max_elements);
 
 // A datum: model_input tokens (encoded_text chunks only) and loss_fn_inputs;
 // target_tokens becomes the targets, every other input a float per position.

@@ -1,0 +1,305 @@
+"""Requests that used to hang or crash-loop the engine link (issue 15, "IPC of any size"),
+driven as a hostile or merely busy tenant would, with auth on and two tenants.
+
+Before: a 1024-datum importance_sampling chunk (the SDK's own chunk size), 1400 one-token
+datums, or a 2 MB loss_fn_config made a message over the link's frame/envelope limits; the
+engine dropped it without a reply and training hung for every tenant. 16 prompts x 128
+samples made a reply over them; the supervisor killed the engine, replayed, and looped.
+Now each goes through (or fails alone, at once, with an error that says why), the other
+tenant's ordinary request completes, and no worker restarts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "1")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
+from e2e_support.training import KEYS, Client, auth_overrides  # noqa: E402
+from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb  # noqa: E402
+
+MODEL_NAME = "tiny-qwen3"
+OTHER_TENANT_BUDGET_S = 30.0
+
+
+def service(server: ServerProcess, key: str) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=key)
+
+
+def training_client(server: ServerProcess, key: str) -> Any:
+    made = service(server, key).create_lora_training_client(base_model=MODEL_NAME, rank=4)
+    return made.result() if hasattr(made, "result") else made
+
+
+def worker_restarts(server: ServerProcess) -> list[int]:
+    c = Client(server.grpc_address, KEYS["alice"])
+    try:
+        return [d.restarts for d in c.utility.GetServerInfo(upb.GetServerInfoRequest(), metadata=c.metadata,
+                                                               timeout=10).devices]
+    finally:
+        c.close()
+
+
+def ce_datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def is_datum(rng: np.random.Generator, length: int = 3) -> types.Datum:
+    tokens = rng.integers(1, 500, size=length + 1).tolist()
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:],
+                        "logprobs": rng.uniform(-8.0, -4.0, size=length).astype(np.float32).tolist(),
+                        "advantages": rng.normal(size=length).astype(np.float32).tolist()})
+
+
+def other_tenant_is_served(bob: Any) -> float:
+    """Bob's ordinary forward_backward + optim_step; returns how long it took."""
+    start = time.monotonic()
+    fb = bob.forward_backward([ce_datum([5, 17, 42, 9, 77])], "cross_entropy")
+    bob.optim_step(types.AdamParams(learning_rate=1e-3))
+    out = fb.result(timeout=OTHER_TENANT_BUDGET_S)
+    assert math.isfinite(out.metrics["loss:sum"])
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def server(launch_server: LaunchServer) -> ServerProcess:
+    return launch_server(auth_overrides())
+
+
+def test_a_1024_datum_importance_sampling_chunk_equals_the_same_datums_in_small_chunks(
+        server: ServerProcess) -> None:
+    alice = training_client(server, KEYS["alice"])
+    bob = training_client(server, KEYS["bob"])
+    rng = np.random.default_rng(0)
+    data = [is_datum(rng) for _ in range(1024)]
+    big = alice.forward_backward(data, "importance_sampling")
+    took = other_tenant_is_served(bob)
+    out = big.result(timeout=300)
+    assert len(out.loss_fn_outputs) == 1024
+    # The same datums in 16 forward-only calls of 64 (same weights: no optim_step between)
+    # give the same per-datum log-probs and, summed, the same loss.
+    small_loss = 0.0
+    small_logprobs: list[np.ndarray] = []
+    for i in range(0, 1024, 64):
+        part = alice.forward(data[i:i + 64], "importance_sampling").result(timeout=120)
+        small_loss += part.metrics["loss:sum"]
+        small_logprobs += [np.asarray(o["logprobs"].tolist()) for o in part.loss_fn_outputs]
+    big_logprobs = [np.asarray(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
+    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(big_logprobs, small_logprobs))
+    print(f"1024-datum chunk: loss {out.metrics['loss:sum']:.6f} vs 16x64 {small_loss:.6f}, "
+          f"max |dlogprob| {worst:.2e}; bob served in {took:.2f} s")
+    assert worst <= 1e-5
+    assert out.metrics["loss:sum"] == pytest.approx(small_loss, rel=1e-5, abs=1e-4)
+    assert worker_restarts(server) == [0]
+
+
+def test_1400_one_token_datums_train_and_the_other_tenant_is_served(server: ServerProcess) -> None:
+    alice = training_client(server, KEYS["alice"])
+    bob = training_client(server, KEYS["bob"])
+    rng = np.random.default_rng(1)
+    data = [ce_datum(rng.integers(1, 500, size=2).tolist()) for _ in range(1400)]
+    big = alice.forward_backward(data, "cross_entropy")
+    took = other_tenant_is_served(bob)
+    out = big.result(timeout=300)
+    assert len(out.loss_fn_outputs) == 1400
+    # cross_entropy is the plain sum of -logprob over the weighted tokens (one per datum).
+    by_formula = -sum(float(o["logprobs"].tolist()[0]) for o in out.loss_fn_outputs)
+    assert out.metrics["loss:sum"] == pytest.approx(by_formula, rel=1e-5)
+    print(f"1400 one-token datums: loss {out.metrics['loss:sum']:.4f}; bob served in {took:.2f} s")
+    assert worker_restarts(server) == [0]
+
+
+def test_a_2_mb_loss_fn_config_fails_alone_and_fast(server: ServerProcess) -> None:
+    alice = training_client(server, KEYS["alice"])
+    bob = training_client(server, KEYS["bob"])
+    base = f"http://{server.host}:{server.http_port}/api/v1"
+    headers = {"X-API-Key": KEYS["alice"]}
+    body = {
+        "model_id": alice.model_id, "seq_id": 1,  # the SDK has sent nothing since create_model
+        "forward_backward_input": {
+            "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]},
+                      "loss_fn_inputs": {"target_tokens": {"data": [17, 42, 9], "dtype": "int64", "shape": [3]}}}],
+            "loss_fn": "cross_entropy",
+            "loss_fn_config": {"clip": "x" * (2 << 20)},
+        },
+    }
+    start = time.monotonic()
+    r = requests.post(base + "/forward_backward", json=body, headers=headers, timeout=60)
+    if r.status_code == 200:  # accepted as a future: its result must be the error
+        request_id = r.json()["request_id"]
+        while True:
+            r = requests.post(base + "/retrieve_future", json={"request_id": request_id}, headers=headers,
+                              timeout=60)
+            if not (r.status_code == 200 and r.json().get("type") == "try_again"):
+                break
+    took = time.monotonic() - start
+    print(f"2 MB loss_fn_config: {r.status_code} {r.text[:200]} in {took:.2f} s")
+    assert 400 <= r.status_code < 500, r.text[:300]
+    assert "loss_fn_config" in r.text
+    assert took < 10
+    other_tenant_is_served(bob)
+    assert worker_restarts(server) == [0]
+
+
+def test_16_prompts_of_128_samples_come_back_without_restarting_the_engine(server: ServerProcess) -> None:
+    alice = training_client(server, KEYS["alice"])
+    bob = training_client(server, KEYS["bob"])
+    sampler = alice.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    futures = [sampler.sample(types.ModelInput.from_ints([5 + p, 17, 42]), num_samples=128,
+                              sampling_params=params) for p in range(16)]
+    took = other_tenant_is_served(bob)
+    results = [f.result(timeout=600) for f in futures]
+    assert [len(r.sequences) for r in results] == [128] * 16
+    assert all(1 <= len(s.tokens) <= 10 for r in results for s in r.sequences)
+    print(f"16 x 128 samples: {sum(len(s.tokens) for r in results for s in r.sequences)} tokens; "
+          f"bob served in {took:.2f} s")
+    assert worker_restarts(server) == [0]
+
+
+# ---- transports: exposure, amplification, shutdown -------------------------------------------
+
+def test_reflection_does_not_answer_without_a_key_when_auth_is_on(server: ServerProcess) -> None:
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(server.grpc_address)
+    try:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ServerReflectionInfo(iter([request]), timeout=10))
+    finally:
+        channel.close()
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value
+
+
+def test_a_large_body_without_a_key_is_refused_before_it_is_read(server: ServerProcess) -> None:
+    """The header says 60 MiB; only 1 KiB follows. The 401 comes at once, not after the body
+    (or the 120 s idle timeout), and the connection is closed."""
+    import socket
+
+    declared = 60 << 20
+    with socket.create_connection((server.host, server.http_port), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall((f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: {server.host}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n").encode()
+                     + b"x" * 1024)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        took = time.monotonic() - start
+    status_line = reply.split(b"\r\n", 1)[0].decode()
+    print(f"60 MiB body without a key: {status_line!r} after {took * 1000:.0f} ms")
+    assert status_line.startswith("HTTP/1.1 401"), reply[:300]
+    assert took < 5
+    # With a key the route still works (the check only refuses).
+    bob = training_client(server, KEYS["bob"])
+    other_tenant_is_served(bob)
+
+
+def test_json_nested_300k_deep_is_refused_and_the_server_stays_up(server: ServerProcess) -> None:
+    base = f"http://{server.host}:{server.http_port}/api/v1"
+    headers = {"X-API-Key": KEYS["alice"], "Content-Type": "application/json"}
+    depth = 300_000
+    for route, body in (("/create_model", '{"session_id": "s", "base_model": "tiny-qwen3", "lora_config": '
+                                          + "[" * depth + "]" * depth + "}"),
+                        ("/asample", '{"sampling_params": ' + "{\"a\":" * depth + "1" + "}" * depth + "}")):
+        start = time.monotonic()
+        r = requests.post(base + route, data=body, headers=headers, timeout=30)
+        took = time.monotonic() - start
+        print(f"{route} nested {depth} deep: {r.status_code} {r.text[:120]} in {took * 1000:.0f} ms")
+        assert r.status_code == 400, r.text[:300]
+        assert "nested deeper than 64" in r.text
+        assert took < 5
+    assert server.proc.poll() is None, server.logs()
+    other_tenant_is_served(training_client(server, KEYS["bob"]))
+
+
+def test_sparse_tensors_that_would_densify_to_gigabytes_are_refused_before_allocation(
+        server: ServerProcess) -> None:
+    import psutil
+    from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
+
+    alice = training_client(server, KEYS["alice"])
+    base = f"http://{server.host}:{server.http_port}/api/v1"
+    headers = {"X-API-Key": KEYS["alice"], "Content-Type": "application/x-protobuf"}
+    tokens = [5, 17, 42]
+    # 2^26 columns, one stored value: 132 bytes on the wire, 512 MiB of doubles once dense.
+    sparse = tp.Tensor(dtype=tp.DTYPE_FLOAT32, shape=[1, 1 << 26],
+                       sparse_csr=tp.SparseCsr(crow_indices=np.asarray([0, 1], np.int64).tobytes(),
+                                               col_indices=np.asarray([0], np.int64).tobytes(),
+                                               values=np.asarray([1.0], np.float32).tobytes()))
+    datum = tp.Datum(
+        model_input=[tp.Chunk(encoded_text=tp.EncodedTextChunk(tokens=np.asarray(tokens, np.int32).tobytes()))],
+        loss_fn_inputs={"target_tokens": tp.Tensor(dense=np.asarray([17, 42, 9], np.int64).tobytes(),
+                                                   dtype=tp.DTYPE_INT64, shape=[3]),
+                        "weights": sparse})
+    body = tp.ForwardBackwardRequest(model_id=alice.model_id, data=[datum],
+                                     loss_fn="cross_entropy").SerializeToString()
+    rss_before = psutil.Process(server.pid).memory_info().rss
+    start = time.monotonic()
+    for _ in range(500):
+        r = requests.post(base + "/forward_backward", data=body, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text[:300]
+    took = time.monotonic() - start
+    growth = psutil.Process(server.pid).memory_info().rss - rss_before
+    print(f"500 sparse [1, 2^26] datums: 400 each, {took / 500 * 1000:.1f} ms per request, "
+          f"RSS growth {growth / 2**20:.1f} MiB; {r.text[:160]}")
+    assert "loss_fn_inputs.weights" in r.text and "67108864" in r.text
+    assert growth < 100 << 20
+    other_tenant_is_served(training_client(server, KEYS["bob"]))
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_sigterm_with_an_open_keep_alive_connection_and_a_long_poll_exits_0(
+        launch_server: LaunchServer, attempt: int) -> None:
+    """The SDK keeps its connection open and long-polls retrieve_future; SIGTERM must still
+    end the process cleanly (exit 0) every time, not segfault after "stopped cleanly"."""
+    server = launch_server(auth_overrides())
+    alice = training_client(server, KEYS["alice"])
+    session = requests.Session()  # keep-alive
+    base = f"http://{server.host}:{server.http_port}/api/v1"
+    headers = {"X-API-Key": KEYS["alice"]}
+    assert session.get(base + "/healthz", timeout=10).status_code == 200
+    # A long-poll that is still waiting when the signal comes: the future of a forward_backward
+    # queued behind a large one, so it cannot finish within the moment before the signal.
+    rng = np.random.default_rng(attempt)
+    alice.forward_backward([ce_datum(rng.integers(1, 500, size=64).tolist()) for _ in range(64)], "cross_entropy")
+    queued = session.post(base + "/forward_backward", headers=headers, timeout=30, json={
+        "model_id": alice.model_id, "seq_id": 2,  # after the SDK's (seq 1)
+        "forward_backward_input": {
+            "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]},
+                      "loss_fn_inputs": {"target_tokens": {"data": [17, 42, 9], "dtype": "int64", "shape": [3]}}}],
+            "loss_fn": "cross_entropy"}})
+    assert queued.status_code == 200, queued.text
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pending = pool.submit(session.post, base + "/retrieve_future",
+                          json={"request_id": queued.json()["request_id"]}, headers=headers, timeout=30)
+    time.sleep(0.3)
+    server.send_signal(__import__("signal").SIGTERM)
+    code = server.wait_exit(60)
+    pool.shutdown(wait=True)
+    del pending
+    assert code == 0, server.logs()
+    assert "stopped cleanly" in server.stderr_text()
