@@ -85,7 +85,7 @@ absl::StatusOr<fs::path> WriteCheckpointDir(FileSystem& fs, const fs::path& pare
 
   const fs::path dest = parent / name;
   const std::string context = absl::StrCat("writing checkpoint ", dest.string());
-  if (absl::Status s = fs.CreateDirs(parent); !s.ok()) return WithContext(s, context);
+  if (absl::Status s = CreateDirsDurably(fs, parent); !s.ok()) return WithContext(s, context);
 
   const fs::path tmp = parent / absl::StrCat(kTmpPrefix, name, "-", RandomSuffix());
   // Every failure from here on removes the temp dir (best effort) and reports `s`.
@@ -172,6 +172,20 @@ absl::StatusOr<nlohmann::json> VerifyCheckpointDir(FileSystem& fs, const fs::pat
     }
   }
   return meta;
+}
+
+absl::Status DeleteCheckpointDir(FileSystem& fs, const fs::path& dir) {
+  if (!fs.Exists(dir)) return absl::OkStatus();
+  const fs::path parent = dir.parent_path();
+  const fs::path trash = parent / absl::StrCat(kTmpPrefix, "deleted-", dir.filename().string(), "-", RandomSuffix());
+  const std::string context = absl::StrCat("deleting checkpoint ", dir.string());
+  if (absl::Status s = fs.Rename(dir, trash); !s.ok()) return WithContext(s, context);
+  if (absl::Status s = fs.SyncDir(parent); !s.ok()) {
+    (void)fs.Rename(trash, dir);  // not known to be durable: an error means "still there"
+    return WithContext(s, context);
+  }
+  (void)fs.RemoveAll(trash);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<std::string>> RecoverDir(FileSystem& fs, const fs::path& parent) {

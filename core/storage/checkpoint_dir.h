@@ -1,7 +1,7 @@
 #pragma once
 // Checkpoint directories written atomically and verified on read.
 //
-// Write: every file goes into a fresh temp dir beside the destination (same filesystem:
+// Write: `parent` is created durably (CreateDirsDurably); every file goes into a fresh temp dir beside the destination (same filesystem:
 // `<parent>/.tmp-<name>-<random>`), each file is fsynced, checkpoint_metadata.json (size and
 // SHA-256 of every other file, plus caller-supplied fields) is written LAST and fsynced, the
 // temp dir is fsynced, renamed into place, and the parent fsynced. A destination that exists
@@ -63,6 +63,13 @@ absl::StatusOr<nlohmann::json> VerifyCheckpointDir(FileSystem& fs, const fs::pat
 // uses `parent` (it removes in-progress temp dirs); stops at the first I/O error. A missing
 // `parent` is not an error.
 absl::StatusOr<std::vector<std::string>> RecoverDir(FileSystem& fs, const fs::path& parent);
+
+// Removes the checkpoint directory `dir` durably: it is first renamed to a temp name beside
+// it (`.tmp-deleted-<name>-<random>`, which RecoverDir removes) and the parent fsynced, so
+// once this returns OK the checkpoint cannot come back after a crash; then the renamed
+// directory is removed (best effort: a failure there is left to RecoverDir). A missing `dir`
+// is OK. Errors name the operation and path; nothing is removed when the rename fails.
+absl::Status DeleteCheckpointDir(FileSystem& fs, const fs::path& dir);
 
 // Lower-case hex SHA-256.
 std::string Sha256Hex(absl::string_view bytes);

@@ -252,6 +252,21 @@ absl::Status ErrnoStatus(int error_number, absl::string_view op, absl::string_vi
   }
 }
 
+absl::Status CreateDirsDurably(FileSystem& fs, const fs::path& dir) {
+  // The components missing now, outermost first; created one by one, each synced into its
+  // parent as soon as it exists.
+  std::vector<fs::path> missing;
+  for (fs::path p = dir; !p.empty() && p != p.root_path() && !fs.Exists(p); p = p.parent_path()) {
+    missing.push_back(p);
+  }
+  if (absl::Status s = fs.CreateDirs(dir); !s.ok()) return s;
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    const fs::path parent = it->parent_path().empty() ? fs::path(".") : it->parent_path();
+    if (absl::Status s = fs.SyncDir(parent); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 FileSystem& RealFileSystem() {
   static PosixFileSystem* fs = new PosixFileSystem();
   return *fs;

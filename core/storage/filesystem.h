@@ -61,6 +61,12 @@ class FileSystem {
 // The real thing (POSIX open/write/fsync/rename).
 FileSystem& RealFileSystem();
 
+// mkdir -p that survives a crash: each directory it creates is fsynced into its parent
+// (deepest last), so a new run or checkpoint folder cannot vanish after power loss while
+// what was written inside it stays referenced. Directories that already existed are left
+// alone (nothing is synced for them).
+absl::Status CreateDirsDurably(FileSystem& fs, const fs::path& dir);
+
 // Wraps another FileSystem and fails chosen operations. Thread-safe.
 class FaultInjectingFileSystem final : public FileSystem {
  public:

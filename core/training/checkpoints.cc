@@ -345,16 +345,17 @@ absl::Status CheckpointStore::Delete(const std::string& tenant, const std::strin
   if (!storage::IsInside(TenantRoot(tenant), record->path)) {
     return absl::InternalError(absl::StrCat("checkpoint ", checkpoint_id, " lies outside its tenant's root"));
   }
-  // Registry first: a crash after it leaves an orphan directory that Recover() re-registers
-  // (never a registry row pointing at a half-deleted directory).
-  if (absl::Status s = registry_.DeleteCheckpoint(tenant, run_id, checkpoint_id); !s.ok()) return s;
-  return fs_.RemoveAll(record->path);
+  // The directory first, durably (renamed away and the parent fsynced): a crash after it
+  // leaves a registry row whose directory is gone, which Recover() drops; a deleted
+  // checkpoint never comes back (re-registering an orphan directory would revive it).
+  if (absl::Status s = storage::DeleteCheckpointDir(fs_, record->path); !s.ok()) return s;
+  return registry_.DeleteCheckpoint(tenant, run_id, checkpoint_id);
 }
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
   std::vector<std::string> changes;
   const fs::path tenants = fs::path(data_dir_) / "tenants";
-  if (absl::Status s = fs_.CreateDirs(tenants); !s.ok()) return s;
+  if (absl::Status s = storage::CreateDirsDurably(fs_, tenants); !s.ok()) return s;
   absl::StatusOr<std::vector<std::string>> tenant_names = fs_.ListDir(tenants);
   if (!tenant_names.ok()) return tenant_names.status();
   for (const std::string& tenant : *tenant_names) {

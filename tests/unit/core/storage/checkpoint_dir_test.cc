@@ -282,6 +282,95 @@ TEST(RecoverDirTest, CrashAtEveryStepLeavesOldOrNewAfterRecovery) {
   EXPECT_GE(budget, 10);
 }
 
+// Records which directories were fsynced, passing everything through.
+class SyncRecordingFileSystem final : public FileSystem {
+ public:
+  explicit SyncRecordingFileSystem(FileSystem& base) : base_(base) {}
+  std::vector<fs::path> synced_dirs;
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const fs::path& p) override {
+    return base_.OpenForWrite(p);
+  }
+  absl::StatusOr<std::string> ReadFile(const fs::path& p) override { return base_.ReadFile(p); }
+  absl::Status Rename(const fs::path& a, const fs::path& b) override { return base_.Rename(a, b); }
+  absl::Status SyncDir(const fs::path& d) override {
+    synced_dirs.push_back(d);
+    return base_.SyncDir(d);
+  }
+  absl::Status CreateDirs(const fs::path& d) override { return base_.CreateDirs(d); }
+  absl::Status RemoveAll(const fs::path& p) override { return base_.RemoveAll(p); }
+  absl::StatusOr<std::vector<std::string>> ListDir(const fs::path& d) override { return base_.ListDir(d); }
+  bool Exists(const fs::path& p) override { return base_.Exists(p); }
+  absl::StatusOr<int64_t> FileSize(const fs::path& p) override { return base_.FileSize(p); }
+
+ private:
+  FileSystem& base_;
+};
+
+TEST(CreateDirsDurablyTest, EveryNewDirectoryIsSyncedIntoItsParentAndOldOnesAreLeftAlone) {
+  TempDir tmp;
+  SyncRecordingFileSystem fs(RealFileSystem());
+  const fs::path run = tmp.path() / "tenants" / "alice" / "runs" / "run-1";
+  ASSERT_TRUE(CreateDirsDurably(fs, run).ok());
+  EXPECT_TRUE(RealFileSystem().Exists(run));
+  EXPECT_THAT(fs.synced_dirs, ElementsAre(tmp.path(), tmp.path() / "tenants", tmp.path() / "tenants" / "alice",
+                                          tmp.path() / "tenants" / "alice" / "runs"));
+  fs.synced_dirs.clear();
+  ASSERT_TRUE(CreateDirsDurably(fs, run).ok());
+  EXPECT_THAT(fs.synced_dirs, IsEmpty());
+}
+
+TEST(CreateDirsDurablyTest, TheFirstSaveIntoANewRunFailsWhenItsFolderCannotBeMadeDurable) {
+  TempDir tmp;
+  FaultInjectingFileSystem fs(RealFileSystem());
+  fs.Arm(Op::kSync, EIO, 1);  // the first fsync: the new run folder's parent
+  auto r = WriteCheckpointDir(fs, tmp.path() / "run-1" / "weights", "ckpt", Files("v1"));
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("fsync " + tmp.path().string()));
+}
+
+TEST(DeleteCheckpointDirTest, ADeletedCheckpointIsGoneAndStaysGoneAfterRecovery) {
+  TempDir tmp;
+  ASSERT_TRUE(WriteCheckpointDir(RealFileSystem(), tmp.path(), "ckpt", Files("v1")).ok());
+  ASSERT_TRUE(WriteCheckpointDir(RealFileSystem(), tmp.path(), "other", Files("o")).ok());
+  SyncRecordingFileSystem fs(RealFileSystem());
+  ASSERT_TRUE(DeleteCheckpointDir(fs, tmp.path() / "ckpt").ok());
+  EXPECT_THAT(fs.synced_dirs, ElementsAre(tmp.path()));  // the rename away was made durable
+  ASSERT_TRUE(RecoverDir(RealFileSystem(), tmp.path()).ok());
+  EXPECT_THAT(*RealFileSystem().ListDir(tmp.path()), ElementsAre("other"));
+  EXPECT_TRUE(DeleteCheckpointDir(fs, tmp.path() / "ckpt").ok());  // absent: OK
+}
+
+TEST(DeleteCheckpointDirTest, CrashAtEveryStepLeavesTheCheckpointWholeOrGoneAndOkMeansGone) {
+  for (int budget = 0; budget <= 4; ++budget) {
+    SCOPED_TRACE(absl::StrCat("crash after ", budget, " mutating calls"));
+    TempDir tmp;
+    ASSERT_TRUE(WriteCheckpointDir(RealFileSystem(), tmp.path(), "ckpt", Files("v1"), {{"n", 1}}).ok());
+    CrashingFileSystem crashing(RealFileSystem(), budget);
+    const bool deleted = DeleteCheckpointDir(crashing, tmp.path() / "ckpt").ok();
+    ASSERT_TRUE(RecoverDir(RealFileSystem(), tmp.path()).ok());
+    const auto names = *RealFileSystem().ListDir(tmp.path());
+    if (deleted) {
+      EXPECT_THAT(names, IsEmpty());
+    } else if (!names.empty()) {
+      EXPECT_THAT(names, ElementsAre("ckpt"));
+      EXPECT_TRUE(VerifyCheckpointDir(RealFileSystem(), tmp.path() / "ckpt").ok());
+    }
+  }
+}
+
+TEST(DeleteCheckpointDirTest, AFailedParentSyncPutsTheCheckpointBack) {
+  TempDir tmp;
+  ASSERT_TRUE(WriteCheckpointDir(RealFileSystem(), tmp.path(), "ckpt", Files("v1"), {{"n", 1}}).ok());
+  FaultInjectingFileSystem fs(RealFileSystem());
+  fs.Arm(Op::kSync, EIO, 1);
+  const absl::Status s = DeleteCheckpointDir(fs, tmp.path() / "ckpt");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("deleting checkpoint"));
+  EXPECT_THAT(*RealFileSystem().ListDir(tmp.path()), ElementsAre("ckpt"));
+  EXPECT_TRUE(VerifyCheckpointDir(RealFileSystem(), tmp.path() / "ckpt").ok());
+}
+
 TEST(RecoverDirTest, RestoresOldWhenNameMissingAndRemovesTemp) {
   TempDir tmp;
   FileSystem& fs = RealFileSystem();
