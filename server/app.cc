@@ -35,6 +35,7 @@
 #include "server/grpc/training_service.h"
 #include "server/grpc/utility_service.h"
 #include "server/http/http_server.h"
+#include "server/http/request_guard.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
 #include "server/tinker/http_routes.h"
@@ -183,9 +184,11 @@ const char* StepKindName(sched::OpKind kind) {
 void SampleGauges(ServingState& state) {
   const training::CoordinatorStats s = state.coordinator->stats();
   state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
+  std::vector<std::pair<std::string, int64_t>> depths;
   for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) {
-    state.metrics.SetQueueDepth(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
+    depths.emplace_back(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
   }
+  state.metrics.SetQueueDepths(depths);
   const sampling::SamplerStats z = state.sampler->stats();
   state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
                             z.tokens_generated});
@@ -318,7 +321,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (absl::Status s = CheckEnvironment(config); !s.ok()) return fail(std::string(s.message()));
 
   const std::string where = config.source_file.string();
-  Metrics metrics;
+  Metrics metrics(/*tenant_labels=*/!config.auth.enabled || config.server.metrics_tenant_labels);
   Supervisor supervisor(MakeSupervisorOptions(config));
   // Dedicated sampler workers: a second pool with its own supervisor (sampler.devices).
   std::unique_ptr<Supervisor> sampler_supervisor;
@@ -442,6 +445,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   // gRPC sets SO_REUSEPORT by default, which would let a second server bind the same port
   // silently and split the traffic; a port in use must be a startup error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config.server.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(config.server.idle_timeout_s * 1000));
   builder.AddListeningPort(grpc_bind, credentials, &grpc_port);
   if (config.auth.enabled) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.RegisterService(&utility);
@@ -460,6 +466,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   HttpServer http(metrics, HttpTlsOptions{config.server.tls.cert_file, config.server.tls.key_file,
                                           config.server.tls.client_ca_file});
   const std::string grpc_address = HostPort(config.server.host, grpc_port);
+  http.SetLimits({config.server.max_http_connections, static_cast<int>(config.server.idle_timeout_s)});
+  // Host and Origin first: a browser's request is refused before its key is even looked at.
+  http.AddHeaderCheck([guard = RequestGuardOptions{config.server.host, config.server.allowed_hosts,
+                                                   config.server.allowed_origins}](const HttpRequest& head) {
+    return CheckHostAndOrigin(guard, head);
+  });
   AddHttpRoutes(http, state, grpc_address, tls);
   tinker::AddTinkerRoutes(http, tinker_api, state);
   absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);

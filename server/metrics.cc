@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <map>
+
 #include <prometheus/text_serializer.h>
 
 #include "absl/strings/str_cat.h"
@@ -7,8 +9,9 @@
 
 namespace twinkle {
 
-Metrics::Metrics()
-    : registry_(std::make_shared<prometheus::Registry>()),
+Metrics::Metrics(bool tenant_labels)
+    : per_tenant_labels_(tenant_labels),
+      registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("twinkle_requests_total")
                     .Help("Requests handled, by method and result code")
@@ -147,6 +150,7 @@ constexpr size_t kMaxTenantLabels = 32;
 }  // namespace
 
 std::string Metrics::TenantLabel(const std::string& tenant) {
+  if (!per_tenant_labels_) return "all";
   for (const std::string& t : tenant_labels_) {
     if (t == tenant) return t;
   }
@@ -174,9 +178,11 @@ void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t toke
   }
 }
 
-void Metrics::SetQueueDepth(const std::string& tenant, int64_t depth) {
+void Metrics::SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths) {
   absl::MutexLock lock(&mu_);
-  queue_depth_.Add({{"tenant", TenantLabel(tenant)}}).Set(static_cast<double>(depth));
+  std::map<std::string, int64_t> by_label;
+  for (const auto& [tenant, depth] : depths) by_label[TenantLabel(tenant)] += depth;
+  for (const auto& [label, depth] : by_label) queue_depth_.Add({{"tenant", label}}).Set(static_cast<double>(depth));
 }
 
 void Metrics::SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,

@@ -23,7 +23,9 @@ namespace twinkle {
 
 class Metrics {
  public:
-  Metrics();
+  // tenant_labels false: every per-tenant series is kept under tenant="all" (with auth on,
+  // /metrics is open without a key and must not list tenant ids; server.metrics_tenant_labels).
+  explicit Metrics(bool tenant_labels = true);
 
   // Records one finished request. `method` is an RPC name ("UtilityService/GetServerInfo")
   // or an HTTP route ("GET /metrics"); `code` a gRPC code name or an HTTP status. The
@@ -41,7 +43,8 @@ class Metrics {
                   const std::vector<std::pair<std::string, double>>& tenant_waits_s);
 
   // Gauges sampled by the housekeeping loop.
-  void SetQueueDepth(const std::string& tenant, int64_t depth);
+  // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.
+  void SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths);
   void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
                    int64_t expired);
   void RecordAuthFailure();
@@ -57,6 +60,7 @@ class Metrics {
   std::string Render() const;
 
  private:
+  const bool per_tenant_labels_;
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& latency_;

@@ -58,6 +58,12 @@ template <typename V> void VisitFields(V& v, ServerSection& c) {
   v.Field("http_port", c.http_port, Range(0, 65535));
   v.Field("drain_timeout_s", c.drain_timeout_s, Range(0, 3600));
   v.Section("tls", c.tls);
+  v.Field("max_http_connections", c.max_http_connections, Range(1, 1000000));
+  v.Field("idle_timeout_s", c.idle_timeout_s, Range(1, 86400));
+  v.Field("max_concurrent_streams", c.max_concurrent_streams, Range(1, 1000000));
+  v.Field("allowed_hosts", c.allowed_hosts, Spec{});
+  v.Field("allowed_origins", c.allowed_origins, Spec{});
+  v.Field("metrics_tenant_labels", c.metrics_tenant_labels, Spec{});
 }
 template <typename V> void VisitFields(V& v, ModelSection& c) {
   v.Field("path", c.path, RequiredPath());

@@ -25,6 +25,18 @@ struct ServerSection {
   int32_t http_port = 8000;
   double drain_timeout_s = 10;
   TlsConfig tls;
+  int32_t max_http_connections = 1024;    // open HTTP connections; one more is answered 503 and closed
+  double idle_timeout_s = 120;            // an HTTP or gRPC connection idle this long is closed
+  int32_t max_concurrent_streams = 256;   // gRPC calls in flight on one connection
+  // Host names accepted besides the bind address and loopback names (DNS-rebinding guard):
+  // a request whose Host is none of them gets 403. Empty on a non-loopback bind = any Host.
+  std::vector<std::string> allowed_hosts;
+  // Browser origins (scheme://host[:port]) allowed to call the API; a request carrying any
+  // other Origin header gets 403 (a web page cannot drive the API from a user's browser).
+  std::vector<std::string> allowed_origins;
+  // With auth on, /metrics is open to scrapers without a key, so tenant ids are not used as
+  // label values (queue series are summed under tenant="all") unless this is true.
+  bool metrics_tenant_labels = false;
 };
 
 struct ModelSection {

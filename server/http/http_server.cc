@@ -8,6 +8,7 @@
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -28,7 +29,6 @@ using tcp = asio::ip::tcp;
 
 namespace {
 constexpr size_t kMaxBodyBytes = 64 << 20;
-constexpr auto kIdleTimeout = std::chrono::seconds(120);
 constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
 // What every session shares with the server and must outlive it: the io_context its socket
@@ -40,6 +40,8 @@ constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 struct IoCore {
   asio::io_context io;
   std::atomic<bool> stopped{false};  // set by Stop(): responders then write nothing
+  std::atomic<int> connections{0};   // live sessions
+  HttpServerLimits limits;
 };
 
 struct Routes {
@@ -60,10 +62,20 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
  public:
   Session(std::shared_ptr<IoCore> core, tcp::socket socket, ssl::context* tls, const Routes& routes,
           Metrics& metrics)
-      : core_(std::move(core)), stream_(MakeStream(std::move(socket), tls)), routes_(routes), metrics_(metrics) {}
+      : core_(std::move(core)), stream_(MakeStream(std::move(socket), tls)), routes_(routes), metrics_(metrics) {
+    ++core_->connections;
+  }
+  ~Session() { --core_->connections; }
 
   void Run() {
     asio::dispatch(stream_.get_executor(), [self = this->shared_from_this()] { self->Start(); });
+  }
+
+  // Over the connection limit: answer 503 at once (after the TLS handshake, if any) and close,
+  // reading nothing.
+  void RunRefusing() {
+    refuse_ = true;
+    Run();
   }
 
  private:
@@ -85,17 +97,24 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                                   Log(LogLevel::kDebug, "http", absl::StrCat("TLS handshake failed: ", ec.message()));
                                   return;
                                 }
-                                self->Read();
+                                self->refuse_ ? self->Refuse() : self->Read();
                               });
     } else {
-      Read();
+      refuse_ ? Refuse() : Read();
     }
+  }
+
+  void Refuse() {
+    HttpResponse busy{503, "application/json",
+                      R"({"error":"too many connections","detail":"too many connections (server.max_http_connections); retry"})",
+                      {{"Retry-After", "1"}}};
+    MakeResponder("HTTP refused", 11, /*keep_alive=*/false)(std::move(busy));
   }
 
   void Read() {
     parser_.emplace();
     parser_->body_limit(kMaxBodyBytes);
-    beast::get_lowest_layer(stream_).expires_after(kIdleTimeout);
+    beast::get_lowest_layer(stream_).expires_after(std::chrono::seconds(core_->limits.idle_timeout_s));
     http::async_read_header(stream_, buffer_, *parser_,
                             [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
@@ -215,6 +234,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   }
 
   std::shared_ptr<IoCore> core_;  // first: destroyed after stream_, whose socket it serves
+  bool refuse_ = false;
   Stream stream_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -262,14 +282,25 @@ struct HttpServer::Impl {
   void Accept() {
     acceptor->async_accept(asio::make_strand(core->io), [this](beast::error_code ec, tcp::socket socket) {
       if (ec) {
-        if (ec != asio::error::operation_aborted) {
-          LogWarning("http", absl::StrCat("accept failed: ", ec.message()));
-        }
-        if (!acceptor->is_open()) return;
-      } else if (tls) {
-        std::make_shared<Session<true>>(core, std::move(socket), tls.get(), routes, metrics)->Run();
+        if (ec == asio::error::operation_aborted || !acceptor->is_open()) return;
+        // EMFILE / ENFILE / ENOBUFS: retrying at once would spin on the same error; wait a
+        // little for connections to close. Logged once per streak.
+        if (!accept_failing) LogWarning("http", absl::StrCat("accept failed: ", ec.message(), "; backing off"));
+        accept_failing = true;
+        accept_backoff.expires_after(std::chrono::milliseconds(100));
+        accept_backoff.async_wait([this](beast::error_code wait_ec) {
+          if (!wait_ec) Accept();
+        });
+        return;
+      }
+      accept_failing = false;
+      const bool over_limit = core->connections.load() >= core->limits.max_connections;
+      if (tls) {
+        auto session = std::make_shared<Session<true>>(core, std::move(socket), tls.get(), routes, metrics);
+        over_limit ? session->RunRefusing() : session->Run();
       } else {
-        std::make_shared<Session<false>>(core, std::move(socket), nullptr, routes, metrics)->Run();
+        auto session = std::make_shared<Session<false>>(core, std::move(socket), nullptr, routes, metrics);
+        over_limit ? session->RunRefusing() : session->Run();
       }
       Accept();
     });
@@ -281,6 +312,8 @@ struct HttpServer::Impl {
   Routes routes;
   std::shared_ptr<IoCore> core = std::make_shared<IoCore>();
   std::optional<tcp::acceptor> acceptor;
+  asio::steady_timer accept_backoff{core->io};
+  bool accept_failing = false;  // only touched by the accept handler chain
   std::vector<std::thread> threads;
 };
 
@@ -305,6 +338,8 @@ void HttpServer::RoutePrefix(const std::string& method, const std::string& prefi
     return a.prefix.size() > b.prefix.size();
   });
 }
+
+void HttpServer::SetLimits(HttpServerLimits limits) { impl_->core->limits = limits; }
 
 void HttpServer::AddHeaderCheck(HttpHeaderCheck check) {
   impl_->routes.header_checks.push_back(std::move(check));
@@ -385,6 +420,7 @@ void HttpServer::Stop() {
   for (std::thread& t : impl_->threads) t.join();
   impl_->threads.clear();
   impl_->acceptor.reset();  // its socket belongs to the io_context too
+  impl_->accept_backoff.cancel();
 }
 
 }  // namespace twinkle

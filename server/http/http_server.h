@@ -72,6 +72,11 @@ using HttpHeaderCheck = std::function<std::optional<HttpResponse>(const HttpRequ
 using HttpResponder = std::function<void(HttpResponse)>;
 using AsyncHttpHandler = std::function<void(const HttpRequest&, HttpResponder)>;
 
+struct HttpServerLimits {
+  int max_connections = 1024;  // open connections; the next is answered 503 and closed
+  int idle_timeout_s = 120;    // a connection waiting this long for its next request is closed
+};
+
 class HttpServer {
  public:
   explicit HttpServer(Metrics& metrics, HttpTlsOptions tls = {});
@@ -86,6 +91,7 @@ class HttpServer {
   void RoutePrefix(const std::string& method, const std::string& prefix, AsyncHttpHandler handler);
   // Adds a header check (before Start); checks run in the order added, the first response wins.
   void AddHeaderCheck(HttpHeaderCheck check);
+  void SetLimits(HttpServerLimits limits);  // before Start
 
   // Binds host:port (0 = any free port), starts `threads` I/O threads, returns the port.
   // With TLS, first loads the certificate, key and client CA (InvalidArgument naming the

@@ -303,3 +303,61 @@ def test_sigterm_with_an_open_keep_alive_connection_and_a_long_poll_exits_0(
     del pending
     assert code == 0, server.logs()
     assert "stopped cleanly" in server.stderr_text()
+
+
+def test_host_and_origin_guard_dns_rebinding_and_browser_posts(server: ServerProcess) -> None:
+    base = f"http://{server.host}:{server.http_port}"
+    key = {"X-API-Key": KEYS["alice"]}
+    # DNS rebinding: the attacker's name resolves to 127.0.0.1; the browser sends it as Host.
+    r = requests.get(base + "/api/v1/get_server_capabilities", headers={**key, "Host": "evil.example:8000"},
+                     timeout=10)
+    assert r.status_code == 403 and "server.allowed_hosts" in r.text, r.text
+    r = requests.get(base + "/metrics", headers={"Host": "evil.example"}, timeout=10)
+    assert r.status_code == 403, r.text
+    # A page the user visits POSTs to the loopback API.
+    r = requests.post(base + "/api/v1/create_session", json={}, headers={**key, "Origin": "https://evil.example"},
+                      timeout=10)
+    assert r.status_code == 403 and "server.allowed_origins" in r.text, r.text
+    # The SDKs send neither: served.
+    assert requests.get(base + "/api/v1/get_server_capabilities", headers=key, timeout=10).status_code == 200
+    assert requests.get(base + "/api/v1/get_server_capabilities",
+                        headers={**key, "Host": f"localhost:{server.http_port}"}, timeout=10).status_code == 200
+
+
+def test_metrics_do_not_name_tenants_with_auth_on_unless_configured(launch_server: LaunchServer) -> None:
+    from e2e_support import prom
+
+    def depth_labels(server: ServerProcess) -> set[str]:
+        alice = training_client(server, KEYS["alice"])
+        other_tenant_is_served(alice)
+        text = requests.get(server.http_url("/metrics"), timeout=10).text
+        samples = prom.parse(text)
+        return {s.labels["tenant"] for s in samples if "tenant" in s.labels}
+
+    hidden = launch_server(auth_overrides())
+    labels = depth_labels(hidden)
+    assert labels == {"all"}, labels
+    assert "alice" not in requests.get(hidden.http_url("/metrics"), timeout=10).text
+    shown = launch_server(auth_overrides(server={"metrics_tenant_labels": True}))
+    assert {"alice", "bob"} <= depth_labels(shown)
+
+
+def test_connections_over_the_limit_get_503_and_the_rest_are_served(launch_server: LaunchServer) -> None:
+    import socket
+
+    limit = 8
+    server = launch_server(auth_overrides(server={"max_http_connections": limit}))
+    held = [socket.create_connection((server.host, server.http_port), timeout=10) for _ in range(limit)]
+    try:
+        time.sleep(0.2)  # let the server accept them all
+        with socket.create_connection((server.host, server.http_port), timeout=10) as extra:
+            reply = extra.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+        assert b"server.max_http_connections" in reply
+    finally:
+        for s in held:
+            s.close()
+    # Once they are closed, requests are served again.
+    from e2e_support.waiting import wait_until
+    wait_until(lambda: requests.get(server.http_url("/healthz"), timeout=5).status_code == 200, 10,
+               "a request served after the held connections closed")
