@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
@@ -288,10 +289,10 @@ void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grp
     SampleGauges(state);
     return HttpResponse{200, "text/plain; version=0.0.4", state.metrics.Render()};
   });
-  http.Route("GET", "/healthz", [](const HttpRequest&) {
+  http.RouteInline("GET", "/healthz", [](const HttpRequest&) {
     return HttpResponse{200, "application/json", R"({"status":"ok"})"};
   });
-  http.Route("GET", "/readyz", [&state](const HttpRequest&) {
+  http.RouteInline("GET", "/readyz", [&state](const HttpRequest&) {
     const bool serving = state.Serving();
     return HttpResponse{serving ? 200 : 503, "application/json",
                         serving ? R"({"status":"serving"})" : R"({"status":"not_serving"})"};
@@ -301,6 +302,16 @@ void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grp
   http.Route("GET", "/api/v1/twinkle/endpoints", [endpoints](const HttpRequest&) {
     return HttpResponse{200, "application/json", endpoints};
   });
+  if (state.config.testing.hooks) {
+    // Test hook: a handler that blocks its thread for ?ms= (at most 60 s), standing in for
+    // a slow disk or SQLite call, to show that blocking handlers leave the probes answering.
+    http.Route("POST", "/testing/block", [](const HttpRequest& request) {
+      int64_t ms = 0;
+      if (std::optional<std::string> v = request.QueryParam("ms"); v) (void)absl::SimpleAtoi(*v, &ms);
+      absl::SleepFor(absl::Milliseconds(std::clamp<int64_t>(ms, 0, 60000)));
+      return HttpResponse{200, "application/json", R"({"status":"ok"})"};
+    });
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "server/http/http_server.h"
 
 #include <algorithm>
+#include <set>
 #include <atomic>
 #include <thread>
 #include <type_traits>
@@ -10,6 +11,7 @@
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
@@ -29,6 +31,9 @@ using tcp = asio::ip::tcp;
 
 namespace {
 constexpr size_t kMaxBodyBytes = 64 << 20;
+// Threads that run route handlers (they may block on disk, SQLite, hashing); the I/O
+// threads only read, write and dispatch.
+constexpr int kHandlerThreads = 8;
 constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
 // What every session shares with the server and must outlive it: the io_context its socket
@@ -42,10 +47,15 @@ struct IoCore {
   std::atomic<bool> stopped{false};  // set by Stop(): responders then write nothing
   std::atomic<int> connections{0};   // live sessions
   HttpServerLimits limits;
+  // Handlers run here, never on the I/O threads: they may block on disk, SQLite or hashing,
+  // and the I/O threads must keep serving probes and other connections meanwhile. Set by
+  // Start, joined by Stop (before which no session dispatches).
+  asio::thread_pool* handlers = nullptr;
 };
 
 struct Routes {
   std::map<std::pair<std::string, std::string>, AsyncHttpHandler> exact;
+  std::set<std::pair<std::string, std::string>> inline_exact;  // RouteInline: run on the I/O thread
   struct Prefix {
     std::string method, prefix;
     AsyncHttpHandler handler;
@@ -207,10 +217,20 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                       });
   }
 
+  // Runs `handler` on the handler pool (inline routes: here, on the I/O thread).
+  void Run(const AsyncHttpHandler& handler, HttpRequest request, HttpResponder respond, bool on_io_thread) {
+    if (on_io_thread || core_->handlers == nullptr) return handler(request, std::move(respond));
+    asio::post(*core_->handlers, [&handler, request = std::move(request), respond = std::move(respond)]() mutable {
+      handler(request, std::move(respond));
+    });
+  }
+
   void Dispatch(HttpRequest& request, unsigned version, bool keep_alive) {
-    auto it = routes_.exact.find({request.method, request.path});
+    const std::pair<std::string, std::string> key{request.method, request.path};
+    auto it = routes_.exact.find(key);
     if (it != routes_.exact.end()) {
-      it->second(request, MakeResponder(absl::StrCat(request.method, " ", request.path), version, keep_alive));
+      HttpResponder respond = MakeResponder(absl::StrCat(request.method, " ", request.path), version, keep_alive);
+      Run(it->second, std::move(request), std::move(respond), routes_.inline_exact.contains(key));
       return;
     }
     bool path_known = false;
@@ -222,7 +242,8 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
         continue;
       }
       request.path_tail = UrlDecode(absl::string_view(request.path).substr(p.prefix.size()), false);
-      p.handler(request, MakeResponder(absl::StrCat(request.method, " ", p.prefix, "*"), version, keep_alive));
+      Run(p.handler, std::move(request), MakeResponder(absl::StrCat(request.method, " ", p.prefix, "*"), version, keep_alive),
+          /*on_io_thread=*/false);
       return;
     }
     const int status = path_known ? 405 : 404;
@@ -313,6 +334,7 @@ struct HttpServer::Impl {
   std::shared_ptr<IoCore> core = std::make_shared<IoCore>();
   std::optional<tcp::acceptor> acceptor;
   asio::steady_timer accept_backoff{core->io};
+  std::optional<asio::thread_pool> handlers;
   bool accept_failing = false;  // only touched by the accept handler chain
   std::vector<std::thread> threads;
 };
@@ -329,6 +351,11 @@ void HttpServer::Route(const std::string& method, const std::string& path, HttpH
 
 void HttpServer::RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler) {
   impl_->routes.exact[{method, path}] = std::move(handler);
+}
+
+void HttpServer::RouteInline(const std::string& method, const std::string& path, HttpHandler handler) {
+  Route(method, path, std::move(handler));
+  impl_->routes.inline_exact.insert({method, path});
 }
 
 void HttpServer::RoutePrefix(const std::string& method, const std::string& prefix, AsyncHttpHandler handler) {
@@ -404,6 +431,8 @@ absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int thr
                                                ": ", ec.message()));
   }
   const int bound = impl_->acceptor->local_endpoint().port();
+  impl_->handlers.emplace(kHandlerThreads);
+  impl_->core->handlers = &*impl_->handlers;
   impl_->Accept();
   for (int i = 0; i < threads; ++i) impl_->threads.emplace_back([core = impl_->core] { core->io.run(); });
   return bound;
@@ -419,6 +448,9 @@ void HttpServer::Stop() {
   impl_->core->io.stop();
   for (std::thread& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // Handlers still running finish (their responses are dropped: the I/O threads are gone).
+  impl_->handlers->join();
+  impl_->core->handlers = nullptr;
   impl_->acceptor.reset();  // its socket belongs to the io_context too
   impl_->accept_backoff.cancel();
 }

@@ -83,7 +83,11 @@ class HttpServer {
   ~HttpServer();
 
   // Routes must be added before Start.
+  // Handlers run on a pool of handler threads, never on the I/O threads, so one that blocks
+  // (disk, SQLite, hashing) does not stall other connections; RouteInline runs on the I/O
+  // thread, for cheap probes (/healthz) that must answer even when every handler is busy.
   void Route(const std::string& method, const std::string& path, HttpHandler handler);
+  void RouteInline(const std::string& method, const std::string& path, HttpHandler handler);
   void RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler);
   // Every path that starts with `prefix` (which should end in '/') and is longer than it;
   // the handler finds the rest in HttpRequest::path_tail. Exact routes win; among prefix

@@ -146,7 +146,7 @@ class Routes {
       return JsonResponse(api.Telemetry(Json::object()));
     });
     Get("/get_server_capabilities", [&api](const tenancy::Tenant&, const HttpRequest&) { return api.Capabilities(); });
-    http_.Route("GET", absl::StrCat(kApi, "/healthz"), [](const HttpRequest&) {
+    http_.RouteInline("GET", absl::StrCat(kApi, "/healthz"), [](const HttpRequest&) {
       return JsonResponse({{"status", "ok"}});
     });
     Prefix("POST", "/sessions/", [](const tenancy::Tenant&, const HttpRequest& r) -> absl::StatusOr<Json> {

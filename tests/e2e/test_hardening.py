@@ -361,3 +361,80 @@ def test_connections_over_the_limit_get_503_and_the_rest_are_served(launch_serve
     from e2e_support.waiting import wait_until
     wait_until(lambda: requests.get(server.http_url("/healthz"), timeout=5).status_code == 200, 10,
                "a request served after the held connections closed")
+
+
+def test_blocking_handlers_leave_the_probes_and_other_connections_answering(
+        launch_server: LaunchServer) -> None:
+    """Ten handlers that block their threads for 3 s (the stand-in for a slow checkpoint read
+    or SQLite call) — more than the HTTP I/O threads and the handler pool together: /healthz
+    and /readyz still answer at once."""
+    server = launch_server(auth_overrides(testing={"hooks": True}))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=10)
+    blocked = [pool.submit(requests.post, server.http_url("/testing/block?ms=3000"), timeout=30) for _ in range(10)]
+    time.sleep(0.3)
+    worst = 0.0
+    for path in ("/healthz", "/readyz", "/api/v1/healthz") * 3:
+        start = time.monotonic()
+        assert requests.get(server.http_url(path), timeout=10).status_code == 200
+        worst = max(worst, time.monotonic() - start)
+    assert all(not f.done() for f in blocked[:8]), "the blocking handlers should still be running"
+    print(f"probes while 10 handlers block: worst {worst * 1000:.0f} ms")
+    assert worst < 1.0
+    assert all(f.result().status_code == 200 for f in blocked)
+    pool.shutdown()
+
+
+def test_each_body_bound_holds_at_its_limit_and_refuses_one_past(server: ServerProcess) -> None:
+    from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
+
+    alice = training_client(server, KEYS["alice"])
+    base = f"http://{server.host}:{server.http_port}/api/v1"
+    json_headers = {"X-API-Key": KEYS["alice"], "Content-Type": "application/json"}
+
+    # JSON depth: 64 levels parse (the route then answers about the content), 65 do not.
+    def nested(depth: int) -> str:
+        return '{"session_id": "s", "base_model": "tiny-qwen3", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+    at = requests.post(base + "/create_model", data=nested(64), headers=json_headers, timeout=30)
+    past = requests.post(base + "/create_model", data=nested(65), headers=json_headers, timeout=30)
+    assert "nested deeper" not in at.text, at.text
+    assert past.status_code == 400 and "nested deeper than 64" in past.text, past.text
+
+    # loss_fn_config strings: 256 bytes reach the loss (which names the unknown key), 257 do not.
+    def fb(value: str, seq_id: int) -> requests.Response:
+        return requests.post(base + "/forward_backward", headers=json_headers, timeout=30, json={
+            "model_id": alice.model_id, "seq_id": seq_id,
+            "forward_backward_input": {
+                "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]},
+                          "loss_fn_inputs": {"target_tokens": {"data": [17, 42, 9], "dtype": "int64",
+                                                               "shape": [3]}}}],
+                "loss_fn": "cross_entropy", "loss_fn_config": {"clip": value}}})
+
+    at = fb("x" * 256, 1)
+    assert at.status_code == 200, at.text
+    while True:
+        result = requests.post(base + "/retrieve_future", json={"request_id": at.json()["request_id"]},
+                               headers=json_headers, timeout=60)
+        if not (result.status_code == 200 and result.json().get("type") == "try_again"):
+            break
+    assert "unknown config key 'clip'" in result.text, result.text  # the loss saw it
+    past = fb("x" * 257, 2)
+    assert past.status_code == 400 and "exceeds the limit of 256" in past.text, past.text
+
+    # A CSR loss_fn_input may hold one element per model_input token: 3 here.
+    def sparse_body(cols: int) -> bytes:
+        sparse = tp.Tensor(dtype=tp.DTYPE_FLOAT32, shape=[1, cols],
+                           sparse_csr=tp.SparseCsr(crow_indices=np.asarray([0, 1], np.int64).tobytes(),
+                                                   col_indices=np.asarray([0], np.int64).tobytes(),
+                                                   values=np.asarray([1.0], np.float32).tobytes()))
+        datum = tp.Datum(
+            model_input=[tp.Chunk(encoded_text=tp.EncodedTextChunk(tokens=np.asarray([5, 17, 42], np.int32).tobytes()))],
+            loss_fn_inputs={"target_tokens": tp.Tensor(dense=np.asarray([17, 42, 9], np.int64).tobytes(),
+                                                       dtype=tp.DTYPE_INT64, shape=[3]), "weights": sparse})
+        return tp.ForwardBackwardRequest(model_id=alice.model_id, data=[datum], loss_fn="cross_entropy").SerializeToString()
+
+    proto_headers = {"X-API-Key": KEYS["alice"], "Content-Type": "application/x-protobuf"}
+    past = requests.post(base + "/forward_backward", data=sparse_body(4), headers=proto_headers, timeout=30)
+    assert past.status_code == 400 and "larger than the 3 elements" in past.text, past.text
+    at = requests.post(base + "/forward_backward", data=sparse_body(3), headers=proto_headers, timeout=30)
+    assert "larger than" not in at.text, at.text
