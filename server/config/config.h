@@ -56,7 +56,7 @@ struct EngineSection {
   // One engine call's deadline: call_timeout_s plus call_timeout_per_mib_s per MiB of the
   // request, from when the worker starts it. Past it the step is taken as hung: the worker
   // is restarted and the caller gets a retryable error.
-  double call_timeout_s = 600;
+  double call_timeout_s = 1800;
   double call_timeout_per_mib_s = 120;
 };
 

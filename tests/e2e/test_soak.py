@@ -46,6 +46,11 @@ def rss_of_tree(pid: int) -> int:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
 
 
+def resolved(made: Any) -> Any:
+    """A client from a create_* call, awaited (0.38 returns a future that proxies the client)."""
+    return made.result() if hasattr(made, "result") else made
+
+
 class Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -68,8 +73,8 @@ class Stats:
 def tenant_loop(base_url: str, i: int, deadline: float, stats: Stats) -> None:
     rng = np.random.default_rng(i)
     svc = tinker.ServiceClient(base_url=base_url, api_key=tenant_key(i))
-    made = stats.timed("create_model", lambda: svc.create_lora_training_client(base_model=MODEL_NAME, rank=4))
-    training = made.result() if hasattr(made, "result") else made
+    training = stats.timed("create_model",
+                           lambda: resolved(svc.create_lora_training_client(base_model=MODEL_NAME, rank=4)))
     sampler = None
     step = 0
     while time.monotonic() < deadline:
@@ -81,14 +86,13 @@ def tenant_loop(base_url: str, i: int, deadline: float, stats: Stats) -> None:
         step += 1
         if sampler is None or step % 10 == 0:
             if sampler is None:
-                made = stats.timed("save_for_sampler", lambda: training.save_weights_and_get_sampling_client())
-                sampler = made.result() if hasattr(made, "result") else made
+                sampler = stats.timed("save_for_sampler", lambda: resolved(training.save_weights_and_get_sampling_client()))
             params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=step)
             stats.timed("sample", lambda: sampler.sample(types.ModelInput.from_ints(tokens[:4]), num_samples=2,
                                                          sampling_params=params).result())
         if step % 25 == 0:
             name = f"s{step % 2}"  # overwrite two names: disk use stays bounded
-            path = stats.timed("save_state", lambda: training.save_state(name).result()).path
+            path = stats.timed("save_state", lambda: training.save_state(name, overwrite=True).result()).path
             stats.timed("load_state", lambda: training.load_state(path).result())
 
 
