@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "core/common/log.h"
 #include "core/engine/model/safetensors.h"
 #include "nlohmann/json.hpp"
 
@@ -46,10 +47,19 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// The vision tower of a ConditionalGeneration checkpoint: not loaded (text only).
+bool IsVisionWeight(const std::string& name, const ModelConfig& config) {
+  return config.has_vision && absl::StartsWith(name, "model.visual.");
+}
+
 // Checkpoint entries that are not parameters of the model: transformers used to save the
-// RoPE inverse-frequency buffer, and tied checkpoints sometimes still carry lm_head.
+// RoPE inverse-frequency buffer, tied checkpoints sometimes still carry lm_head, published
+// Qwen3.5 checkpoints carry multi-token-prediction weights (mtp.*, which transformers
+// ignores too), and ConditionalGeneration ones a vision tower.
 bool IsIgnored(const std::string& name, const ModelConfig& config) {
   if (absl::EndsWith(name, "rotary_emb.inv_freq")) return true;
+  if (config.hybrid() && absl::StartsWith(name, "mtp.")) return true;
+  if (IsVisionWeight(name, config)) return true;
   return config.tie_word_embeddings && name == "lm_head.weight";
 }
 
@@ -243,11 +253,26 @@ absl::StatusOr<LoadedModel> LoadModelImpl(const std::filesystem::path& dir, c10:
 
   LoadedModel model;
   model.config = *std::move(config);
+  int64_t vision_tensors = 0;
+  const std::string& prefix = model.config.text_prefix;
   for (const auto& [name, source] : ckpt.weights) {
+    if (IsVisionWeight(name, model.config)) ++vision_tensors;
     if (IsIgnored(name, model.config)) continue;
     at::Tensor t = CopyWeight(source, dtype, device);
     model.parameter_count += t.numel();
-    model.weights.emplace(name, std::move(t));
+    // The text model's weights are handed over under "model." whatever the checkpoint's
+    // prefix ("model.language_model." in ConditionalGeneration checkpoints).
+    std::string key = name;
+    if (prefix != "model." && absl::StartsWith(name, prefix)) {
+      key = "model." + name.substr(prefix.size());
+    }
+    model.weights.emplace(std::move(key), std::move(t));
+  }
+  if (model.config.has_vision) {
+    LogInfo("engine", absl::StrCat(dir.string(), ": ", model.config.architecture,
+                                   ": loading the language model only; the vision tower (",
+                                   vision_tensors, " tensors under model.visual.) is skipped "
+                                   "and image inputs are not supported"));
   }
   return model;
 }
