@@ -9,6 +9,7 @@ model.language_model.* weights, tied embeddings). Sequence lengths cross the del
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from engine_harness import Engine, EngineError
 from numerics import assert_close
 from test_fused import HYPER
 from test_model import engine_forward, hf_logits, peft_model, random_lora_state, sequences
-from test_sampler_pool import engine, load, one_thread  # noqa: F401 (fixtures)
+from test_sampler_pool import GAP, drain, engine, load, make_adapter, one_thread, row, step  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
 
 DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -199,3 +200,126 @@ def test_config_errors_name_the_key(engine: Engine, reference_models: Path, tmp_
     with pytest.raises(EngineError, match="layer_types.*sliding_attention"):
         load(engine, bad)
 
+
+# Sampling: four adapters over both layer kinds (d also on lm_head).
+SAMPLE_ADAPTERS = {
+    "a": (4, DELTANET + ATTENTION + MLP),
+    "b": (8, DELTANET),
+    "c": (2, ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "down_proj"]),
+    "d": (6, ["in_proj_z", "in_proj_b", "in_proj_a", "k_proj", "o_proj", "gate_proj", "up_proj", "lm_head"]),
+}
+
+
+def sample_adapters(engine: Engine, model_dir: Path | None) -> dict[str, torch.nn.Module | None]:
+    refs: dict[str, torch.nn.Module | None] = {}
+    if model_dir is not None:
+        refs[""] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, (name, (rank, targets)) in enumerate(SAMPLE_ADAPTERS.items()):
+        refs[name] = make_adapter(engine, model_dir, name, rank, targets, seed=11 + i)
+    return refs
+
+
+def test_greedy_16_prompts_x_32_tokens_x_4_adapters_match_transformers_generate(
+        engine: Engine, reference_models: Path) -> None:
+    """64 greedy sequences decoding in one batch (recurrent states beside the paged KV cache),
+    each against transformers generate (its cache: chunked prefill, recurrent decode) on the
+    PEFT model, compared up to the first position where the reference's top-2 gap < GAP."""
+    model_dir = reference_models / "qwen3_5"
+    load(engine, model_dir)
+    refs = sample_adapters(engine, model_dir)
+    prompts = sequences(256, [1 + (7 * i) % 29 for i in range(15)] + [70], seed=21)
+    cases = [(a, p) for p in prompts for a in SAMPLE_ADAPTERS]
+    max_tokens = 32
+    reply = engine.call("sample", {"rows": [row(a, p, max_tokens=max_tokens) for a, p in cases]})
+    full = 0
+    for i, (a, p) in enumerate(cases):
+        got = reply["rows"][i]["samples"][0]
+        assert got["stop_reason"] == "length" and len(got["tokens"]) == max_tokens
+        with torch.no_grad():
+            out = refs[a].generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   eos_token_id=None, pad_token_id=0, output_logits=True,
+                                   return_dict_in_generate=True)
+        ref_tokens = out.sequences[0, len(p):].tolist()
+        compared = max_tokens
+        for t, logits in enumerate(out.logits):
+            top2 = logits[0].topk(2).values
+            if float(top2[0] - top2[1]) < GAP:
+                compared = t + 1
+                break
+        n_exact = compared if compared == max_tokens else compared - 1
+        assert got["tokens"][:n_exact].tolist() == ref_tokens[:n_exact], (i, a, got["tokens"], ref_tokens)
+        full += compared == max_tokens
+    print(f"qwen3_5: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
+    assert full >= 0.9 * len(cases)
+
+
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_sampler_logprobs_match_training_forward(engine: Engine, reference_models: Path, block_size: int) -> None:
+    """Through sample_step, 3 samples a request (the prompt's states copied to each):
+    sampled-token and prompt logprobs equal the training forward over prompt + tokens."""
+    model_dir = reference_models / "qwen3_5"
+    load(engine, model_dir, kv_block_size=block_size)
+    sample_adapters(engine, None)
+    prompts = sequences(256, [6, 13, 2, 20, 70], seed=31)
+    adapters = ["a", "d", "", "c", "b"]
+    rows = [row(a, p, temperature=1.0, top_k=40, top_p=0.9, seed=7 + i, num_samples=3, max_tokens=10,
+                want_prompt_logprobs=True) for i, (a, p) in enumerate(zip(adapters, prompts))]
+    results: dict[int, Any] = {}
+    drain(engine, step(engine, list(enumerate(rows)), steps=3), results)
+    worst = 0.0
+    for i, (a, p) in enumerate(zip(adapters, prompts)):
+        result = results[i]
+        for s, got in enumerate(result["samples"]):
+            assert got["stop_reason"] == "length" and len(got["tokens"]) == 10
+            seq = torch.cat([p, got["tokens"]])
+            datum = {"input_tokens": seq[:-1], "target_tokens": seq[1:]}
+            fwd = engine.call("forward", {"ops": [{"adapter_id": a, "datums": [datum]}]})["ops"][0]["logprobs"][0]
+            worst = max(worst, assert_close(f"row{i} sample{s} token logprobs", got["logprobs"],
+                                            fwd[len(p) - 1:], 1e-5, absolute=True))
+            worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
+                                            fwd[:len(p) - 1], 1e-5, absolute=True))
+    print(f"block size {block_size}: largest logprob difference {worst:.3e}")
+
+
+def test_200_mixed_requests_free_their_states(engine: Engine, reference_models: Path) -> None:
+    """Mixed requests (samples, stops, cancels, max_tokens 0) through a small cache: blocks go
+    back to 0 and, afterwards, one request with as many samples as there are state slots is
+    admitted at once, so no recurrent state slot was left behind."""
+    import random
+
+    model_dir = reference_models / "qwen3_5"
+    load(engine, model_dir, kv_cache_blocks=96, kv_block_size=4)
+    sample_adapters(engine, None)
+    rng = random.Random(3)
+    rows = {i: row(rng.choice(["", "a", "b", "c", "d"]), sequences(256, [rng.randint(1, 40)], seed=i)[0],
+                   max_tokens=rng.randint(0, 16), temperature=rng.choice([0.0, 1.0]), seed=i,
+                   num_samples=rng.randint(1, 4), stop_token_ids=rng.sample(range(256), rng.choice([0, 10])))
+            for i in range(200)}
+    queue, running, done, cancelled = list(rows), set(), {}, set()
+    while queue or running:
+        admit = queue[:rng.randint(0, 12)]
+        cancel = [i for i in sorted(running) if rng.random() < 0.03]
+        reply = step(engine, [(i, rows[i]) for i in admit], cancel=cancel, steps=rng.randint(0, 6))
+        assert not reply["rejected"], reply["rejected"]
+        running -= set(cancel)
+        cancelled |= set(cancel)
+        queue = reply["deferred"] + queue[len(admit):]
+        running |= set(admit) - set(reply["deferred"])
+        for f in reply["finished"]:
+            running.discard(f["request_id"])
+            done[f["request_id"]] = f["result"]
+    assert set(done) | cancelled == set(rows)
+    final = step(engine, steps=0)
+    assert final["blocks_in_use"] == 0 and final["running"] == 0
+    slots = 64  # kv_cache.h kDefaultStateSlots
+    # Prompt 4 = one shared block, + one block a sample: 65 of the 96 blocks.
+    reply = step(engine, [(1000, row("a", sequences(256, [4], seed=5)[0], max_tokens=2, num_samples=slots,
+                                     temperature=1.0, seed=1))], steps=4)
+    assert reply["deferred"] == [] and not reply["rejected"]
+    drain(engine, reply, done)
+    assert len(done[1000]["samples"]) == slots
+    with pytest.raises(EngineError, match="recurrent state slots"):
+        engine.call("sample", {"rows": [row("", sequences(256, [3], seed=5)[0], max_tokens=1,
+                                            num_samples=slots + 1)]})
+    print(f"{len(done) - 1} finished, {len(cancelled)} cancelled; {slots} state slots all free afterwards")
