@@ -8,7 +8,7 @@ interleaved with gated full attention, partial rotary with mrope sections; a Cau
 checkpoint, and a ConditionalGeneration one with a small vision tower and tied embeddings).
 Weights are drawn with a fixed seed and every parameter (norms and biases included, which
 transformers initialises to constants) is perturbed, so a weight the engine ignored would show
-in the logits.
+in the logits. Qwen3-MoE: experts in some layers, a dense MLP in others.
 
 Usage: make_reference_models.py OUT_DIR  -> OUT_DIR/<variant>/ (HF directory each)
 Nothing is downloaded.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 COMMON: dict[str, Any] = dict(
@@ -72,6 +72,15 @@ VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
     "qwen3-tied": (
         Qwen3ForCausalLM,
         lambda: Qwen3Config(**COMMON, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True),
+    ),
+    # Experts in layers 0 and 2, a dense MLP in layer 1; top-2 of 8 experts, not renormalised
+    # (Qwen3MoeConfig's default).
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM,
+        lambda: Qwen3MoeConfig(**dict(COMMON, num_hidden_layers=3), head_dim=16, rope_theta=1000000.0,
+                               tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=1,
+                               mlp_only_layers=[1]),
     ),
     "qwen3_5": (
         Qwen3_5ForCausalLM,

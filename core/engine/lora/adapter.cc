@@ -74,6 +74,26 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
                              : config.targets;
   std::sort(targets.begin(), targets.end());
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  // Qwen3-MoE: PEFT turns gate_proj/up_proj/down_proj (and all-linear) into LoRA on the
+  // fused expert parameters (target_parameters), which the engine does not implement yet;
+  // applying them to the dense-MLP layers only would train something else than PEFT does.
+  // all-linear keeps the attention linears; naming an MLP linear is refused.
+  if (!model.config().moe_layers.empty()) {
+    const bool all_linear =
+        std::all_of(std::begin(kAllLinearKinds), std::end(kAllLinearKinds), [&](LinearKind kind) {
+          return std::find(targets.begin(), targets.end(), kind) != targets.end();
+        });
+    const auto is_mlp = [](LinearKind kind) {
+      return kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+    };
+    if (!all_linear && std::any_of(targets.begin(), targets.end(), is_mlp)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoRA on gate_proj/up_proj/down_proj of ", model.config().architecture,
+          " means the experts (PEFT target_parameters), which is not supported yet; target the "
+          "attention linears (q_proj, k_proj, v_proj, o_proj) and lm_head"));
+    }
+    targets.erase(std::remove_if(targets.begin(), targets.end(), is_mlp), targets.end());
+  }
   // As PEFT: a named module the model does not have is no error as long as some named one
   // exists ("all-linear" names the linears of every family).
   const int64_t layers = model.config().num_hidden_layers;

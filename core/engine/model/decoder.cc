@@ -210,8 +210,15 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
       layer.q_norm = w.at(p + "self_attn.q_norm.weight");
       layer.k_norm = w.at(p + "self_attn.k_norm.weight");
     }
+    layer.moe = config_.is_moe_layer(i);
+    if (layer.moe) {
+      layer.router = w.at(p + "mlp.gate.weight");
+      layer.experts_gate_up = w.at(p + "mlp.experts.gate_up_proj");
+      layer.experts_down = w.at(p + "mlp.experts.down_proj");
+    }
     for (LinearKind kind : kAllLinearKinds) {
       const std::string module = LinearKindModule(kind);
+      if (module == "mlp" && layer.moe) continue;
       if (module != "mlp" && (module == "linear_attn") != layer.linear_attention) continue;
       const std::string name = p + module + "." + LinearKindName(kind);
       layer.weight[kind] = w.at(name + ".weight");
@@ -255,6 +262,56 @@ at::Tensor DecoderModel::Mlp(const Layer& layer, int64_t index, const at::Tensor
   const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, x, lora)) *
                            Linear(layer, index, LinearKind::kUp, x, lora);
   return Linear(layer, index, LinearKind::kDown, gated, lora);
+}
+
+at::Tensor DecoderModel::Moe(const Layer& layer, const at::Tensor& x,
+                             const std::vector<int64_t>& group_rows) const {
+  if (group_rows.size() == 1) return MoeRows(layer, x);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(group_rows.size());
+  int64_t start = 0;
+  for (int64_t rows : group_rows) {
+    outputs.push_back(MoeRows(layer, x.narrow(0, start, rows)));
+    start += rows;
+  }
+  return at::cat(outputs, 0);
+}
+
+at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x) const {
+  const int64_t k = config_.experts_per_token, width = config_.moe_intermediate_size;
+  // Qwen3MoeTopKRouter: softmax in float32, top-k, optionally renormalised, cast back. The
+  // routing weights stay differentiable (gradients reach x through them, as in
+  // transformers); the router's own weight is frozen like every base weight.
+  const at::Tensor logits = at::linear(x, layer.router);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [top_w, top_i] = probs.topk(k, -1);
+  if (config_.norm_topk_prob) top_w = top_w / top_w.sum(-1, /*keepdim=*/true);
+  top_w = top_w.to(logits.scalar_type());
+  // The (row, k) pairs grouped by expert (stable: row order within an expert), so each
+  // expert is one matrix product over its rows: no per-token loop.
+  const at::Tensor flat = top_i.reshape({-1});
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor counts = at::bincount(flat, {}, config_.num_experts).to(at::kCPU);
+  const at::Tensor rows = at::div(order, k, "trunc");
+  const at::Tensor xs = x.index_select(0, rows);
+  const at::Tensor ws = top_w.reshape({-1}).index_select(0, order);
+  at::Tensor out = at::zeros_like(x);
+  const int64_t* count = counts.const_data_ptr<int64_t>();
+  int64_t offset = 0;
+  // Ascending expert order: each row sums its experts' outputs in the order transformers does.
+  for (int64_t e = 0; e < config_.num_experts; ++e) {
+    const int64_t c = count[e];
+    if (c == 0) continue;
+    const at::Tensor gate_up = at::linear(xs.narrow(0, offset, c), layer.experts_gate_up[e]);
+    const at::Tensor hidden =
+        TailFree(gate_up.narrow(1, 0, width), [](const at::Tensor& t) { return at::silu(t); }) *
+        gate_up.narrow(1, width, width);
+    const at::Tensor y =
+        at::linear(hidden, layer.experts_down[e]) * ws.narrow(0, offset, c).unsqueeze(1);
+    out.index_add_(0, rows.narrow(0, offset, c), y.to(out.scalar_type()));
+    offset += c;
+  }
+  return out;
 }
 
 namespace {
@@ -508,6 +565,14 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
   const auto [cos, sin] = Rope(pos);
 
+  // Rows of each group (op): consecutive sequences of one group, for the MoE blocks.
+  std::vector<int64_t> group_rows;
+  for (size_t s = 0; s < seq_lens.size(); ++s) {
+    const bool same = s > 0 && (seq_groups.empty() || seq_groups[s] == seq_groups[s - 1]);
+    if (!same) group_rows.push_back(0);
+    group_rows.back() += seq_lens[s];
+  }
+
   at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
@@ -516,7 +581,8 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
     x = x + (layer.linear_attention
                  ? LinearAttention(layer, index, normed, seq_lens, seq_groups, lora, {})
                  : Attention(layer, index, normed, seq_lens, seq_groups, cos, sin, lora));
-    x = x + Mlp(layer, index, RmsNorm(x, layer.post_norm), lora);
+    const at::Tensor h = RmsNorm(x, layer.post_norm);
+    x = x + (layer.moe ? Moe(layer, h, group_rows) : Mlp(layer, index, h, lora));
   }
   // lm_head LoRA as PEFT applies it, also with tied embeddings: the delta is added to the
   // logits only; the (shared) embedding lookup above never sees it.
@@ -622,7 +688,9 @@ at::Tensor DecoderModel::ForwardPaged(const at::Tensor& tokens,
     x = x + (layer.linear_attention
                  ? PagedLinearAttention(layer, index, normed, seqs, kv, lora)
                  : PagedAttention(layer, index, normed, seqs, kv, slot, cos, sin, lora));
-    x = x + Mlp(layer, index, RmsNorm(x, layer.post_norm), lora);
+    const at::Tensor h = RmsNorm(x, layer.post_norm);
+    // Generation routes all rows together (last-bit BLAS differences only, sampler.h).
+    x = x + (layer.moe ? MoeRows(layer, h) : Mlp(layer, index, h, lora));
   }
   // Only the rows whose logits are wanted go through the final norm and lm_head; the
   // lm_head LoRA segments (over the N packed rows) are mapped onto the kept rows.

@@ -105,6 +105,9 @@ class DecoderModel {
  private:
   struct Layer {
     bool linear_attention = false;  // Gated DeltaNet (Qwen3.5) instead of full attention
+    bool moe = false;               // sparse MoE block (Qwen3-MoE) instead of the dense MLP
+    // MoE: router [E, H] (frozen), experts' gate|up [E, 2I, H] and down [E, H, I].
+    at::Tensor router, experts_gate_up, experts_down;
     at::Tensor input_norm, post_norm, q_norm, k_norm;
     // Gated DeltaNet: conv1d.weight [C, 1, K], dt_bias, A_log, the gated norm's weight.
     at::Tensor conv_weight, dt_bias, a_log, gated_norm;
@@ -131,6 +134,12 @@ class DecoderModel {
   // The layer's SwiGLU MLP: down(silu(gate(x)) * up(x)).
   at::Tensor Mlp(const Layer& layer, int64_t index, const at::Tensor& x,
                  const LoraSegmentsFn& lora) const;
+  // A sparse MoE block over row groups (`group_rows`, summing to N): each group is routed
+  // and its experts computed on its own (one matrix product per expert hit), so a tenant's
+  // numbers do not depend on the rows of other groups.
+  at::Tensor Moe(const Layer& layer, const at::Tensor& x,
+                 const std::vector<int64_t>& group_rows) const;
+  at::Tensor MoeRows(const Layer& layer, const at::Tensor& x) const;
   at::Tensor Attention(const Layer& layer, int64_t index, const at::Tensor& h,
                        const std::vector<int64_t>& seq_lens,
                        const std::vector<int64_t>& seq_groups, const at::Tensor& cos,

@@ -33,10 +33,11 @@ constexpr Architecture kSupported[] = {
     {"Qwen3_5ForCausalLM", "qwen3_5_text"},
     // The text model is read from text_config (model_type qwen3_5_text); vision is skipped.
     {"Qwen3_5ForConditionalGeneration", "qwen3_5"},
+    {"Qwen3MoeForCausalLM", "qwen3_moe"},
 };
 constexpr char kSupportedList[] =
     "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, "
-    "Qwen3_5ForConditionalGeneration";
+    "Qwen3_5ForConditionalGeneration, Qwen3MoeForCausalLM";
 
 // Walks one config object and builds errors that name the file and the dotted key path, so
 // a user can find the line to fix without reading our source.
@@ -240,6 +241,40 @@ absl::Status ParseRope(const ConfigReader& r, const Json& root, const std::strin
   return absl::OkStatus();
 }
 
+// Qwen3-MoE's experts and which layers have them.
+absl::Status ParseMoe(const ConfigReader& r, const Json& text, const std::string& tp,
+                      ModelConfig* c) {
+  const char* experts_key =
+      ConfigReader::Find(text, "num_experts") != nullptr ? "num_experts" : "num_local_experts";
+  HF_RETURN_IF_ERROR(r.Int(text, tp, experts_key, true, &c->num_experts));
+  HF_RETURN_IF_ERROR(r.Int(text, tp, "num_experts_per_tok", true, &c->experts_per_token));
+  HF_RETURN_IF_ERROR(r.Int(text, tp, "moe_intermediate_size", true, &c->moe_intermediate_size));
+  if (c->experts_per_token > c->num_experts) {
+    return r.Error(tp + "num_experts_per_tok",
+                   absl::StrCat(c->experts_per_token, " exceeds ", experts_key, " ",
+                                c->num_experts));
+  }
+  HF_RETURN_IF_ERROR(r.Bool(text, "norm_topk_prob", &c->norm_topk_prob));
+  int64_t sparse_step = 1;
+  HF_RETURN_IF_ERROR(r.Int(text, tp, "decoder_sparse_step", false, &sparse_step));
+  std::vector<bool> dense_only(static_cast<size_t>(c->num_hidden_layers), false);
+  if (const Json* only = ConfigReader::Find(text, "mlp_only_layers"); only != nullptr) {
+    if (!only->is_array()) return r.Error(tp + "mlp_only_layers", "expected an array");
+    for (const Json& v : *only) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+          v.get<int64_t>() >= c->num_hidden_layers) {
+        return r.Error(tp + "mlp_only_layers",
+                       absl::StrCat("expected layer indices in [0, ", c->num_hidden_layers, ")"));
+      }
+      dense_only[v.get<size_t>()] = true;
+    }
+  }
+  for (int64_t i = 0; i < c->num_hidden_layers; ++i) {
+    c->moe_layers.push_back(!dense_only[static_cast<size_t>(i)] && (i + 1) % sparse_step == 0);
+  }
+  return absl::OkStatus();
+}
+
 // Qwen3.5's layer pattern and Gated DeltaNet sizes, from the text config `text`.
 absl::Status ParseHybrid(const ConfigReader& r, const Json& text, const std::string& tp,
                          ModelConfig* c) {
@@ -384,8 +419,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
     c.o_proj_bias = attention_bias;
   }
   HF_RETURN_IF_ERROR(r.Bool(text, "mlp_bias", &c.mlp_bias));
-  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_5_text";
+  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_5_text" ||
+              c.model_type == "qwen3_moe";
   if (c.model_type == "qwen3_5_text") HF_RETURN_IF_ERROR(ParseHybrid(r, text, tp, &c));
+  if (c.model_type == "qwen3_moe") HF_RETURN_IF_ERROR(ParseMoe(r, text, tp, &c));
   if (c.has_vision) {
     // The ConditionalGeneration model ties lm_head by its top-level flag; a text_config
     // that says otherwise would leave the engine unsure which head transformers uses.
@@ -439,7 +476,8 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const std::filesystem::path& model_d
   return ParseModelConfig(text, file.string());
 }
 
-std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConfig& c) {
+std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConfig& c,
+                                                                 bool per_expert) {
   std::map<std::string, std::vector<int64_t>> shapes;
   const int64_t h = c.hidden_size;
   const int64_t q_dim = c.num_attention_heads * c.head_dim;
@@ -478,6 +516,24 @@ std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConf
         shapes[p + "self_attn.q_norm.weight"] = {c.head_dim};
         shapes[p + "self_attn.k_norm.weight"] = {c.head_dim};
       }
+    }
+    if (c.is_moe_layer(i)) {
+      const int64_t experts = c.num_experts, width = c.moe_intermediate_size;
+      shapes[p + "mlp.gate.weight"] = {experts, h};  // the router
+      if (per_expert) {
+        for (int64_t e = 0; e < experts; ++e) {
+          const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+          shapes[x + "gate_proj.weight"] = {width, h};
+          shapes[x + "up_proj.weight"] = {width, h};
+          shapes[x + "down_proj.weight"] = {h, width};
+        }
+      } else {
+        shapes[p + "mlp.experts.gate_up_proj"] = {experts, 2 * width, h};
+        shapes[p + "mlp.experts.down_proj"] = {experts, h, width};
+      }
+      shapes[p + "input_layernorm.weight"] = {h};
+      shapes[p + "post_attention_layernorm.weight"] = {h};
+      continue;
     }
     shapes[p + "mlp.gate_proj.weight"] = {ffn, h};
     shapes[p + "mlp.up_proj.weight"] = {ffn, h};

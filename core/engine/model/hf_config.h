@@ -84,6 +84,18 @@ struct ModelConfig {
   // ConditionalGeneration checkpoint: a vision tower (model.visual.*) the engine skips.
   bool has_vision = false;
 
+  // ---- Mixture of experts (Qwen3-MoE) ----
+  // Per layer: a sparse MoE block (router + experts) instead of the dense MLP. Empty for
+  // models without experts. From decoder_sparse_step and mlp_only_layers, as transformers.
+  std::vector<bool> moe_layers;
+  int64_t num_experts = 0;            // num_experts or num_local_experts
+  int64_t experts_per_token = 0;      // num_experts_per_tok (top-k)
+  int64_t moe_intermediate_size = 0;  // each expert's SwiGLU width
+  bool norm_topk_prob = false;        // renormalise the top-k routing weights to sum 1
+
+  bool is_moe_layer(int64_t layer) const {
+    return !moe_layers.empty() && moe_layers[static_cast<size_t>(layer)];
+  }
   bool hybrid() const { return !linear_layers.empty(); }
   bool is_linear_layer(int64_t layer) const {
     return hybrid() && linear_layers[static_cast<size_t>(layer)];
@@ -108,7 +120,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
 
 // Every weight the checkpoint must contain, keyed by its HF name in the checkpoint (the
 // text model under config.text_prefix), with its shape. lm_head.weight is absent when the
-// embeddings are tied.
-std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConfig& config);
+// embeddings are tied. MoE experts come fused (mlp.experts.gate_up_proj [E, 2I, H],
+// mlp.experts.down_proj [E, H, I]) or, with per_expert, one module per expert
+// (mlp.experts.E.{gate,up,down}_proj.weight), as published checkpoints store them.
+std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConfig& config,
+                                                                 bool per_expert = false);
 
 }  // namespace twinkle::engine
