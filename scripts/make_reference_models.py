@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -90,6 +91,13 @@ VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
         Qwen3_5ForConditionalGeneration,
         lambda: Qwen3_5Config(text_config=dict(QWEN3_5_TEXT, tie_word_embeddings=True),
                               vision_config=QWEN3_5_VISION, tie_word_embeddings=True),
+    ),
+    # Qwen3.5 text model with experts in every layer: top-2 of 8 and a gated shared expert.
+    "qwen3_5_moe": (
+        Qwen3_5MoeForCausalLM,
+        lambda: Qwen3_5MoeTextConfig(**{k: v for k, v in QWEN3_5_TEXT.items() if k != "intermediate_size"},
+                                     tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
 }
 

@@ -152,3 +152,93 @@ def test_greedy_matches_transformers_generate(engine: Engine, reference_models: 
         full += compared == max_tokens
     print(f"qwen3_moe: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
     assert full >= 0.9 * len(cases)
+
+
+# ---- Qwen3.5-MoE: the Qwen3.5 hybrid layers with experts + a gated shared expert everywhere ----
+
+DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+def test_qwen3_5_moe_packed_logits_match_transformers(engine: Engine, reference_models: Path,
+                                                      tmp_path: Path) -> None:
+    model_dir = reference_models / "qwen3_5_moe"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs = sequences(256, [1, 5, 65, 100], seed=13)  # across the delta rule's 64-token chunks
+    for label, directory in [("per-expert", model_dir), ("fused", fused_layout(model_dir, tmp_path / "fused"))]:
+        info = load(engine, directory)
+        assert info["parameter_count"] == sum(p.numel() for p in hf.parameters())
+        got = engine_forward(engine, seqs)
+        reply = engine.call("forward", {"ops": [{"adapter_id": "", "datums": [{"input_tokens": s} for s in seqs[::-1]]},
+                                                {"adapter_id": "", "datums": [{"input_tokens": seqs[1]}]}],
+                                        "return_logits": True})
+        with torch.no_grad():
+            for i, s in enumerate(seqs):
+                ref = hf_logits(hf, s)
+                assert_close(f"qwen3_5_moe {label} len{len(s)} logits", got[i], ref, 1e-4, absolute=True)
+                assert_close(f"qwen3_5_moe {label} len{len(s)} reordered",
+                             reply["ops"][0]["logits"][len(seqs) - 1 - i], ref, 1e-4, absolute=True)
+
+
+def test_qwen3_5_moe_lora_matches_peft_and_fuses_exactly(reference_models: Path) -> None:
+    """DeltaNet + attention + lm_head LoRA vs PEFT (logits, logprobs, loss, gradients), then
+    3 adapters fused x 20 rounds vs each alone."""
+    model_dir = reference_models / "qwen3_5_moe"
+    with Engine() as engine:
+        load(engine, model_dir)
+        check_lora_against_peft(engine, model_dir, "qwen3_5_moe", DELTANET + ATTENTION + ["lm_head"])
+
+    def create(e: Engine, a: str) -> None:
+        e.call("create_adapter", {"adapter_id": a, "rank": ADAPTERS[a], "alpha": 16.0, "seed": ord(a),
+                                  "targets": ["all-linear"]})
+
+    with Engine() as fused:
+        load(fused, model_dir)
+        for a in ADAPTERS:
+            create(fused, a)
+        for r in range(20):
+            fused.call("forward_backward", {"ops": [op(a, r) for a in ADAPTERS]})
+            for a in ADAPTERS:
+                fused.call("optim_step", {"adapter_id": a, "hyper": HYPER})
+        fused_state = {a: fused.call("get_adapter_state", {"adapter_id": a})["weights"] for a in ADAPTERS}
+    for a in ADAPTERS:
+        with Engine() as solo:
+            load(solo, model_dir)
+            create(solo, a)
+            for r in range(20):
+                solo.call("forward_backward", {"ops": [op(a, r)]})
+                solo.call("optim_step", {"adapter_id": a, "hyper": HYPER})
+            solo_state = solo.call("get_adapter_state", {"adapter_id": a})["weights"]
+        worst = max(float((fused_state[a][k] - w).abs().max()) for k, w in solo_state.items())
+        print(f"qwen3_5_moe adapter {a}: {len(solo_state)} tensors, max|fused - solo| = {worst:.3e}")
+        assert worst <= 1e-6
+
+
+def test_qwen3_5_moe_greedy_matches_transformers_generate(engine: Engine, reference_models: Path) -> None:
+    model_dir = reference_models / "qwen3_5_moe"
+    load(engine, model_dir)
+    refs = {"": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+            "a": make_adapter(engine, model_dir, "a", 4, DELTANET + ATTENTION, seed=11)}
+    prompts = sequences(256, [1 + (5 * i) % 23 for i in range(7)] + [70], seed=23)
+    cases = [(a, p) for p in prompts for a in refs]
+    max_tokens = 24
+    reply = engine.call("sample", {"rows": [row(a, p, max_tokens=max_tokens) for a, p in cases]})
+    full = 0
+    for i, (a, p) in enumerate(cases):
+        got = reply["rows"][i]["samples"][0]["tokens"].tolist()
+        with torch.no_grad():
+            out = refs[a].generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   eos_token_id=None, pad_token_id=0, output_logits=True,
+                                   return_dict_in_generate=True)
+        ref = out.sequences[0, len(p):].tolist()
+        compared = max_tokens
+        for t, logits in enumerate(out.logits):
+            top2 = logits[0].topk(2).values
+            if float(top2[0] - top2[1]) < GAP:
+                compared = t + 1
+                break
+        n_exact = compared if compared == max_tokens else compared - 1
+        assert got[:n_exact] == ref[:n_exact], (i, a, got, ref)
+        full += compared == max_tokens
+    print(f"qwen3_5_moe: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
+    assert full >= 0.9 * len(cases)

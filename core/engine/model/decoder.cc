@@ -215,6 +215,12 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
       layer.router = w.at(p + "mlp.gate.weight");
       layer.experts_gate_up = w.at(p + "mlp.experts.gate_up_proj");
       layer.experts_down = w.at(p + "mlp.experts.down_proj");
+      if (config_.shared_expert_intermediate_size > 0) {
+        layer.shared_gate = w.at(p + "mlp.shared_expert.gate_proj.weight");
+        layer.shared_up = w.at(p + "mlp.shared_expert.up_proj.weight");
+        layer.shared_down = w.at(p + "mlp.shared_expert.down_proj.weight");
+        layer.shared_expert_gate = w.at(p + "mlp.shared_expert_gate.weight");
+      }
     }
     for (LinearKind kind : kAllLinearKinds) {
       const std::string module = LinearKindModule(kind);
@@ -310,6 +316,15 @@ at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x) const 
         at::linear(hidden, layer.experts_down[e]) * ws.narrow(0, offset, c).unsqueeze(1);
     out.index_add_(0, rows.narrow(0, offset, c), y.to(out.scalar_type()));
     offset += c;
+  }
+  if (layer.shared_expert_gate.defined()) {
+    // Qwen3_5MoeSparseMoeBlock: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+    auto silu = [](const at::Tensor& t) { return at::silu(t); };
+    auto sigmoid = [](const at::Tensor& t) { return at::sigmoid(t); };
+    const at::Tensor shared = at::linear(
+        TailFree(at::linear(x, layer.shared_gate), silu) * at::linear(x, layer.shared_up),
+        layer.shared_down);
+    out = out + TailFree(at::linear(x, layer.shared_expert_gate), sigmoid) * shared;
   }
   return out;
 }

@@ -108,6 +108,8 @@ class DecoderModel {
     bool moe = false;               // sparse MoE block (Qwen3-MoE) instead of the dense MLP
     // MoE: router [E, H] (frozen), experts' gate|up [E, 2I, H] and down [E, H, I].
     at::Tensor router, experts_gate_up, experts_down;
+    // Qwen3.5-MoE's shared expert (SwiGLU) and its gate [1, H]; undefined without one.
+    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
     at::Tensor input_norm, post_norm, q_norm, k_norm;
     // Gated DeltaNet: conv1d.weight [C, 1, K], dt_bias, A_log, the gated norm's weight.
     at::Tensor conv_weight, dt_bias, a_log, gated_norm;

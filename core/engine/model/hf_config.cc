@@ -34,10 +34,18 @@ constexpr Architecture kSupported[] = {
     // The text model is read from text_config (model_type qwen3_5_text); vision is skipped.
     {"Qwen3_5ForConditionalGeneration", "qwen3_5"},
     {"Qwen3MoeForCausalLM", "qwen3_moe"},
+    {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"},
+    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"},
 };
+
+// The Qwen3.5 text families (dense and MoE): hybrid layers, (1 + w) norms, gated attention.
+bool IsQwen3_5Text(const std::string& model_type) {
+  return model_type == "qwen3_5_text" || model_type == "qwen3_5_moe_text";
+}
 constexpr char kSupportedList[] =
     "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, "
-    "Qwen3_5ForConditionalGeneration, Qwen3MoeForCausalLM";
+    "Qwen3_5ForConditionalGeneration, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM, "
+    "Qwen3_5MoeForConditionalGeneration";
 
 // Walks one config object and builds errors that name the file and the dotted key path, so
 // a user can find the line to fix without reading our source.
@@ -162,7 +170,7 @@ absl::Status ParseRope(const ConfigReader& r, const Json& root, const std::strin
   // Partial rotary embedding is implemented for Qwen3.5 (transformers defaults it to 0.25
   // there); the dense family's modeling code rotates every dim, so anything else is refused
   // rather than silently rotated in full.
-  const bool qwen3_5 = config->model_type == "qwen3_5_text";
+  const bool qwen3_5 = IsQwen3_5Text(config->model_type);
   double partial = qwen3_5 ? 0.25 : 1.0;
   HF_RETURN_IF_ERROR(r.Double(root, tp, "partial_rotary_factor", false, &partial));
   if (params != nullptr) {
@@ -253,6 +261,14 @@ absl::Status ParseMoe(const ConfigReader& r, const Json& text, const std::string
     return r.Error(tp + "num_experts_per_tok",
                    absl::StrCat(c->experts_per_token, " exceeds ", experts_key, " ",
                                 c->num_experts));
+  }
+  if (c->model_type == "qwen3_5_moe_text") {
+    // Qwen3.5-MoE: every layer sparse, top-k always renormalised, a gated shared expert.
+    c->norm_topk_prob = true;
+    HF_RETURN_IF_ERROR(r.Int(text, tp, "shared_expert_intermediate_size", true,
+                             &c->shared_expert_intermediate_size));
+    c->moe_layers.assign(static_cast<size_t>(c->num_hidden_layers), true);
+    return absl::OkStatus();
   }
   HF_RETURN_IF_ERROR(r.Bool(text, "norm_topk_prob", &c->norm_topk_prob));
   int64_t sparse_step = 1;
@@ -368,15 +384,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
   // its weights under model.language_model.*; the vision tower is not loaded.
   const Json* text_root = &root;
   std::string tp;  // key path prefix of the text settings, for errors
-  if (c.model_type == "qwen3_5") {
+  if (c.model_type == "qwen3_5" || c.model_type == "qwen3_5_moe") {
+    const std::string expected = c.model_type + "_text";
     text_root = ConfigReader::Find(root, "text_config");
     if (text_root == nullptr) return r.Error("text_config", "required but missing");
     if (!text_root->is_object()) return r.Error("text_config", "expected an object");
     tp = "text_config.";
     HF_RETURN_IF_ERROR(r.String(*text_root, tp, "model_type", true, &c.model_type));
-    if (c.model_type != "qwen3_5_text") {
+    if (c.model_type != expected) {
       return r.Error(tp + "model_type",
-                     absl::StrCat("'", c.model_type, "' (expected 'qwen3_5_text')"));
+                     absl::StrCat("'", c.model_type, "' (expected '", expected, "')"));
     }
     c.text_prefix = "model.language_model.";
     c.has_vision = true;
@@ -385,7 +402,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
 
   HF_RETURN_IF_ERROR(r.Int(text, tp, "vocab_size", true, &c.vocab_size));
   HF_RETURN_IF_ERROR(r.Int(text, tp, "hidden_size", true, &c.hidden_size));
-  HF_RETURN_IF_ERROR(r.Int(text, tp, "intermediate_size", true, &c.intermediate_size));
+  // Qwen3.5-MoE has experts in every layer and no dense MLP width.
+  HF_RETURN_IF_ERROR(r.Int(text, tp, "intermediate_size", c.model_type != "qwen3_5_moe_text",
+                           &c.intermediate_size));
   HF_RETURN_IF_ERROR(r.Int(text, tp, "num_hidden_layers", true, &c.num_hidden_layers));
   HF_RETURN_IF_ERROR(r.Int(text, tp, "num_attention_heads", true, &c.num_attention_heads));
   c.num_key_value_heads = c.num_attention_heads;
@@ -419,10 +438,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
     c.o_proj_bias = attention_bias;
   }
   HF_RETURN_IF_ERROR(r.Bool(text, "mlp_bias", &c.mlp_bias));
-  c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_5_text" ||
+  c.qk_norm = c.model_type == "qwen3" || IsQwen3_5Text(c.model_type) ||
               c.model_type == "qwen3_moe";
-  if (c.model_type == "qwen3_5_text") HF_RETURN_IF_ERROR(ParseHybrid(r, text, tp, &c));
-  if (c.model_type == "qwen3_moe") HF_RETURN_IF_ERROR(ParseMoe(r, text, tp, &c));
+  if (IsQwen3_5Text(c.model_type)) HF_RETURN_IF_ERROR(ParseHybrid(r, text, tp, &c));
+  if (c.model_type == "qwen3_moe" || c.model_type == "qwen3_5_moe_text") {
+    HF_RETURN_IF_ERROR(ParseMoe(r, text, tp, &c));
+  }
   if (c.has_vision) {
     // The ConditionalGeneration model ties lm_head by its top-level flag; a text_config
     // that says otherwise would leave the engine unsure which head transformers uses.
@@ -530,6 +551,12 @@ std::map<std::string, std::vector<int64_t>> ExpectedWeightShapes(const ModelConf
       } else {
         shapes[p + "mlp.experts.gate_up_proj"] = {experts, 2 * width, h};
         shapes[p + "mlp.experts.down_proj"] = {experts, h, width};
+      }
+      if (const int64_t shared = c.shared_expert_intermediate_size; shared > 0) {
+        shapes[p + "mlp.shared_expert.gate_proj.weight"] = {shared, h};
+        shapes[p + "mlp.shared_expert.up_proj.weight"] = {shared, h};
+        shapes[p + "mlp.shared_expert.down_proj.weight"] = {h, shared};
+        shapes[p + "mlp.shared_expert_gate.weight"] = {1, h};
       }
       shapes[p + "input_layernorm.weight"] = {h};
       shapes[p + "post_attention_layernorm.weight"] = {h};

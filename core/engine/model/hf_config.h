@@ -92,6 +92,9 @@ struct ModelConfig {
   int64_t experts_per_token = 0;      // num_experts_per_tok (top-k)
   int64_t moe_intermediate_size = 0;  // each expert's SwiGLU width
   bool norm_topk_prob = false;        // renormalise the top-k routing weights to sum 1
+  // Qwen3.5-MoE: a shared expert (SwiGLU of this width) every token goes through, scaled by
+  // sigmoid(shared_expert_gate(x)) and added to the routed experts' output. 0 = none.
+  int64_t shared_expert_intermediate_size = 0;
 
   bool is_moe_layer(int64_t layer) const {
     return !moe_layers.empty() && moe_layers[static_cast<size_t>(layer)];
