@@ -67,8 +67,9 @@ def test_lora_logits_and_gradients_match_peft(engine: Engine, reference_models: 
     Gradients: ||engine - peft64|| / ||peft64|| <= max(1e-5, 2 x the same error of PEFT's own
     fp32 gradient). The flat 1e-5 holds for every tensor but the DeltaNet decay input
     (in_proj_a) of a deep layer, where fp32 itself is not that exact: exp(A_log) up to 16
-    multiplies softplus(a + dt_bias), and the decays' exponentials cancel. There PEFT in fp32
-    is 1.6e-5 / 5.3e-5 off float64 and the engine 1.5e-5 / 3.8e-5 (A / B); both are printed."""
+    multiplies softplus(a + dt_bias), and the decays' exponentials cancel. There (layer 2)
+    PEFT in fp32 is 2.4e-5 / 5.0e-5 off float64 and the engine 1.4e-5 / 1.9e-5 (A / B); both
+    are printed."""
     model_dir = reference_models / "qwen3_5"
     load(engine, model_dir)
     targets = DELTANET + ATTENTION + MLP + ["lm_head"]
