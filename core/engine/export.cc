@@ -25,11 +25,12 @@ constexpr const char* kSideFiles[] = {
     "vocab.json",        "merges.txt",            "tokenizer.model",         "chat_template.jinja",
     "generation_config.json"};
 
-std::string HfLinearName(int64_t layer, LinearKind kind) {
-  if (kind == LinearKind::kLmHead) return "lm_head.weight";
-  const bool attn = kind == LinearKind::kQ || kind == LinearKind::kK || kind == LinearKind::kV ||
-                    kind == LinearKind::kO;
-  return absl::StrCat("model.layers.", layer, attn ? ".self_attn." : ".mlp.", LinearKindName(kind), ".weight");
+// LoadModel hands the text model's weights over under "model.", whatever the checkpoint's
+// prefix.
+std::string HfLinearName(const ModelConfig& config, int64_t layer, LinearKind kind) {
+  ModelConfig loaded = config;
+  loaded.text_prefix = "model.";
+  return LinearModulePath(loaded, layer, kind) + ".weight";
 }
 
 absl::StatusOr<std::string> ReadWhole(const fs::path& path) {
@@ -47,15 +48,24 @@ absl::StatusOr<ExportResult> ExportMergedModel(const Adapter& adapter, const fs:
   if (!base.ok()) return base.status();
   std::map<std::string, at::Tensor>& weights = base->weights;
   const ModelConfig& config = base->config;
+  if (config.has_vision) {
+    // The merged model would have to be written back as the ConditionalGeneration
+    // checkpoint, vision tower included, which LoadModel does not keep.
+    return absl::UnimplementedError(absl::StrCat("exporting a merged ", config.architecture,
+                                                 " model is not supported yet"));
+  }
   const bool untie = config.tie_word_embeddings && adapter.targets(LinearKind::kLmHead);
   if (untie) weights["lm_head.weight"] = weights.at("model.embed_tokens.weight").clone();
 
   for (LinearKind kind : {LinearKind::kQ, LinearKind::kK, LinearKind::kV, LinearKind::kO, LinearKind::kGate,
-                          LinearKind::kUp, LinearKind::kDown, LinearKind::kLmHead}) {
+                          LinearKind::kUp, LinearKind::kDown, LinearKind::kLmHead, LinearKind::kInProjQkv,
+                          LinearKind::kInProjZ, LinearKind::kInProjB, LinearKind::kInProjA,
+                          LinearKind::kOutProj}) {
     if (!adapter.targets(kind)) continue;
     const int64_t layers = kind == LinearKind::kLmHead ? 1 : config.num_hidden_layers;
     for (int64_t layer = 0; layer < layers; ++layer) {
-      const std::string hf = HfLinearName(layer, kind);
+      if (!adapter.a(layer, kind).defined()) continue;  // a hybrid layer without this linear
+      const std::string hf = HfLinearName(config, layer, kind);
       auto it = weights.find(hf);
       if (it == weights.end()) return absl::InternalError(absl::StrCat("base model has no weight ", hf));
       // W [out, in] += scale · B [out, r] · A [r, in], in fp32 as PEFT's merge does.

@@ -26,18 +26,31 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests/engine"))
 from engine_harness import Engine  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 HYPER = {"learning_rate": 1e-4, "weight_decay": 0.0}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# --family qwen3_5: Qwen3.5's DeltaNet linears too (all-linear, as the engine's default).
+DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 
 
-def make_model(out: Path, layers: int) -> tuple[Path, int]:
+def make_model(out: Path, layers: int, family: str = "qwen3") -> tuple[Path, int]:
+    torch.manual_seed(0)
+    if family == "qwen3_5":
+        # Three Gated DeltaNet layers to one gated full-attention layer, as published.
+        config = Qwen3_5TextConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                   head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+                                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                                   linear_value_head_dim=64)
+        model = Qwen3_5ForCausalLM(config)
+        model.save_pretrained(out, safe_serialization=True)
+        return out, sum(p.numel() for p in model.parameters())
     config = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                          max_position_embeddings=1024, tie_word_embeddings=True)
-    torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     return out, sum(p.numel() for p in model.parameters())
@@ -80,9 +93,9 @@ def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, object]
     return {"adapter_id": adapter, "datums": datums, "loss": {"name": "cross_entropy"}}
 
 
-def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int) -> float:
-    base = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int, targets: list[str]) -> float:
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
     data = batch(seqs, length, seed=1)
     inputs = torch.stack([d["input_tokens"] for d in data])
@@ -102,11 +115,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=14, help="14 layers = ~48M parameters")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--family", choices=["qwen3", "qwen3_5"], default="qwen3",
+                        help="qwen3_5: the hybrid Gated DeltaNet model (transformers' torch fallbacks "
+                             "on the PEFT side, as on a machine without fla/causal_conv1d)")
     args = parser.parse_args()
+    targets = TARGETS + (DELTANET if args.family == "qwen3_5" else [])
     threads = torch.get_num_threads()
 
     with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:
-        model_dir, params = make_model(Path(tmp) / "model", args.layers)
+        model_dir, params = make_model(Path(tmp) / "model", args.layers, args.family)
         gflops = gemm_gflops()
         with Engine() as engine:
             engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
@@ -120,7 +137,7 @@ def main() -> int:
             tenants = [op(f"t{i}", batch(1, 128, seed=10 + i)) for i in range(8)]
             t_fused = timed(lambda: engine_train_step(engine, tenants), 1, args.repeats)
             t_seq = timed(lambda: [engine_train_step(engine, [o]) for o in tenants], 1, args.repeats)
-        peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats)
+        peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats, targets)
 
     mfu = train_tps * 4 * params / (gflops * 1e9)
     result = {
@@ -132,9 +149,10 @@ def main() -> int:
         "peft_tokens_per_s": round(peft_tps, 1),
         "params": params,
         "threads": threads,
+        "family": args.family,
     }
     rows = [
-        ("model parameters", f"{params / 1e6:.1f} M (Qwen3, {args.layers} layers, LoRA r={RANK} all-linear)"),
+        ("model parameters", f"{params / 1e6:.1f} M ({args.family}, {args.layers} layers, LoRA r={RANK} all-linear)"),
         ("threads", str(threads)),
         ("fp32 GEMM (2048^3)", f"{gflops:.1f} GFLOP/s"),
         ("train tokens/s, 1 tenant 4x128", f"{train_tps:.1f}  (goal: 1.3x PEFT)"),

@@ -15,10 +15,13 @@
 namespace twinkle::engine {
 namespace {
 
-// Everything a tenant can name: the decoder layers' linears, then the output projection.
-constexpr LinearKind kTargetKinds[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
-                                       LinearKind::kO,    LinearKind::kGate,
-                                       LinearKind::kUp,   LinearKind::kDown, LinearKind::kLmHead};
+// Everything a tenant can name: the decoder layers' linears (a model has some of them), then
+// the output projection.
+constexpr LinearKind kTargetKinds[] = {
+    LinearKind::kQ,         LinearKind::kK,       LinearKind::kV,       LinearKind::kO,
+    LinearKind::kGate,      LinearKind::kUp,      LinearKind::kDown,    LinearKind::kLmHead,
+    LinearKind::kInProjQkv, LinearKind::kInProjZ, LinearKind::kInProjB, LinearKind::kInProjA,
+    LinearKind::kOutProj};
 
 }  // namespace
 
@@ -40,7 +43,7 @@ absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::stri
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown LoRA target module '", name,
           "' (accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-          "lm_head)"));
+          "lm_head; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)"));
     }
   }
   if (wanted.empty()) return std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
@@ -71,6 +74,49 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
                              : config.targets;
   std::sort(targets.begin(), targets.end());
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  // Qwen3-MoE: PEFT turns gate_proj/up_proj/down_proj (and all-linear) into LoRA on the
+  // fused expert parameters (target_parameters), which the engine does not implement yet;
+  // applying them to the dense-MLP layers only would train something else than PEFT does.
+  // all-linear keeps the attention linears; naming an MLP linear is refused.
+  if (!model.config().moe_layers.empty()) {
+    const bool all_linear =
+        std::all_of(std::begin(kAllLinearKinds), std::end(kAllLinearKinds), [&](LinearKind kind) {
+          return std::find(targets.begin(), targets.end(), kind) != targets.end();
+        });
+    const auto is_mlp = [](LinearKind kind) {
+      return kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+    };
+    if (!all_linear && std::any_of(targets.begin(), targets.end(), is_mlp)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoRA on gate_proj/up_proj/down_proj of ", model.config().architecture,
+          " means the experts (PEFT target_parameters), which is not supported yet; target the "
+          "attention linears (q_proj, k_proj, v_proj, o_proj) and lm_head"));
+    }
+    targets.erase(std::remove_if(targets.begin(), targets.end(), is_mlp), targets.end());
+  }
+  // As PEFT: a named module the model does not have is no error as long as some named one
+  // exists ("all-linear" names the linears of every family).
+  const int64_t layers = model.config().num_hidden_layers;
+  const auto present = [&](LinearKind kind) {
+    for (int64_t layer = 0; layer < (kind == LinearKind::kLmHead ? 1 : layers); ++layer) {
+      if (model.HasLinear(layer, kind)) return true;
+    }
+    return false;
+  };
+  std::vector<LinearKind> missing;
+  for (LinearKind kind : targets) {
+    if (!present(kind)) missing.push_back(kind);
+  }
+  if (missing.size() == targets.size()) {
+    std::vector<std::string> names;
+    for (LinearKind kind : missing) names.push_back(LinearKindName(kind));
+    return absl::InvalidArgumentError(absl::StrCat("none of the LoRA target modules [",
+                                                   absl::StrJoin(names, ", "), "] is in the ",
+                                                   model.config().architecture, " model"));
+  }
+  targets.erase(std::remove_if(targets.begin(), targets.end(),
+                               [&](LinearKind kind) { return !present(kind); }),
+                targets.end());
   adapter->config_.targets = targets;
   const auto targeted = [&](LinearKind kind) {
     return std::find(targets.begin(), targets.end(), kind) != targets.end();
@@ -87,14 +133,16 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
     adapter->named_.emplace_back(prefix + ".lora_B.weight", b);
     adapter->weights_[kind].emplace_back(a, b);
   };
-  const int64_t layers = model.config().num_hidden_layers;
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (LinearKind kind : kAllLinearKinds) {  // fixed order, whatever order targets came in
       if (!targeted(kind)) continue;
-      const bool attn = kind == LinearKind::kQ || kind == LinearKind::kK || kind == LinearKind::kV ||
-                        kind == LinearKind::kO;
-      add_pair(kind, absl::StrCat("base_model.model.model.layers.", layer, ".",
-                                  attn ? "self_attn." : "mlp.", LinearKindName(kind)));
+      if (!model.HasLinear(layer, kind)) {
+        // A hybrid model's layer without this linear: an empty place keeps a(layer, kind)
+        // indexed by layer; nothing asks for it (the model only runs linears it has).
+        adapter->weights_[kind].emplace_back();
+        continue;
+      }
+      add_pair(kind, "base_model.model." + LinearModulePath(model.config(), layer, kind));
     }
   }
   // Last, as PEFT orders it (and so adapters without it keep their draws and order). PEFT

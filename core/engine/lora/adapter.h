@@ -66,7 +66,8 @@ class Adapter {
   const AdapterConfig& config() const { return config_; }
   double scale() const { return scale_; }
   bool targets(LinearKind kind) const { return weights_.count(kind) > 0; }
-  // lm_head has one (A, B) pair for the whole model: layer 0.
+  // lm_head has one (A, B) pair for the whole model: layer 0. Undefined tensors for a layer
+  // without that linear (Qwen3.5: q_proj in a DeltaNet layer, in_proj_qkv in an attention one).
   const at::Tensor& a(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].first; }
   const at::Tensor& b(int64_t layer, LinearKind kind) const { return weights_.at(kind)[layer].second; }
   // A and B for inference (generation): the same values and shapes, but laid out transposed
@@ -77,7 +78,8 @@ class Adapter {
   std::pair<at::Tensor, at::Tensor> InferenceWeights(int64_t layer, LinearKind kind) const;
 
   // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
-  // "base_model.model.lm_head.lora_A.weight"), in a fixed order (the optimizer's parameter
+  // "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" for
+  // a ConditionalGeneration checkpoint, "base_model.model.lm_head.lora_A.weight"), in a fixed order (the optimizer's parameter
   // order): layer by layer, then lm_head.
   const std::vector<std::pair<std::string, at::Tensor>>& named_parameters() const { return named_; }
 

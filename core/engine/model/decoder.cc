@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/engine/model/gated_deltanet.h"
 #include "kernels/paged_attention.h"
 
 namespace twinkle::engine {
@@ -131,12 +132,42 @@ const char* LinearKindName(LinearKind kind) {
     case LinearKind::kUp: return "up_proj";
     case LinearKind::kDown: return "down_proj";
     case LinearKind::kLmHead: return "lm_head";
+    case LinearKind::kInProjQkv: return "in_proj_qkv";
+    case LinearKind::kInProjZ: return "in_proj_z";
+    case LinearKind::kInProjB: return "in_proj_b";
+    case LinearKind::kInProjA: return "in_proj_a";
+    case LinearKind::kOutProj: return "out_proj";
   }
   return "?";
 }
 
+const char* LinearKindModule(LinearKind kind) {
+  switch (kind) {
+    case LinearKind::kQ:
+    case LinearKind::kK:
+    case LinearKind::kV:
+    case LinearKind::kO: return "self_attn";
+    case LinearKind::kGate:
+    case LinearKind::kUp:
+    case LinearKind::kDown: return "mlp";
+    case LinearKind::kLmHead: return "";
+    case LinearKind::kInProjQkv:
+    case LinearKind::kInProjZ:
+    case LinearKind::kInProjB:
+    case LinearKind::kInProjA:
+    case LinearKind::kOutProj: return "linear_attn";
+  }
+  return "?";
+}
+
+std::string LinearModulePath(const ModelConfig& config, int64_t layer, LinearKind kind) {
+  if (kind == LinearKind::kLmHead) return "lm_head";
+  return absl::StrCat(config.text_prefix, "layers.", layer, ".", LinearKindModule(kind), ".",
+                      LinearKindName(kind));
+}
+
 at::Tensor RopeInverseFrequencies(const ModelConfig& c) {
-  const int64_t dim = c.head_dim;
+  const int64_t dim = c.rotary_dim();
   // transformers: 1 / base ** (arange(0, dim, 2, int64).float() / dim), in float32.
   at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<float>(dim);
   at::Tensor inv_freq = 1.0 / at::pow(static_cast<float>(c.rope_theta), exponents);
@@ -166,16 +197,36 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
   for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     Layer layer;
+    layer.linear_attention = config_.is_linear_layer(i);
     layer.input_norm = w.at(p + "input_layernorm.weight");
     layer.post_norm = w.at(p + "post_attention_layernorm.weight");
-    if (config_.qk_norm) {
+    if (layer.linear_attention) {
+      const std::string la = p + "linear_attn.";
+      layer.conv_weight = w.at(la + "conv1d.weight");
+      layer.dt_bias = w.at(la + "dt_bias");
+      layer.a_log = w.at(la + "A_log");
+      layer.gated_norm = w.at(la + "norm.weight");
+    } else if (config_.qk_norm) {
       layer.q_norm = w.at(p + "self_attn.q_norm.weight");
       layer.k_norm = w.at(p + "self_attn.k_norm.weight");
     }
+    layer.moe = config_.is_moe_layer(i);
+    if (layer.moe) {
+      layer.router = w.at(p + "mlp.gate.weight");
+      layer.experts_gate_up = w.at(p + "mlp.experts.gate_up_proj");
+      layer.experts_down = w.at(p + "mlp.experts.down_proj");
+      if (config_.shared_expert_intermediate_size > 0) {
+        layer.shared_gate = w.at(p + "mlp.shared_expert.gate_proj.weight");
+        layer.shared_up = w.at(p + "mlp.shared_expert.up_proj.weight");
+        layer.shared_down = w.at(p + "mlp.shared_expert.down_proj.weight");
+        layer.shared_expert_gate = w.at(p + "mlp.shared_expert_gate.weight");
+      }
+    }
     for (LinearKind kind : kAllLinearKinds) {
-      const bool attn = kind == LinearKind::kQ || kind == LinearKind::kK ||
-                        kind == LinearKind::kV || kind == LinearKind::kO;
-      const std::string name = p + (attn ? "self_attn." : "mlp.") + LinearKindName(kind);
+      const std::string module = LinearKindModule(kind);
+      if (module == "mlp" && layer.moe) continue;
+      if (module != "mlp" && (module == "linear_attn") != layer.linear_attention) continue;
+      const std::string name = p + module + "." + LinearKindName(kind);
       layer.weight[kind] = w.at(name + ".weight");
       auto bias = w.find(name + ".bias");
       if (bias != w.end()) layer.bias[kind] = bias->second;
@@ -187,15 +238,229 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
 
 std::pair<int64_t, int64_t> DecoderModel::LinearShape(LinearKind kind) const {
   if (kind == LinearKind::kLmHead) return {lm_head_.size(1), lm_head_.size(0)};
-  const at::Tensor& w = layers_.front().weight.at(kind);
-  return {w.size(1), w.size(0)};
+  for (const Layer& layer : layers_) {
+    auto it = layer.weight.find(kind);
+    if (it != layer.weight.end()) return {it->second.size(1), it->second.size(0)};
+  }
+  return {0, 0};
+}
+
+bool DecoderModel::HasLinear(int64_t layer, LinearKind kind) const {
+  if (kind == LinearKind::kLmHead) return layer == 0;
+  if (layer < 0 || layer >= static_cast<int64_t>(layers_.size())) return false;
+  return layers_[static_cast<size_t>(layer)].weight.count(kind) > 0;
 }
 
 at::Tensor DecoderModel::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
-  // As transformers: normalise in float32, cast back, then scale.
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
+  if (config_.zero_centered_norm) {
+    // Qwen3_5RMSNorm: scale by (1 + w) in float32, then cast back.
+    return (xf * at::rsqrt(variance + config_.rms_norm_eps) * (1.0 + weight.to(at::kFloat)))
+        .to(x.scalar_type());
+  }
+  // As transformers: normalise in float32, cast back, then scale.
   return weight * (xf * at::rsqrt(variance + config_.rms_norm_eps)).to(x.scalar_type());
+}
+
+at::Tensor DecoderModel::Mlp(const Layer& layer, int64_t index, const at::Tensor& x,
+                             const LoraSegmentsFn& lora) const {
+  const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, x, lora)) *
+                           Linear(layer, index, LinearKind::kUp, x, lora);
+  return Linear(layer, index, LinearKind::kDown, gated, lora);
+}
+
+at::Tensor DecoderModel::Moe(const Layer& layer, const at::Tensor& x,
+                             const std::vector<int64_t>& group_rows) const {
+  if (group_rows.size() == 1) return MoeRows(layer, x);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(group_rows.size());
+  int64_t start = 0;
+  for (int64_t rows : group_rows) {
+    outputs.push_back(MoeRows(layer, x.narrow(0, start, rows)));
+    start += rows;
+  }
+  return at::cat(outputs, 0);
+}
+
+at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x) const {
+  const int64_t k = config_.experts_per_token, width = config_.moe_intermediate_size;
+  // Qwen3MoeTopKRouter: softmax in float32, top-k, optionally renormalised, cast back. The
+  // routing weights stay differentiable (gradients reach x through them, as in
+  // transformers); the router's own weight is frozen like every base weight.
+  const at::Tensor logits = at::linear(x, layer.router);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [top_w, top_i] = probs.topk(k, -1);
+  if (config_.norm_topk_prob) top_w = top_w / top_w.sum(-1, /*keepdim=*/true);
+  top_w = top_w.to(logits.scalar_type());
+  // The (row, k) pairs grouped by expert (stable: row order within an expert), so each
+  // expert is one matrix product over its rows: no per-token loop.
+  const at::Tensor flat = top_i.reshape({-1});
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor counts = at::bincount(flat, {}, config_.num_experts).to(at::kCPU);
+  const at::Tensor rows = at::div(order, k, "trunc");
+  const at::Tensor xs = x.index_select(0, rows);
+  const at::Tensor ws = top_w.reshape({-1}).index_select(0, order);
+  at::Tensor out = at::zeros_like(x);
+  const int64_t* count = counts.const_data_ptr<int64_t>();
+  int64_t offset = 0;
+  // Ascending expert order: each row sums its experts' outputs in the order transformers does.
+  for (int64_t e = 0; e < config_.num_experts; ++e) {
+    const int64_t c = count[e];
+    if (c == 0) continue;
+    const at::Tensor gate_up = at::linear(xs.narrow(0, offset, c), layer.experts_gate_up[e]);
+    const at::Tensor hidden =
+        TailFree(gate_up.narrow(1, 0, width), [](const at::Tensor& t) { return at::silu(t); }) *
+        gate_up.narrow(1, width, width);
+    const at::Tensor y =
+        at::linear(hidden, layer.experts_down[e]) * ws.narrow(0, offset, c).unsqueeze(1);
+    out.index_add_(0, rows.narrow(0, offset, c), y.to(out.scalar_type()));
+    offset += c;
+  }
+  if (layer.shared_expert_gate.defined()) {
+    // Qwen3_5MoeSparseMoeBlock: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+    auto silu = [](const at::Tensor& t) { return at::silu(t); };
+    auto sigmoid = [](const at::Tensor& t) { return at::sigmoid(t); };
+    const at::Tensor shared = at::linear(
+        TailFree(at::linear(x, layer.shared_gate), silu) * at::linear(x, layer.shared_up),
+        layer.shared_down);
+    out = out + TailFree(at::linear(x, layer.shared_expert_gate), sigmoid) * shared;
+  }
+  return out;
+}
+
+namespace {
+
+// The DeltaNet block's projections, split: q, k [N, nk, dk] and v [N, nv, dv] after the
+// convolution, z [N, nv, dv], beta and g [N, nv].
+struct DeltaInputs {
+  at::Tensor q, k, v, z, beta, g;
+};
+
+DeltaInputs SplitDelta(const ModelConfig& c, const at::Tensor& mixed, const at::Tensor& z,
+                       const at::Tensor& b, const at::Tensor& a, const at::Tensor& a_log,
+                       const at::Tensor& dt_bias) {
+  const int64_t n = mixed.size(0), kd = c.linear_key_dim(), vd = c.linear_value_dim();
+  const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  DeltaInputs d;
+  d.q = mixed.narrow(1, 0, kd).reshape({n, nk, c.linear_key_head_dim});
+  d.k = mixed.narrow(1, kd, kd).reshape({n, nk, c.linear_key_head_dim});
+  d.v = mixed.narrow(1, 2 * kd, vd).reshape({n, nv, c.linear_value_head_dim});
+  d.z = z.reshape({n, nv, c.linear_value_head_dim});
+  d.beta = TailFree(b, [](const at::Tensor& t) { return at::sigmoid(t); });
+  // g = -exp(A_log) · softplus(a + dt_bias), in float32 as transformers computes it.
+  d.g = -a_log.to(at::kFloat).exp() *
+        TailFree(a.to(at::kFloat) + dt_bias, [](const at::Tensor& t) { return at::softplus(t); });
+  return d;
+}
+
+}  // namespace
+
+at::Tensor DecoderModel::LinearAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                         const std::vector<int64_t>& seq_lens,
+                                         const std::vector<int64_t>& seq_groups,
+                                         const LoraSegmentsFn& lora,
+                                         const LinearStates& states) const {
+  const int64_t n = h.size(0);
+  const at::Tensor qkv = Linear(layer, index, LinearKind::kInProjQkv, h, lora);
+  const at::Tensor z = Linear(layer, index, LinearKind::kInProjZ, h, lora);
+  const at::Tensor b = Linear(layer, index, LinearKind::kInProjB, h, lora);
+  const at::Tensor a = Linear(layer, index, LinearKind::kInProjA, h, lora);
+  if (states.conv != nullptr) {
+    *states.conv = ConvStates(qkv, config_.linear_conv_kernel, seq_lens);
+  }
+  const at::Tensor mixed = PackedCausalConv1d(qkv, layer.conv_weight, seq_lens);
+  const DeltaInputs d = SplitDelta(config_, mixed, z, b, a, layer.a_log, layer.dt_bias);
+  const at::Tensor o =
+      ChunkGatedDeltaRule(d.q, d.k, d.v, d.g, d.beta, seq_lens, seq_groups, states.recurrent);
+  const at::Tensor normed = GatedRmsNorm(o, d.z, layer.gated_norm, config_.rms_norm_eps);
+  return Linear(layer, index, LinearKind::kOutProj, normed.reshape({n, config_.linear_value_dim()}),
+                lora);
+}
+
+at::Tensor DecoderModel::PagedLinearAttention(const Layer& layer, int64_t index,
+                                              const at::Tensor& h,
+                                              const std::vector<PagedSequence>& seqs, PagedKv& kv,
+                                              const LoraSegmentsFn& lora) const {
+  const int64_t n = h.size(0);
+  const at::Tensor& conv_cache = kv.conv.at(index);
+  const at::Tensor& rec_cache = kv.recurrent.at(index);
+  TORCH_CHECK(conv_cache.defined() && rec_cache.defined(),
+              "ForwardPaged: no recurrent state for DeltaNet layer ", index);
+  const at::Tensor qkv = Linear(layer, index, LinearKind::kInProjQkv, h, lora);
+  const at::Tensor z = Linear(layer, index, LinearKind::kInProjZ, h, lora);
+  const at::Tensor b = Linear(layer, index, LinearKind::kInProjB, h, lora);
+  const at::Tensor a = Linear(layer, index, LinearKind::kInProjA, h, lora);
+  const c10::Device device = h.device();
+
+  // Prefills (from a zero state) and decode steps (from the slot's state) go separately,
+  // each kind batched; their rows are put back in order at the end.
+  std::vector<int64_t> prefill_rows, prefill_lens, prefill_slots, decode_rows, decode_slots;
+  int64_t row = 0;
+  for (const PagedSequence& s : seqs) {
+    TORCH_CHECK(s.state_slot >= 0 && s.state_slot < conv_cache.size(0),
+                "ForwardPaged: a sequence without a valid state slot");
+    TORCH_CHECK(s.past == 0 || s.count == 1,
+                "ForwardPaged: new tokens after cached ones come one at a time (no chunked prefill)");
+    if (s.past == 0) {
+      for (int64_t t = 0; t < s.count; ++t) prefill_rows.push_back(row + t);
+      prefill_lens.push_back(s.count);
+      prefill_slots.push_back(s.state_slot);
+    } else {
+      decode_rows.push_back(row);
+      decode_slots.push_back(s.state_slot);
+    }
+    row += s.count;
+  }
+  auto index_tensor = [&](const std::vector<int64_t>& v) {
+    return at::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())},
+                         at::kLong)
+        .to(device, /*non_blocking=*/false, /*copy=*/true);
+  };
+  const bool all_prefill = decode_rows.empty(), all_decode = prefill_rows.empty();
+  auto pick = [&](const at::Tensor& t, const at::Tensor& rows, bool all) {
+    return all ? t : t.index_select(0, rows);
+  };
+  at::Tensor out = all_prefill || all_decode
+                       ? at::Tensor()
+                       : at::empty({n, config_.linear_value_dim()}, h.options());
+  at::Tensor result;
+  if (!prefill_rows.empty()) {
+    const at::Tensor rows = index_tensor(prefill_rows);
+    const at::Tensor x = pick(qkv, rows, all_prefill);
+    at::Tensor conv_state, rec_state;
+    const at::Tensor mixed = PackedCausalConv1d(x, layer.conv_weight, prefill_lens);
+    conv_state = ConvStates(x, config_.linear_conv_kernel, prefill_lens);
+    const DeltaInputs d = SplitDelta(config_, mixed, pick(z, rows, all_prefill),
+                                     pick(b, rows, all_prefill), pick(a, rows, all_prefill),
+                                     layer.a_log, layer.dt_bias);
+    const at::Tensor o =
+        ChunkGatedDeltaRule(d.q, d.k, d.v, d.g, d.beta, prefill_lens, {}, &rec_state);
+    const at::Tensor slots = index_tensor(prefill_slots);
+    conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.scalar_type()));
+    rec_cache.index_copy_(0, slots, rec_state.to(rec_cache.scalar_type()));
+    result = GatedRmsNorm(o, d.z, layer.gated_norm, config_.rms_norm_eps)
+                 .reshape({x.size(0), config_.linear_value_dim()});
+    if (out.defined()) out.index_copy_(0, rows, result);
+  }
+  if (!decode_rows.empty()) {
+    const at::Tensor rows = index_tensor(decode_rows);
+    const at::Tensor slots = index_tensor(decode_slots);
+    const at::Tensor x = pick(qkv, rows, all_decode);
+    at::Tensor conv_state = conv_cache.index_select(0, slots);
+    const at::Tensor mixed = CausalConv1dStep(x, layer.conv_weight, conv_state);
+    const DeltaInputs d = SplitDelta(config_, mixed, pick(z, rows, all_decode),
+                                     pick(b, rows, all_decode), pick(a, rows, all_decode),
+                                     layer.a_log, layer.dt_bias);
+    at::Tensor rec_state = rec_cache.index_select(0, slots).to(at::kFloat);
+    const at::Tensor o = RecurrentGatedDeltaStep(d.q, d.k, d.v, d.g, d.beta, rec_state);
+    conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.scalar_type()));
+    rec_cache.index_copy_(0, slots, rec_state.to(rec_cache.scalar_type()));
+    result = GatedRmsNorm(o, d.z, layer.gated_norm, config_.rms_norm_eps)
+                 .reshape({x.size(0), config_.linear_value_dim()});
+    if (out.defined()) out.index_copy_(0, rows, result);
+  }
+  return Linear(layer, index, LinearKind::kOutProj, out.defined() ? out : result, lora);
 }
 
 at::Tensor DecoderModel::Linear(const Layer& layer, int64_t index, LinearKind kind,
@@ -216,24 +481,41 @@ DecoderModel::Qkv DecoderModel::ProjectQkv(const Layer& layer, int64_t index, co
   const int64_t n = h.size(0);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t d = config_.head_dim;
-  at::Tensor q = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, d});
+  at::Tensor q, gate;
+  if (config_.attn_output_gate) {
+    // q_proj emits [query | gate] per head.
+    const at::Tensor qg = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, 2 * d});
+    q = qg.narrow(-1, 0, d);
+    gate = qg.narrow(-1, d, d).reshape({n, heads * d});
+  } else {
+    q = Linear(layer, index, LinearKind::kQ, h, lora).view({n, heads, d});
+  }
   at::Tensor k = Linear(layer, index, LinearKind::kK, h, lora).view({n, kv_heads, d});
   at::Tensor v = Linear(layer, index, LinearKind::kV, h, lora).view({n, kv_heads, d});
   if (config_.qk_norm) {
     q = RmsNorm(q, layer.q_norm);
     k = RmsNorm(k, layer.k_norm);
   }
-  // cos/sin: [N, d] -> broadcast over heads.
+  // cos/sin: [N, rotary_dim] -> broadcast over heads; dims past rotary_dim pass unrotated.
   const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  q = q * c + RotateHalf(q) * s;
-  k = k * c + RotateHalf(k) * s;
-  return {q, k, v};
+  const int64_t rotary = config_.rotary_dim();
+  auto rotate = [&](const at::Tensor& t) {
+    if (rotary == d) return t * c + RotateHalf(t) * s;
+    const at::Tensor r = t.narrow(-1, 0, rotary);
+    return at::cat({r * c + RotateHalf(r) * s, t.narrow(-1, rotary, d - rotary)}, -1);
+  };
+  q = rotate(q);
+  k = rotate(k);
+  return {q, k, v, gate};
 }
 
 std::pair<at::Tensor, at::Tensor> DecoderModel::Rope(const at::Tensor& pos) const {
   const at::Tensor freqs = pos.unsqueeze(1) * inv_freq_.unsqueeze(0);
   const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(embed_.scalar_type()), emb.sin().to(embed_.scalar_type())};
+  // Row-count independent (TailFree): a partial rotary dim leaves [N, 8]-sized angle tensors.
+  const at::Tensor cos = TailFree(emb, [](const at::Tensor& t) { return t.cos(); });
+  const at::Tensor sin = TailFree(emb, [](const at::Tensor& t) { return t.sin(); });
+  return {cos.to(embed_.scalar_type()), sin.to(embed_.scalar_type())};
 }
 
 at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::Tensor& h,
@@ -242,7 +524,7 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
                                    const at::Tensor& sin, const LoraSegmentsFn& lora) const {
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t d = config_.head_dim;
-  auto [q, k, v] = ProjectQkv(layer, index, h, cos, sin, lora);
+  auto [q, k, v, gate] = ProjectQkv(layer, index, h, cos, sin, lora);
   // Attention within each sequence, causal. Runs of consecutive sequences of equal length in
   // the same group share one kernel call as a [B, heads, L, d] batch (a padded batch would not
   // be exact). Runs never cross groups (ops): the kernel's blocking may depend on the batch,
@@ -285,6 +567,7 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
     }
     attn = single ? outputs[0] : at::cat(outputs, 0);
   }
+  if (gate.defined()) attn = attn * TailFree(gate, [](const at::Tensor& t) { return at::sigmoid(t); });
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
@@ -297,16 +580,24 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   const at::Tensor pos = at::cat(positions).to(inv_freq_.device()).to(at::kFloat);
   const auto [cos, sin] = Rope(pos);
 
+  // Rows of each group (op): consecutive sequences of one group, for the MoE blocks.
+  std::vector<int64_t> group_rows;
+  for (size_t s = 0; s < seq_lens.size(); ++s) {
+    const bool same = s > 0 && (seq_groups.empty() || seq_groups[s] == seq_groups[s - 1]);
+    if (!same) group_rows.push_back(0);
+    group_rows.back() += seq_lens[s];
+  }
+
   at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     const int64_t index = static_cast<int64_t>(i);
-    x = x + Attention(layer, index, RmsNorm(x, layer.input_norm), seq_lens, seq_groups, cos, sin,
-                      lora);
+    const at::Tensor normed = RmsNorm(x, layer.input_norm);
+    x = x + (layer.linear_attention
+                 ? LinearAttention(layer, index, normed, seq_lens, seq_groups, lora, {})
+                 : Attention(layer, index, normed, seq_lens, seq_groups, cos, sin, lora));
     const at::Tensor h = RmsNorm(x, layer.post_norm);
-    const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
-                             Linear(layer, index, LinearKind::kUp, h, lora);
-    x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
+    x = x + (layer.moe ? Moe(layer, h, group_rows) : Mlp(layer, index, h, lora));
   }
   // lm_head LoRA as PEFT applies it, also with tied embeddings: the delta is added to the
   // logits only; the (shared) embedding lookup above never sees it.
@@ -326,7 +617,7 @@ at::Tensor DecoderModel::PagedAttention(const Layer& layer, int64_t index, const
   const int64_t n = h.size(0);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t d = config_.head_dim;
-  auto [q, k, v] = ProjectQkv(layer, index, h, cos, sin, lora);
+  auto [q, k, v, gate] = ProjectQkv(layer, index, h, cos, sin, lora);
   // The new keys and values go to their slots first: a decode step attends to itself too.
   const at::Tensor& kc = kv.k[index];
   const at::Tensor& vc = kv.v[index];
@@ -369,6 +660,7 @@ at::Tensor DecoderModel::PagedAttention(const Layer& layer, int64_t index, const
     }
     attn = outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
   }
+  if (gate.defined()) attn = attn * TailFree(gate, [](const at::Tensor& t) { return at::sigmoid(t); });
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
@@ -378,6 +670,9 @@ at::Tensor DecoderModel::ForwardPaged(const at::Tensor& tokens,
                                       const LoraSegmentsFn& lora) const {
   TORCH_CHECK(kv.block_size > 0 && kv.k.size() == layers_.size() && kv.v.size() == layers_.size(),
               "ForwardPaged: the KV cache does not fit the model");
+  TORCH_CHECK(!config_.hybrid() ||
+                  (kv.conv.size() == layers_.size() && kv.recurrent.size() == layers_.size()),
+              "ForwardPaged: the recurrent state cache does not fit the model");
   // Positions continue each sequence; each new token's slot in the cache.
   const int64_t block_size = kv.block_size;
   std::vector<float> positions;
@@ -404,12 +699,13 @@ at::Tensor DecoderModel::ForwardPaged(const at::Tensor& tokens,
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     const int64_t index = static_cast<int64_t>(i);
-    x = x + PagedAttention(layer, index, RmsNorm(x, layer.input_norm), seqs, kv, slot, cos, sin,
-                           lora);
+    const at::Tensor normed = RmsNorm(x, layer.input_norm);
+    x = x + (layer.linear_attention
+                 ? PagedLinearAttention(layer, index, normed, seqs, kv, lora)
+                 : PagedAttention(layer, index, normed, seqs, kv, slot, cos, sin, lora));
     const at::Tensor h = RmsNorm(x, layer.post_norm);
-    const at::Tensor gated = at::silu(Linear(layer, index, LinearKind::kGate, h, lora)) *
-                             Linear(layer, index, LinearKind::kUp, h, lora);
-    x = x + Linear(layer, index, LinearKind::kDown, gated, lora);
+    // Generation routes all rows together (last-bit BLAS differences only, sampler.h).
+    x = x + (layer.moe ? MoeRows(layer, h) : Mlp(layer, index, h, lora));
   }
   // Only the rows whose logits are wanted go through the final norm and lm_head; the
   // lm_head LoRA segments (over the N packed rows) are mapped onto the kept rows.

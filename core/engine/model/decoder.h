@@ -1,9 +1,11 @@
 #pragma once
-// The dense decoder family (Llama, Qwen2, Qwen3) over a packed batch: the tokens of every
-// sequence are concatenated into one [N] row dimension, so every linear layer runs once over
-// all rows of all tenants, and attention runs within each sequence only (no padding, no
-// cross-sequence mixing). LoRA terms are added per row segment by a callback, so the model
-// knows nothing about adapters.
+// The decoder families (dense: Llama, Qwen2, Qwen3; hybrid: Qwen3.5, whose layers are Gated
+// DeltaNet linear attention or gated full attention as config.layer_types says) over a
+// packed batch: the tokens of every sequence are concatenated into one [N] row dimension, so
+// every linear layer runs once over all rows of all tenants, and attention, convolutions and
+// recurrent states run within each sequence only (no padding, no cross-sequence mixing).
+// LoRA terms are added per row segment by a callback, so the model knows nothing about
+// adapters.
 
 #include <ATen/core/Tensor.h>
 
@@ -19,14 +21,27 @@
 namespace twinkle::engine {
 
 // The linear layers LoRA can target, in HF/PEFT names. kLmHead is the output projection
-// (logits), one for the whole model rather than one per layer.
-enum class LinearKind { kQ, kK, kV, kO, kGate, kUp, kDown, kLmHead };
+// (logits), one for the whole model rather than one per layer. The Gated DeltaNet linears
+// (Qwen3.5's linear_attn.*) come last so the earlier values (which seed dropout masks)
+// never move.
+enum class LinearKind {
+  kQ, kK, kV, kO, kGate, kUp, kDown, kLmHead,
+  kInProjQkv, kInProjZ, kInProjB, kInProjA, kOutProj,
+};
 // PEFT's "all-linear": every linear of every decoder layer, but not lm_head (PEFT leaves the
-// output layer out of all-linear; a tenant names lm_head explicitly to train it).
-inline constexpr LinearKind kAllLinearKinds[] = {LinearKind::kQ,    LinearKind::kK,  LinearKind::kV,
-                                                 LinearKind::kO,    LinearKind::kGate,
-                                                 LinearKind::kUp,   LinearKind::kDown};
-const char* LinearKindName(LinearKind kind);  // "q_proj", ..., "lm_head"
+// output layer out of all-linear; a tenant names lm_head explicitly to train it). A model
+// has only some of them (DecoderModel::HasLinear).
+inline constexpr LinearKind kAllLinearKinds[] = {
+    LinearKind::kQ,         LinearKind::kK,        LinearKind::kV,        LinearKind::kO,
+    LinearKind::kGate,      LinearKind::kUp,       LinearKind::kDown,     LinearKind::kInProjQkv,
+    LinearKind::kInProjZ,   LinearKind::kInProjB,  LinearKind::kInProjA,  LinearKind::kOutProj};
+const char* LinearKindName(LinearKind kind);  // "q_proj", ..., "lm_head", "in_proj_qkv", ...
+// The module a linear belongs to, as the checkpoint names it: "self_attn", "mlp",
+// "linear_attn" (lm_head: "").
+const char* LinearKindModule(LinearKind kind);
+// The linear's module path in the checkpoint, config.text_prefix included:
+// "model.layers.3.linear_attn.in_proj_qkv", "lm_head".
+std::string LinearModulePath(const ModelConfig& config, int64_t layer, LinearKind kind);
 
 // Returns the LoRA segments to add to layer `layer`'s linear `kind`, whose input is `x`.
 // lm_head is asked for with layer 0 (its input is the final-norm output).
@@ -51,14 +66,20 @@ class DecoderModel {
   // [num_blocks, block_size, kv_heads, head_dim] (after RoPE), in the model's dtype and on
   // its device. Token t of a sequence lives in block (*blocks)[t / block_size], slot
   // t % block_size. The cache's owner (the sampler's block pool) hands out the blocks.
+  // Hybrid models add per-sequence states for their Gated DeltaNet layers, indexed by a
+  // sequence's state slot: conv [slots, conv_dim, K-1] (model dtype) and recurrent
+  // [slots, value_heads, key_head_dim, value_head_dim] (float32). k/v are undefined for
+  // DeltaNet layers, conv/recurrent for full-attention layers (and empty for dense models).
   struct PagedKv {
     std::vector<at::Tensor> k, v;  // per layer
     int64_t block_size = 0;
+    std::vector<at::Tensor> conv, recurrent;  // per layer
   };
   struct PagedSequence {
     const std::vector<int64_t>* blocks = nullptr;  // covers past + count tokens
     int64_t past = 0;   // tokens already in the cache: 0 = prefill
     int64_t count = 0;  // new tokens in this pass: a prefill's prompt, or 1 (a decode step)
+    int64_t state_slot = -1;  // hybrid models: the sequence's slot in PagedKv::conv/recurrent
   };
 
   // tokens: int64 [N], the new tokens of every sequence concatenated (count of each, at
@@ -74,25 +95,62 @@ class DecoderModel {
                           PagedKv& kv, const std::vector<int64_t>* logit_rows,
                           const LoraSegmentsFn& lora) const;
 
-  // Input and output width of a targetable linear (lm_head: hidden size, vocab size).
+  // Input and output width of a targetable linear (lm_head: hidden size, vocab size);
+  // {0, 0} when no layer has it.
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
+  // Whether layer `layer` has linear `kind` (lm_head: layer 0). A Qwen3.5 model has q/k/v/o
+  // only in its full-attention layers and in_proj_* / out_proj only in its DeltaNet layers.
+  bool HasLinear(int64_t layer, LinearKind kind) const;
 
  private:
   struct Layer {
+    bool linear_attention = false;  // Gated DeltaNet (Qwen3.5) instead of full attention
+    bool moe = false;               // sparse MoE block (Qwen3-MoE) instead of the dense MLP
+    // MoE: router [E, H] (frozen), experts' gate|up [E, 2I, H] and down [E, H, I].
+    at::Tensor router, experts_gate_up, experts_down;
+    // Qwen3.5-MoE's shared expert (SwiGLU) and its gate [1, H]; undefined without one.
+    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
     at::Tensor input_norm, post_norm, q_norm, k_norm;
+    // Gated DeltaNet: conv1d.weight [C, 1, K], dt_bias, A_log, the gated norm's weight.
+    at::Tensor conv_weight, dt_bias, a_log, gated_norm;
     std::map<LinearKind, at::Tensor> weight, bias;
   };
   at::Tensor Linear(const Layer& layer, int64_t index, LinearKind kind, const at::Tensor& x,
                     const LoraSegmentsFn& lora) const;
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  // The token mixer of a Gated DeltaNet layer over packed sequences from a zero state.
+  // states (prefill for the sampler): where each sequence's conv and recurrent states go.
+  struct LinearStates {
+    at::Tensor* conv = nullptr;       // [S, C, K-1]
+    at::Tensor* recurrent = nullptr;  // [S, nv, dk, dv]
+  };
+  at::Tensor LinearAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                             const std::vector<int64_t>& seq_lens,
+                             const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora,
+                             const LinearStates& states) const;
+  // The same over the sampler's sequences: prefills from a zero state, decode steps by the
+  // recurrent form from their slots' states, which are updated.
+  at::Tensor PagedLinearAttention(const Layer& layer, int64_t index, const at::Tensor& h,
+                                  const std::vector<PagedSequence>& seqs, PagedKv& kv,
+                                  const LoraSegmentsFn& lora) const;
+  // The layer's SwiGLU MLP: down(silu(gate(x)) * up(x)).
+  at::Tensor Mlp(const Layer& layer, int64_t index, const at::Tensor& x,
+                 const LoraSegmentsFn& lora) const;
+  // A sparse MoE block over row groups (`group_rows`, summing to N): each group is routed
+  // and its experts computed on its own (one matrix product per expert hit), so a tenant's
+  // numbers do not depend on the rows of other groups.
+  at::Tensor Moe(const Layer& layer, const at::Tensor& x,
+                 const std::vector<int64_t>& group_rows) const;
+  at::Tensor MoeRows(const Layer& layer, const at::Tensor& x) const;
   at::Tensor Attention(const Layer& layer, int64_t index, const at::Tensor& h,
                        const std::vector<int64_t>& seq_lens,
                        const std::vector<int64_t>& seq_groups, const at::Tensor& cos,
                        const at::Tensor& sin, const LoraSegmentsFn& lora) const;
 
-  // q [N, heads, d], k and v [N, kv_heads, d]: projections, q/k norm and RoPE.
+  // q [N, heads, d], k and v [N, kv_heads, d]: projections, q/k norm and RoPE (over the
+  // first rotary_dim dims). gate [N, heads * d]: the output gate (attn_output_gate only).
   struct Qkv {
-    at::Tensor q, k, v;
+    at::Tensor q, k, v, gate;
   };
   Qkv ProjectQkv(const Layer& layer, int64_t index, const at::Tensor& h, const at::Tensor& cos,
                  const at::Tensor& sin, const LoraSegmentsFn& lora) const;
@@ -100,13 +158,13 @@ class DecoderModel {
                             const std::vector<PagedSequence>& seqs, PagedKv& kv,
                             const at::Tensor& slots, const at::Tensor& cos,
                             const at::Tensor& sin, const LoraSegmentsFn& lora) const;
-  // RoPE cos/sin [N, head_dim] in the model's dtype for float positions [N] (fp32 angles).
+  // RoPE cos/sin [N, rotary_dim] in the model's dtype for float positions [N] (fp32 angles).
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& positions) const;
 
   ModelConfig config_;
   at::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
-  at::Tensor inv_freq_;  // [head_dim / 2], float32, RoPE scaling applied
+  at::Tensor inv_freq_;  // [rotary_dim / 2], float32, RoPE scaling applied
 };
 
 // log p(targets[i]) under softmax(logits[i]) for logits [N, vocab] (float) and int64
@@ -116,8 +174,8 @@ class DecoderModel {
 // forward and backward, as that composition.
 at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets);
 
-// RoPE inverse frequencies exactly as transformers computes them (fp32), with linear or
-// llama3 scaling.
+// RoPE inverse frequencies exactly as transformers computes them (fp32) over the rotated
+// dims (config.rotary_dim()), with linear or llama3 scaling.
 at::Tensor RopeInverseFrequencies(const ModelConfig& config);
 
 }  // namespace twinkle::engine

@@ -1,6 +1,8 @@
 #include "core/engine/model/loader.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -18,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "core/common/log.h"
 #include "core/engine/model/safetensors.h"
 #include "nlohmann/json.hpp"
 
@@ -46,10 +49,19 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// The vision tower of a ConditionalGeneration checkpoint: not loaded (text only).
+bool IsVisionWeight(const std::string& name, const ModelConfig& config) {
+  return config.has_vision && absl::StartsWith(name, "model.visual.");
+}
+
 // Checkpoint entries that are not parameters of the model: transformers used to save the
-// RoPE inverse-frequency buffer, and tied checkpoints sometimes still carry lm_head.
+// RoPE inverse-frequency buffer, tied checkpoints sometimes still carry lm_head, published
+// Qwen3.5 checkpoints carry multi-token-prediction weights (mtp.*, which transformers
+// ignores too), and ConditionalGeneration ones a vision tower.
 bool IsIgnored(const std::string& name, const ModelConfig& config) {
   if (absl::EndsWith(name, "rotary_emb.inv_freq")) return true;
+  if (config.hybrid() && absl::StartsWith(name, "mtp.")) return true;
+  if (IsVisionWeight(name, config)) return true;
   return config.tie_word_embeddings && name == "lm_head.weight";
 }
 
@@ -157,10 +169,45 @@ absl::Status OpenSharded(const std::filesystem::path& dir, const std::filesystem
   return absl::OkStatus();
 }
 
+// Whether the checkpoint stores MoE experts one module per expert (as transformers saves
+// and Qwen publishes them) rather than fused.
+bool PerExpertLayout(const ModelConfig& config, const OpenedCheckpoint& ckpt) {
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    if (!config.is_moe_layer(i)) continue;
+    return ckpt.weights.count(
+               absl::StrCat(config.text_prefix, "layers.", i, ".mlp.experts.0.gate_proj.weight")) > 0;
+  }
+  return false;
+}
+
+// Per-expert weights become the fused layout the engine computes with:
+// mlp.experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) and mlp.experts.down_proj
+// [E, H, I], as transformers' Qwen3MoeExperts holds them.
+void FuseExperts(const ModelConfig& config, std::map<std::string, at::Tensor>& weights) {
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    if (!config.is_moe_layer(i)) continue;
+    const std::string p = absl::StrCat("model.layers.", i, ".mlp.experts.");
+    std::vector<at::Tensor> gate_up, down;
+    for (int64_t e = 0; e < config.num_experts; ++e) {
+      const std::string x = absl::StrCat(p, e, ".");
+      auto take = [&](const std::string& name) {
+        auto node = weights.extract(x + name);
+        return node.mapped();
+      };
+      const at::Tensor g = take("gate_proj.weight"), u = take("up_proj.weight");
+      gate_up.push_back(at::cat({g, u}, 0));
+      down.push_back(take("down_proj.weight"));
+    }
+    weights[p + "gate_up_proj"] = at::stack(gate_up, 0);
+    weights[p + "down_proj"] = at::stack(down, 0);
+  }
+}
+
 // Compares the checkpoint's tensors with what the config implies, before any copy.
 absl::Status CheckWeights(const std::filesystem::path& dir, const ModelConfig& config,
                           const OpenedCheckpoint& ckpt) {
-  const std::map<std::string, std::vector<int64_t>> expected = ExpectedWeightShapes(config);
+  const std::map<std::string, std::vector<int64_t>> expected =
+      ExpectedWeightShapes(config, PerExpertLayout(config, ckpt));
   std::vector<std::string> missing;
   for (const auto& [name, shape] : expected) {
     auto it = ckpt.weights.find(name);
@@ -243,11 +290,27 @@ absl::StatusOr<LoadedModel> LoadModelImpl(const std::filesystem::path& dir, c10:
 
   LoadedModel model;
   model.config = *std::move(config);
+  int64_t vision_tensors = 0;
+  const std::string& prefix = model.config.text_prefix;
   for (const auto& [name, source] : ckpt.weights) {
+    if (IsVisionWeight(name, model.config)) ++vision_tensors;
     if (IsIgnored(name, model.config)) continue;
     at::Tensor t = CopyWeight(source, dtype, device);
     model.parameter_count += t.numel();
-    model.weights.emplace(name, std::move(t));
+    // The text model's weights are handed over under "model." whatever the checkpoint's
+    // prefix ("model.language_model." in ConditionalGeneration checkpoints).
+    std::string key = name;
+    if (prefix != "model." && absl::StartsWith(name, prefix)) {
+      key = "model." + name.substr(prefix.size());
+    }
+    model.weights.emplace(std::move(key), std::move(t));
+  }
+  if (PerExpertLayout(model.config, ckpt)) FuseExperts(model.config, model.weights);
+  if (model.config.has_vision) {
+    LogInfo("engine", absl::StrCat(dir.string(), ": ", model.config.architecture,
+                                   ": loading the language model only; the vision tower (",
+                                   vision_tensors, " tensors under model.visual.) is skipped "
+                                   "and image inputs are not supported"));
   }
   return model;
 }

@@ -20,8 +20,9 @@ namespace twinkle::engine {
 
 struct LoadedModel {
   ModelConfig config;
-  // Keyed by HF name (see ExpectedWeightShapes); each tensor owns its memory, independent
-  // of the files, which are unmapped when LoadModel returns.
+  // Keyed by HF name (see ExpectedWeightShapes), the text model's weights under "model."
+  // whatever the checkpoint's prefix; each tensor owns its memory, independent of the
+  // files, which are unmapped when LoadModel returns. Vision towers and mtp.* are skipped.
   std::map<std::string, at::Tensor> weights;
   int64_t parameter_count = 0;
 };

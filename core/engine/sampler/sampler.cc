@@ -99,6 +99,7 @@ void TopLogprobs(const at::Tensor& logits, const at::Tensor& lse, int64_t k, int
 struct SampleSeq {
   at::Generator generator;
   BlockTable table;
+  StateSlot state;  // hybrid models: its recurrent state slot, held until it finishes
   int64_t length = 0;  // tokens in the cache
   std::vector<int64_t> tokens;
   std::vector<float> logprobs;
@@ -189,6 +190,11 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
         absl::StrCat("prompt + max_tokens = ", prompt_len + row.max_tokens, " (", prompt_len, " + ",
                      row.max_tokens, ") exceeds max_position_embeddings ", max_pos));
   }
+  if (pool.states_total() > 0 && row.num_samples > pool.states_total()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_samples (", row.num_samples, ") exceeds the ", pool.states_total(),
+                     " recurrent state slots (sequences that can run at once)"));
+  }
   const int64_t capacity = pool.total() * pool.block_size();
   if (row.max_tokens > capacity) {  // also keeps P + max_tokens far from overflowing
     return absl::InvalidArgumentError(absl::StrCat(
@@ -216,6 +222,13 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
   return request;
 }
 
+// Whether the pool can take the request now: its blocks and, for a hybrid model, a
+// recurrent state slot for each of its samples.
+bool Fits(const GenRequest& r, const KvBlockPool& pool) {
+  return r.blocks_needed <= pool.free() &&
+         (pool.states_total() == 0 || r.row.num_samples <= pool.states_free());
+}
+
 }  // namespace
 
 // A set of running requests over the shared pool: admission (blocks), prefill, decode.
@@ -231,7 +244,8 @@ class GenerationBatch {
                        [id](const RequestPtr& r) { return r->id == id; });
   }
 
-  // Takes the request's blocks and makes its samples (the caller checked pool.free()).
+  // Takes the request's blocks (and state slots) and makes its samples (the caller checked
+  // Fits).
   void Reserve(GenRequest& r) {
     const int64_t block = pool_.block_size(), p = r.prompt_len();
     const int64_t shared_count = p / block;
@@ -247,6 +261,7 @@ class GenerationBatch {
         seq.table.Append(b);
       }
       for (int64_t b : pool_.Take(per_sample)) seq.table.Append(b);
+      if (pool_.states_total() > 0) seq.state = StateSlot(&pool_, pool_.TakeState());
       seq.generator =
           at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(r.row.seed) ^ static_cast<uint64_t>(s)));
       r.samples.push_back(std::move(seq));
@@ -266,7 +281,7 @@ class GenerationBatch {
       const int64_t p = r->prompt_len();
       tokens.push_back(r->prompt);
       // The prompt goes once into sample 0's blocks; the others share or copy them below.
-      seqs.push_back({&r->samples[0].table.blocks(), 0, p});
+      seqs.push_back({&r->samples[0].table.blocks(), 0, p, r->samples[0].state.slot()});
       begins.push_back(n);
       for (int64_t i = r->wants_prompt_rows() ? 0 : p - 1; i < p; ++i) logit_rows.push_back(n + i);
       n += p;
@@ -319,6 +334,12 @@ class GenerationBatch {
           pool_.CopySlots(from, r->samples[s].table.blocks()[p / block], p % block);
         }
       }
+      // And the recurrent states the prompt left (hybrid models).
+      if (pool_.states_total() > 0) {
+        for (size_t s = 1; s < r->samples.size(); ++s) {
+          pool_.CopyState(r->samples[0].state.slot(), r->samples[s].state.slot());
+        }
+      }
       for (SampleSeq& seq : r->samples) {
         seq.length = p;
         if (r->row.max_tokens == 0) {
@@ -350,7 +371,7 @@ class GenerationBatch {
         if (s.done) continue;
         active.push_back({r.get(), &s});
         input.push_back(s.tokens.back());
-        seqs.push_back({&s.table.blocks(), s.length, 1});
+        seqs.push_back({&s.table.blocks(), s.length, 1, s.state.slot()});
       }
     }
     if (active.empty()) return {};
@@ -466,6 +487,7 @@ class GenerationBatch {
     seq.done = true;
     seq.stop_reason = reason;
     seq.table.Clear();  // its blocks go back now (shared ones when the last sample lets go)
+    seq.state.Reset();  // and its recurrent state slot
   }
 
   // Picks the sequence's next token from logits row `row` and checks for its end.
@@ -603,15 +625,20 @@ absl::StatusOr<MethodReply> Sampler::Sample(const ipc::Message& request) {
   size_t next = 0;
   while (next < queue.size() || !batch.empty()) {
     std::vector<RequestPtr> admitted;
-    while (next < queue.size() && queue[next]->blocks_needed <= pool_->free()) {
+    while (next < queue.size() && Fits(*queue[next], *pool_)) {
       batch.Reserve(*queue[next]);
       admitted.push_back(std::move(queue[next++]));
     }
     if (admitted.empty() && batch.empty()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("sample: row ", next, " needs ", queue[next]->blocks_needed, " KV blocks, ",
-                       pool_->free(), " of ", pool_->total(),
-                       " are free (the rest hold running sample_step requests)"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "sample: row ", next, " needs ", queue[next]->blocks_needed, " KV blocks, ",
+          pool_->free(), " of ", pool_->total(),
+          pool_->states_total() > 0
+              ? absl::StrCat(" are free, and ", queue[next]->row.num_samples,
+                             " recurrent state slots, ", pool_->states_free(), " of ",
+                             pool_->states_total(), " are free")
+              : std::string(" are free"),
+          " (the rest hold running sample_step requests)"));
     }
     for (RequestPtr& r : batch.Prefill(std::move(admitted))) done[r->id] = std::move(r);
     if (!batch.empty()) {
@@ -666,7 +693,7 @@ absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
       body.rejected.push_back({a.request_id, std::string(r.status().message())});
       continue;
     }
-    if (deferring || (*r)->blocks_needed > pool_->free()) {
+    if (deferring || !Fits(**r, *pool_)) {
       deferring = true;
       body.deferred.push_back(a.request_id);
       continue;

@@ -8,6 +8,11 @@
 //     floor(P / B) + num_samples × (ceil((P + max_tokens) / B) − floor(P / B))
 // blocks, all taken at admission, so a running sequence never runs out of cache. A sample's
 // blocks go back as soon as it finishes (stop or length) or its request is cancelled.
+// Hybrid models (Qwen3.5) also take one recurrent state slot per sample at admission (the
+// conv and delta-rule states of every DeltaNet layer, KvBlockPool), released with its
+// blocks; a request waits (deferred) until both fit. Its prefill runs the chunked delta
+// rule and leaves each sequence's state in its slot (copied to the other samples); each
+// decode step advances the states by the recurrent form.
 //
 // Admission prefills the admitted requests' prompts in one packed pass (each prompt once,
 // whatever num_samples; the samples then copy the prompt's last, partly filled block) and
