@@ -242,7 +242,7 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSnapshotSession(const TenantC
         if (absl::Status s = CheckSessionRoom(tenant_id); !s.ok()) return s;
         std::shared_ptr<Snapshot> snapshot =
             NewSnapshot(tenant_id, absl::StrCat("adapter ", adapter_name), std::move(weights));
-        return std::any(SnapshotSession{AddSession(tenant_id, "", std::move(snapshot))});
+        return FutureValue(SnapshotSession{AddSession(tenant_id, "", std::move(snapshot))});
       },
       options);
 }
@@ -414,11 +414,11 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   request->output.prompts.resize(request->prompts.size());
   request->rows_left = request->prompts.size();
   // A queue per session: requests of one session keep their order; sessions interleave.
-  return training_.SubmitTask(tenant, "sampler/" + session_id, total_tokens,
+  return training_.SubmitTask(tenant, "sampler/" + session_id, "sample", total_tokens,
                               [this, request](uint64_t op_id) -> FutureResult {
                                 request->future_id = op_id;
                                 Enqueue(request);
-                                return std::any(sched::Deferred{});
+                                return FutureValue(sched::Deferred{});
                               },
                               options);
 }

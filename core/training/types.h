@@ -89,7 +89,10 @@ enum class Control { kClipGradNorm, kStep, kZeroGrad, kLrStep, kClipGradAndStep 
 struct SubmitOptions {
   absl::Time deadline = absl::InfiniteFuture();
   int64_t seq_id = -1;
+  // Non-empty: a retry with the same key (same adapter, same op, same fingerprint) gets the
+  // first submission's future; the same key on another op or body is refused.
   std::string idempotency_key;
+  uint64_t fingerprint = 0;  // a hash of the request body, from the transport; 0 = unknown
 };
 
 struct SequenceResult {

@@ -7,7 +7,6 @@
 // tinker_sampling.cc.
 #include "server/tinker/tinker_api.h"
 
-#include <any>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -302,7 +301,7 @@ absl::StatusOr<Json> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, con
                           optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
                       if (!id.ok()) return Complete(entry, Outcome::Failed(id.status()));
-                      Attach(entry, *id, [tinker_path, model_id = model->model_id](const std::any&) {
+                      Attach(entry, *id, [tinker_path, model_id = model->model_id](const FutureValue&) {
                         Outcome o;
                         o.json = {{"path", tinker_path}, {"model_id", model_id}, {"type", "load_weights"}};
                         return o;
@@ -333,7 +332,8 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
 // ---- forward_backward ------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
-                                                    int64_t seq_id, training::ForwardArgs args, bool forward_only) {
+                                                    int64_t seq_id, training::ForwardArgs args, bool forward_only,
+                                                    uint64_t fingerprint) {
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, model_id);
   if (!model.ok()) return model.status();
   const training::TenantContext context = ContextOf(tenant);
@@ -348,13 +348,14 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
   for (const training::TokenDatum& d : args.datums) tokens += static_cast<int64_t>(d.input_tokens.size());
   auto shared_args = std::make_shared<training::ForwardArgs>(std::move(args));
   Submit submit = [this, context, tenant, adapter = (*model)->adapter, shared_args, forward_only, bad, tokens,
-                   seq_id]() -> absl::StatusOr<uint64_t> {
+                   seq_id, fingerprint]() -> absl::StatusOr<uint64_t> {
     if (!bad.ok()) return bad;
     if (rate_limiter_ != nullptr) {
       if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
     }
     training::SubmitOptions options;
     options.idempotency_key = seq_id > 0 ? absl::StrCat("tinker-seq-", seq_id) : "";
+    options.fingerprint = fingerprint;
     absl::StatusOr<uint64_t> id = coordinator_.SubmitForward(
         context, adapter,
         forward_only ? training::ForwardMode::kForward : training::ForwardMode::kForwardBackward, *shared_args,
@@ -362,8 +363,12 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
     if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
     return id;
   };
-  Encoder encode = [](const std::any& value) { return EncodeForwardBackward(std::any_cast<const OpOutput&>(value)); };
-  return Sequenced(*model, seq_id, std::move(submit), std::move(encode));
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "forward_backward result");
+    return out.ok() ? EncodeForwardBackward(**out) : Outcome::Failed(out.status());
+  };
+  return Sequenced(*model, seq_id, {forward_only ? "forward" : "forward_backward", fingerprint}, std::move(submit),
+                   std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& r) {
@@ -377,7 +382,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, c
     args.datums.push_back(*std::move(d));
   }
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
-  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only());
+  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only(), FingerprintOf(r));
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body,
@@ -404,7 +409,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenan
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
   const bool fwd_only = forward_only || GetBool(body, "forward_only", false).value_or(false) ||
                         GetBool(input, "forward_only", false).value_or(false);
-  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only);
+  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only, FingerprintOf(body.dump()));
 }
 
 // ---- optim_step, save, load -----------------------------------------------------------------
@@ -438,22 +443,25 @@ absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const J
     }
   }
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = *seq]() {
+  const uint64_t fingerprint = FingerprintOf(Json(hyper).dump());
+  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = *seq, fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
+    options.fingerprint = fingerprint;
     return coordinator_.SubmitOptimStep(context, adapter, hyper, options);
   };
-  Encoder encode = [](const std::any& value) {
-    const OpOutput& out = std::any_cast<const OpOutput&>(value);
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "optim_step result");
+    if (!out.ok()) return Outcome::Failed(out.status());
     Json metrics = Json::object();
-    for (const auto& [k, v] : out.metrics) {
+    for (const auto& [k, v] : (*out)->metrics) {
       if (std::isfinite(v)) metrics[k] = v;
     }
     Outcome o;
     o.json = {{"metrics", metrics}, {"type", "optim_step"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(*model, *seq, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -481,12 +489,13 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     args.save_optimizer = true;
     return coordinator_.SubmitSave(context, adapter, args);
   };
-  Encoder encode = [model_id = *model_id, name = *name](const std::any&) {
+  Encoder encode = [model_id = *model_id, name = *name](const FutureValue&) {
     Outcome o;
     o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(*model, *seq, {"save_weights", FingerprintOf(absl::StrCat(*name, "\n", overwrite))},
+                   std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -506,12 +515,13 @@ absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const
                                    optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
   };
-  Encoder encode = [path = *path, model_id = *model_id](const std::any&) {
+  Encoder encode = [path = *path, model_id = *model_id](const FutureValue&) {
     Outcome o;
     o.json = {{"path", path}, {"model_id", model_id}, {"type", "load_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(*model, *seq, {"load_weights", FingerprintOf(absl::StrCat(*path, "\n", optimizer))},
+                   std::move(submit), std::move(encode));
 }
 
 // ---- direct training calls ------------------------------------------------------------------

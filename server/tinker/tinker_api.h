@@ -17,7 +17,9 @@
 //    in a reorder buffer (the SDK posts the chunks of one forward_backward concurrently,
 //    the first one last); a gap that is not filled within seq_gap_timeout is skipped.
 //  - Idempotency: (session, model_seq_id), (model_id, seq_id), (session,
-//    sampling_session_seq_id) and (sampling session, seq_id) return the first request id.
+//    sampling_session_seq_id) and (sampling session, seq_id) return the first request id;
+//    a (model_id, seq_id) replayed with another op or another body is refused (400), and the
+//    scheduler's idempotency key "tinker-seq-N" carries the op's name and fingerprint too.
 //  - Futures: request ids ("tk-…") over the coordinator's futures; retrieve_future
 //    long-polls without a thread (a completion callback or a timer answers).
 //  - Errors: absl codes; transports map them (tinker_api.h's HttpStatusFor). A failure
@@ -160,7 +162,7 @@ class TinkerApi {
   struct Entry;
   struct Model;
   class Worker;
-  using Encoder = std::function<Outcome(const std::any&)>;
+  using Encoder = std::function<Outcome(const FutureValue&)>;
   // Submits to the coordinator (returns the future id) or fails.
   using Submit = std::function<absl::StatusOr<uint64_t>()>;
 
@@ -183,12 +185,22 @@ class TinkerApi {
   void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
   Json Promise(const Entry& entry) const;
   absl::StatusOr<std::shared_ptr<Model>> FindModel(const tenancy::Tenant& tenant, const std::string& model_id);
-  // Orders by seq_id (see above); returns the promise JSON or a direct error.
-  absl::StatusOr<Json> Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit, Encoder encode);
+  // What a seq-ordered call is, for idempotency: a replayed seq_id must repeat the same op
+  // (`name`) with the same body (`fingerprint`, 0 = not compared).
+  struct OpIdentity {
+    const char* name = "";
+    uint64_t fingerprint = 0;
+  };
+  // Orders by seq_id (see above); returns the promise JSON or a direct error. A seq_id seen
+  // before returns the first request's promise when `op` matches, else FAILED_PRECONDITION
+  // (an idempotency conflict, HTTP 400) naming the seq_id.
+  absl::StatusOr<Json> Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, OpIdentity op, Submit submit,
+                                 Encoder encode);
   void DrainLocked(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model.mu);
   void ArmGapTimer(const std::shared_ptr<Model>& model);
   absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
-                                           int64_t seq_id, training::ForwardArgs args, bool forward_only);
+                                           int64_t seq_id, training::ForwardArgs args, bool forward_only,
+                                           uint64_t fingerprint);
   void Housekeep();
 
   const TinkerOptions options_;

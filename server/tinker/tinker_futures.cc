@@ -48,6 +48,8 @@ const char* ErrorCategory(const absl::Status& status) {
 }
 
 int HttpStatusFor(const absl::Status& status) {
+  // A replayed key or seq_id of another op: the caller's mistake, and never retried.
+  if (sched::IsIdempotencyConflict(status)) return 400;
   switch (status.code()) {
     case absl::StatusCode::kOk: return 200;
     case absl::StatusCode::kInvalidArgument:
@@ -134,21 +136,32 @@ Json TinkerApi::Promise(const Entry& entry) const {
 
 // ---- seq_id ordering -----------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit,
-                                          Encoder encode) {
+absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, OpIdentity op,
+                                          Submit submit, Encoder encode) {
   absl::MutexLock lock(&model->mu);
   if (seq_id > 0) {
     auto seen = model->by_seq.find(seq_id);
     if (seen != model->by_seq.end()) {
+      const Model::SeqRecord& first = seen->second;
+      if (first.op != op.name) {
+        return sched::IdempotencyConflict(absl::StrCat("seq_id ", seq_id, " of model ", model->model_id,
+                                                       " was already used for a ", first.op, "; this ", op.name,
+                                                       " needs a seq_id of its own"));
+      }
+      if (first.fingerprint != 0 && op.fingerprint != 0 && first.fingerprint != op.fingerprint) {
+        return sched::IdempotencyConflict(absl::StrCat("seq_id ", seq_id, " of model ", model->model_id,
+                                                       " was already used for a ", first.op,
+                                                       " with a different request body"));
+      }
       absl::MutexLock map_lock(&mu_);
-      auto e = entries_.find(seen->second);
+      auto e = entries_.find(first.request_id);
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
   if (seq_id > model->next_seq) {
     // Ahead of its turn: wait for the gap to fill (or time out).
     std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
-    model->by_seq[seq_id] = entry->request_id;
+    model->by_seq[seq_id] = Model::SeqRecord{entry->request_id, op.name, op.fingerprint};
     model->buffered[seq_id] = Model::Waiting{entry, std::move(submit), std::move(encode)};
     ArmGapTimer(model);
     return Promise(*entry);
@@ -157,13 +170,23 @@ absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, i
   // refusal is the direct answer.
   absl::StatusOr<uint64_t> id = submit();
   if (!id.ok() && Transient(id.status())) return id.status();  // not accepted: the SDK retries it
+  if (!id.ok() && sched::IsIdempotencyConflict(id.status())) {
+    // The key belongs to another op: answer directly (400), remember nothing; the seq_id's
+    // turn is over all the same (the SDK does not resend a 400).
+    if (seq_id == model->next_seq) {
+      model->next_seq = seq_id + 1;
+      ++model->progress;
+      DrainLocked(*model);
+    }
+    return id.status();
+  }
   std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
   if (id.ok()) {
     Attach(entry, *id, std::move(encode));
   } else {
     Complete(entry, Outcome::Failed(id.status()));
   }
-  if (seq_id > 0) model->by_seq[seq_id] = entry->request_id;
+  if (seq_id > 0) model->by_seq[seq_id] = Model::SeqRecord{entry->request_id, op.name, op.fingerprint};
   if (seq_id == model->next_seq) {
     model->next_seq = seq_id + 1;
     ++model->progress;

@@ -2,7 +2,6 @@
 // SamplerCoordinator (sessions on the base model, on a checkpoint path, or on a live snapshot
 // of a training adapter).
 #include <algorithm>
-#include <any>
 #include <cmath>
 #include <limits>
 
@@ -43,30 +42,36 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
       args.is_sampler = true;
       return coordinator_.SubmitSave(context, adapter, args);
     };
-    Encoder encode = [run_id, name = *name](const std::any&) {
+    Encoder encode = [run_id, name = *name](const FutureValue&) {
       Outcome o;
       o.json = {{"path", absl::StrCat("tinker://", run_id, "/sampler_weights/", name)},
                 {"type", "save_weights_for_sampler"}};
       return o;
     };
-    return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+    return Sequenced(*model, *seq, {"save_weights_for_sampler", FingerprintOf(*name)}, std::move(submit),
+                     std::move(encode));
   }
   if (sampler_ == nullptr) return NoSampler();
   // Unnamed: a live snapshot in the adapter's queue and a sampling session on it.
   absl::StatusOr<int64_t> sampling_seq = GetInt(body, "sampling_session_seq_id", -1);
   if (!sampling_seq.ok()) return sampling_seq.status();
-  Submit submit = [this, context, adapter = (*model)->adapter, seq = *seq]() {
+  // The unnamed form's fingerprint: the (empty) name; the SDK changes sampling_session_seq_id
+  // on each retry of one call, so that is not part of it.
+  const uint64_t fingerprint = FingerprintOf(std::string_view());
+  Submit submit = [this, context, adapter = (*model)->adapter, seq = *seq, fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
+    options.fingerprint = fingerprint;
     return sampler_->SubmitSnapshotSession(context, adapter, options);
   };
-  Encoder encode = [](const std::any& value) {
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const sampling::SnapshotSession*> session = ValueAs<sampling::SnapshotSession>(value, "sampling session");
+    if (!session.ok()) return Outcome::Failed(session.status());
     Outcome o;
-    o.json = {{"sampling_session_id", std::any_cast<const sampling::SnapshotSession&>(value).sampling_session_id},
-              {"type", "save_weights_for_sampler"}};
+    o.json = {{"sampling_session_id", (*session)->sampling_session_id}, {"type", "save_weights_for_sampler"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(*model, *seq, {"save_weights_for_sampler", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {
@@ -324,10 +329,11 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   for (int64_t i = 0; i < *num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  Attach(entry, *id, [want_prompt_lp, first_scored](const std::any& value) {
-    const sampling::SampleOutput& out = std::any_cast<const sampling::SampleOutput&>(value);
-    if (out.prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-    return EncodeSample(out.prompts[0], want_prompt_lp, first_scored);
+  Attach(entry, *id, [want_prompt_lp, first_scored](const FutureValue& value) {
+    absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
+    if (!out.ok()) return Outcome::Failed(out.status());
+    if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+    return EncodeSample((*out)->prompts[0], want_prompt_lp, first_scored);
   });
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);

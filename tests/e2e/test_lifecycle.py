@@ -1,0 +1,119 @@
+"""One request lifecycle under every API, through the real server with auth on and two
+tenants (alice and bob): idempotency keys scoped per adapter and op."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+from e2e_support.server import LaunchServer, ServerProcess
+from e2e_support.training import KEYS, Client, auth_overrides, batch
+from test_tinker_http import MODEL_NAME, Api, fwdbwd_body
+
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def model_dir(server: ServerProcess) -> Path:
+    return Path(server.config["model"]["path"])
+
+
+@pytest.fixture
+def server(launch_server: LaunchServer, tmp_path: Path) -> ServerProcess:
+    return launch_server(auth_overrides(storage={"data_dir": str(tmp_path / "data")}))
+
+
+def new_model(api: Api) -> tuple[str, str]:
+    """(session_id, model_id) of a fresh Tinker model."""
+    session = api.post("/create_session", {"tags": []}).json()["session_id"]
+    promise = api.post("/create_model", {"session_id": session, "model_seq_id": 0, "base_model": MODEL_NAME,
+                                         "lora_config": {"rank": 4}})
+    assert promise.status_code == 200, promise.text
+    out = api.result(promise.json()["request_id"]).json()
+    assert "model_id" in out, out
+    return session, out["model_id"]
+
+
+def assert_conflict(r: requests.Response, *needles: str) -> None:
+    """A replayed key of another op: 400 (never retried by the SDK), naming the key."""
+    assert r.status_code == 400, f"{r.status_code}: {r.text}"
+    assert r.headers["x-should-retry"] == "false"
+    body = r.json()
+    assert body["code"] == "FAILED_PRECONDITION", body
+    for needle in needles:
+        assert needle in body["detail"], body
+
+
+def served_forward_backward(api: Api, model_id: str, seq_id: int) -> float:
+    """A forward_backward that runs to the end; its loss:sum."""
+    r = api.post("/forward_backward", data=fwdbwd_body(model_id, seq_id), headers=PROTO)
+    assert r.status_code == 200, r.text
+    out = api.result(r.json()["request_id"]).json()
+    assert "metrics" in out, out
+    return float(out["metrics"]["loss:sum"])
+
+
+def test_idempotency_collisions_get_a_clear_error_and_the_server_stays_up(server: ServerProcess) -> None:
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    session, model_id = new_model(alice)
+    _, bob_model = new_model(bob)
+
+    # 1. A Twinkle gRPC ForwardBackward on the Tinker model's adapter with the key the Tinker
+    #    layer derives from seq_id 1, then a Tinker save_weights_for_sampler with seq_id 1:
+    #    the key belongs to a forward_backward, so the snapshot is refused, naming the key
+    #    (before: the forward_backward's result was cast to a sampling session: SIGABRT).
+    grpc_alice = Client(server.grpc_address, KEYS["alice"])
+    try:
+        request = tpb.ForwardRequest(adapter_name=f"{session}.t0", inputs=batch(1, vocab_size(model_dir(server))),
+                                     options=tpb.RequestOptions(idempotency_key="tinker-seq-1"))
+        first = grpc_alice.call("ForwardBackward", request)
+        assert first.result.loss > 0
+        # The same request again is a retry: same answer, nothing new runs.
+        assert grpc_alice.call("ForwardBackward", request).result.loss == first.result.loss
+        # The same key with another body is refused.
+        other = tpb.ForwardRequest(adapter_name=f"{session}.t0", inputs=batch(2, vocab_size(model_dir(server))),
+                                   options=tpb.RequestOptions(idempotency_key="tinker-seq-1"))
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_alice.call("ForwardBackward", other)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+        assert "'tinker-seq-1'" in info.value.details() and "different request body" in info.value.details()
+    finally:
+        grpc_alice.close()
+    assert_conflict(alice.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 1}),
+                    "'tinker-seq-1'", "forward_backward")
+    assert server.proc.poll() is None, server.logs()
+
+    # 2. One Tinker seq_id reused across forward_backward, optim_step and
+    #    save_weights_for_sampler: the first wins, the others are refused naming the seq_id.
+    served_forward_backward(alice, model_id, 2)
+    assert_conflict(alice.post("/optim_step", {"model_id": model_id, "seq_id": 2,
+                                               "adam_params": {"learning_rate": 1e-3}}),
+                    "seq_id 2", "forward_backward")
+    assert_conflict(alice.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 2}),
+                    "seq_id 2", "forward_backward")
+    # A forward_backward replayed with another body under seq_id 2 is refused too...
+    assert_conflict(alice.post("/forward_backward", data=fwdbwd_body(model_id, 2, forward_only=True), headers=PROTO),
+                    "seq_id 2")
+    # ...while a true retry (same body) gets the first request's id.
+    again = alice.post("/forward_backward", data=fwdbwd_body(model_id, 2), headers=PROTO)
+    assert again.status_code == 200, again.text
+    assert server.proc.poll() is None, server.logs()
+
+    # The server is up for both tenants: bob's forward_backward is served, and alice goes on
+    # with the next seq_id.
+    bob_loss = served_forward_backward(bob, bob_model, 1)
+    assert bob_loss > 0
+    step = alice.post("/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}})
+    assert step.status_code == 200, step.text
+    assert "metrics" in alice.result(step.json()["request_id"]).json()
+    assert served_forward_backward(alice, model_id, 4) > 0
+    assert server.proc.poll() is None, server.logs()
+
