@@ -152,7 +152,7 @@ TinkerApi::~TinkerApi() {
 absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const tenancy::Tenant& tenant,
                                                                        const std::string& model_id) {
   absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
+  auto it = models_.find(ModelKey(tenant.id, model_id));
   if (it == models_.end() || it->second->tenant != tenant.id) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
@@ -210,6 +210,14 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
 }
 
 absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then) {
+  // A model lives in one of the caller's sessions: without one (or in another tenant's) its
+  // id would be shared with other tenants' models.
+  if (spec.session.empty()) {
+    return absl::InvalidArgumentError("session_id: empty; create a session first (create_session)");
+  }
+  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), spec.session); !s.ok()) {
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", spec.session, "'"));
+  }
   const std::string key = absl::StrCat("create_model\n", tenant.id, "\n", spec.session, "\n", spec.model_seq);
   const std::string model_id = ModelIdFor(spec.session, spec.model_seq);
   std::shared_ptr<Entry> entry;
@@ -265,7 +273,7 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
     model->switches = Switches{spec.attn, spec.mlp, spec.unembed};
     {
       absl::MutexLock lock(&mu_);
-      models_[model->model_id] = model;
+      models_[ModelKey(model->tenant, model->model_id)] = model;
     }
     then(model, entry);
   });
@@ -320,7 +328,7 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
     absl::Status s = coordinator_.RemoveAdapter(context, m->adapter);
     {
       absl::MutexLock lock(&mu_);
-      models_.erase(m->model_id);
+      models_.erase(ModelKey(m->tenant, m->model_id));
     }
     Outcome o = Outcome::Failed(s);
     if (s.ok()) o.json = {{"model_id", m->model_id}, {"type", "unload_model"}};

@@ -215,7 +215,7 @@ class TinkerApi {
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);  // by ModelKey
   // Idempotency: key → request id (create_model, sampling sessions, asample).
   absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
   // Direct answers that must be idempotent: create_sampling_session.

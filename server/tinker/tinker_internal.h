@@ -53,6 +53,12 @@ uint64_t FingerprintOf(std::string_view bytes);
 // A protobuf's, over its deterministic serialization.
 uint64_t FingerprintOf(const google::protobuf::Message& message);
 
+// TinkerApi::models_'s key: model ids are chosen by clients (they embed the session id), so
+// the map is per tenant.
+inline std::string ModelKey(const std::string& tenant, const std::string& model_id) {
+  return tenant + "\n" + model_id;
+}
+
 struct Switches {
   bool attn = false, mlp = false, unembed = false;
 };

@@ -167,7 +167,7 @@ absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const 
   absl::MutexLock lock(&mu_);
   std::vector<std::string> runs;
   for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(id);
+    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(m->model_id);
   }
   return Json{{"training_run_ids", runs}, {"sampler_ids", Json::array()}};
 }

@@ -1,10 +1,12 @@
 """One request lifecycle under every API, through the real server with auth on and two
-tenants (alice and bob): idempotency keys scoped per adapter and op."""
+tenants (alice and bob): idempotency keys scoped per adapter and op, Tinker model ids per
+tenant."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -116,4 +118,20 @@ def test_idempotency_collisions_get_a_clear_error_and_the_server_stays_up(server
     assert "metrics" in alice.result(step.json()["request_id"]).json()
     assert served_forward_backward(alice, model_id, 4) > 0
     assert server.proc.poll() is None, server.logs()
+
+def test_a_model_id_belongs_to_one_tenant(server: ServerProcess) -> None:
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    session, model_id = new_model(alice)
+    body: dict[str, Any] = {"model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 4}}
+    # No session, or another tenant's: refused at once, so no two tenants share a model id.
+    r = bob.post("/create_model", {**body, "session_id": ""})
+    assert r.status_code == 400 and "session_id" in r.json()["detail"], r.text
+    r = alice.post("/create_model", {**body, "session_id": ""})
+    assert r.status_code == 400 and "session_id" in r.json()["detail"], r.text
+    r = bob.post("/create_model", {**body, "session_id": session})
+    assert r.status_code == 404 and "session_id" in r.json()["detail"], r.text
+    # Alice's model is still hers, and bob cannot see it.
+    assert served_forward_backward(alice, model_id, 1) > 0
+    r = bob.post("/forward_backward", data=fwdbwd_body(model_id, 1), headers=PROTO)
+    assert r.status_code == 404, r.text
 
