@@ -135,6 +135,33 @@ absl::Status TrainingCoordinator::Heartbeat(const TenantContext& tenant, const s
   return absl::OkStatus();
 }
 
+bool TrainingCoordinator::SessionAlive(const std::string& tenant, const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  return it != sessions_.end() && it->second.tenant == tenant;
+}
+
+absl::Status TrainingCoordinator::EndSession(const TenantContext& tenant, const std::string& session_id) {
+  std::vector<std::shared_ptr<Adapter>> owned;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end() || it->second.tenant != tenant.id) {
+      return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
+    }
+    sessions_.erase(it);
+    for (const auto& [key, a] : adapters_) {
+      if (a->tenant == tenant.id && a->session_id == session_id) owned.push_back(a);
+    }
+  }
+  for (const std::shared_ptr<Adapter>& a : owned) {
+    LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": adapter ", a->name, " released: its session ended"));
+    Release(a, absl::AbortedError(absl::StrCat("adapter '", a->name, "' was released: its session ", session_id,
+                                               " ended")));
+  }
+  return absl::OkStatus();
+}
+
 // ---- adapters ------------------------------------------------------------------------------
 
 absl::StatusOr<std::shared_ptr<TrainingCoordinator::Adapter>> TrainingCoordinator::Find(

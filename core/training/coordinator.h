@@ -74,6 +74,12 @@ class TrainingCoordinator {
   // Sessions (Twinkle's create_session / heartbeat). Unknown or another tenant's: NotFound.
   std::string CreateSession(const TenantContext& tenant);
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
+  // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
+  bool SessionAlive(const std::string& tenant, const std::string& session_id) const;
+  // Ends the session: it is forgotten (heartbeats get NotFound) and its adapters are released
+  // (their queued ops fail ABORTED); blocks until they are off the engine. NotFound when it is
+  // not a live session of the tenant.
+  absl::Status EndSession(const TenantContext& tenant, const std::string& session_id);
 
   // Registers the adapter and creates it on the engine; blocks until done.
   absl::StatusOr<AddAdapterResult> AddAdapter(const TenantContext& tenant, const AddAdapterArgs& args);

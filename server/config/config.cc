@@ -105,6 +105,7 @@ template <typename V> void VisitFields(V& v, SamplerSection& c) {
   v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
   v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
   v.Field("max_snapshots", c.max_snapshots, Range(1, 1e5));
+  v.Field("max_snapshots_per_tenant", c.max_snapshots_per_tenant, Range(1, 1e5));
   v.Field("max_sessions_per_tenant", c.max_sessions_per_tenant, Range(1, 1e5));
   v.Field("default_max_tokens", c.default_max_tokens, Range(1, 1e7));
   v.Field("max_num_samples", c.max_num_samples, Range(1, 1e5));

@@ -86,6 +86,7 @@ struct SamplerSection {
   int32_t kv_block_size = 16;             // tokens per block
   int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
   int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide
+  int32_t max_snapshots_per_tenant = 16;  // live (unnamed) snapshots per tenant; LRU-evicted beyond
   int32_t max_sessions_per_tenant = 64;   // open sampling sessions per tenant
   int32_t default_max_tokens = 16;        // when a request leaves max_tokens unset
   int32_t max_num_samples = 128;          // completions per prompt in one request

@@ -116,6 +116,11 @@ class TinkerApi {
   Json Capabilities() const;
   absl::StatusOr<Json> CreateSession(const tenancy::Tenant& tenant, const Json& body);
   absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
+  // sessions/{id}/finish (ServiceClient.close): the session's sampling sessions and their
+  // snapshots are closed at once; its models are unloaded and the session ended on the
+  // blocking thread (GetCapacity and /metrics are back to the figures before it within a
+  // second). Finishing an unknown or already finished session answers OK (the SDK retries).
+  absl::StatusOr<Json> FinishSession(const tenancy::Tenant& tenant, const std::string& session_id);
   Json Telemetry(const Json& body) const;
 
   // ---- training (futures: {"request_id", "model_id"}) ----

@@ -58,11 +58,13 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
   // The unnamed form's fingerprint: the (empty) name; the SDK changes sampling_session_seq_id
   // on each retry of one call, so that is not part of it.
   const uint64_t fingerprint = FingerprintOf(std::string_view());
-  Submit submit = [this, context, adapter = (*model)->adapter, seq = *seq, fingerprint]() {
+  // The sampling session belongs to the model's session: released when that one finishes.
+  Submit submit = [this, context, adapter = (*model)->adapter, owner = (*model)->session_id, seq = *seq,
+                   fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
     options.fingerprint = fingerprint;
-    return sampler_->SubmitSnapshotSession(context, adapter, options);
+    return sampler_->SubmitSnapshotSession(context, adapter, options, owner);
   };
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const sampling::SnapshotSession*> session = ValueAs<sampling::SnapshotSession>(value, "sampling session");
@@ -93,7 +95,9 @@ absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& ten
     auto it = direct_dedupe_.find(key);
     if (it != direct_dedupe_.end()) return it->second;
   }
-  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path));
+  // Owned by the caller's session when it names a live one: released when that one finishes.
+  const std::string owner = coordinator_.SessionAlive(tenant.id, *session) ? *session : "";
+  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path), owner);
   if (!id.ok()) return id.status();
   Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
   if (*seq >= 0) {
@@ -303,16 +307,20 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
   if (!session.ok()) return session.status();
   const training::TenantContext context = ContextOf(tenant);
+  // seq_ids are per sampling client: only a named session dedupes by them (the implicit
+  // session is shared by every session-less caller of the tenant).
+  const bool named_session = !session->empty();
   if (session->empty()) {
-    // Session-less: a session on model_path or the base model.
+    // Session-less: the tenant's one implicit session on model_path (or the base model).
     absl::StatusOr<std::string> path = GetString(body, "model_path", "");
     if (!path.ok()) return path.status();
-    absl::StatusOr<std::string> id = sampler_->CreateSession(context, InternalPath(*path));
+    absl::StatusOr<std::string> id = sampler_->ImplicitSession(context, InternalPath(*path));
     if (!id.ok()) return id.status();
     *session = *id;
   }
   absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", -1);
   if (!seq.ok()) return seq.status();
+  if (!named_session) *seq = -1;
   const std::string key = absl::StrCat("asample\n", tenant.id, "\n", *session, "\n", *seq);
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);

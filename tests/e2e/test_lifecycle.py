@@ -1,6 +1,7 @@
 """One request lifecycle under every API, through the real server with auth on and two
 tenants (alice and bob): idempotency keys scoped per adapter and op, Tinker model ids per
-tenant."""
+tenant, sampling sessions and snapshots that are released, so an RL loop runs in a bounded
+footprint."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import grpc
 import pytest
 import requests
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb
 
+from e2e_support import prom
 from e2e_support.server import LaunchServer, ServerProcess
 from e2e_support.training import KEYS, Client, auth_overrides, batch
+from e2e_support.waiting import scaled, wait_until
 from test_tinker_http import MODEL_NAME, Api, fwdbwd_body
 
 PROTO = {"Content-Type": "application/x-protobuf"}
@@ -135,3 +139,82 @@ def test_a_model_id_belongs_to_one_tenant(server: ServerProcess) -> None:
     r = bob.post("/forward_backward", data=fwdbwd_body(model_id, 1), headers=PROTO)
     assert r.status_code == 404, r.text
 
+# ---- sampling sessions and snapshots are released ----------------------------------------
+
+def gauges(server: ServerProcess) -> tuple[int, int]:
+    """(twinkle_sampler_sessions, twinkle_sampler_snapshots) from /metrics."""
+    samples = prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+    return int(prom.value(samples, "twinkle_sampler_sessions")), int(prom.value(samples, "twinkle_sampler_snapshots"))
+
+
+def capacity(server: ServerProcess) -> Any:
+    c = Client(server.grpc_address, KEYS["alice"])
+    try:
+        return c.utility.GetCapacity(upb.GetCapacityRequest(), metadata=c.metadata, timeout=10)
+    finally:
+        c.close()
+
+
+RL_STEPS = 300
+PER_TENANT = 4  # sampler.max_snapshots_per_tenant in this test
+
+
+def test_an_rl_loop_that_never_closes_anything_runs_in_a_bounded_footprint(launch_server: LaunchServer,
+                                                                            tmp_path: Path) -> None:
+    import tinker
+    from tinker import types
+
+    server = launch_server(auth_overrides(storage={"data_dir": str(tmp_path / "data")},
+                                          sampler={"max_snapshots_per_tenant": PER_TENANT}))
+    base = f"http://{server.host}:{server.http_port}"
+    svc = tinker.ServiceClient(base_url=base, api_key=KEYS["alice"])
+    made = svc.create_lora_training_client(base_model=MODEL_NAME, rank=4)
+    training = made.result() if hasattr(made, "result") else made
+    prompt = types.ModelInput.from_ints([11, 42, 7])
+    params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=3)
+    first_sampler = None
+    most_sessions = most_snapshots = 0
+    for step in range(RL_STEPS):
+        made = training.save_weights_and_get_sampling_client()
+        sampler = made.result() if hasattr(made, "result") else made
+        first_sampler = first_sampler or sampler
+        out = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+        tokens = [11, 42, 7] + list(out.sequences[0].tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        if step % 25 == 0 or step == RL_STEPS - 1:
+            sessions, snapshots = gauges(server)
+            most_sessions, most_snapshots = max(most_sessions, sessions), max(most_snapshots, snapshots)
+    print(f"after {RL_STEPS} steps: at most {most_sessions} sampling sessions, {most_snapshots} snapshots "
+          f"(per-tenant cap {PER_TENANT})")
+    assert most_snapshots <= PER_TENANT and most_sessions <= PER_TENANT
+    assert capacity(server).sampler_snapshots <= PER_TENANT
+    # The other tenant is served normally.
+    bob = Api(server, KEYS["bob"])
+    assert served_forward_backward(bob, new_model(bob)[1], 1) > 0
+
+    # The first sampler's snapshot was evicted long ago: using it is a clear error, not a
+    # sample from other weights.
+    with pytest.raises(tinker.APIStatusError) as info:
+        first_sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+    assert info.value.status_code == 403 and "was released" in str(info.value), str(info.value)
+
+    # Session-less sampling reuses one implicit session per (tenant, model path).
+    alice = Api(server, KEYS["alice"])
+    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [11, 42, 7]}]}, "num_samples": 1,
+            "sampling_params": {"max_tokens": 2, "seed": 1}}
+    before, _ = gauges(server)
+    for _ in range(80):  # more than sampler.max_sessions_per_tenant (64)
+        r = alice.post("/asample", body)
+        assert r.status_code == 200, r.text
+    assert "sequences" in alice.result(r.json()["request_id"]).json()
+    after, _ = gauges(server)
+    assert after <= before + 1, (before, after)
+
+    # Closing the ServiceClient finishes its session: its sampling sessions and snapshots go.
+    svc.close("success").result()
+    wait_until(lambda: gauges(server)[1] == 0 or None, scaled(10), "the session's snapshots released")
+    assert capacity(server).sampler_snapshots == 0
+    assert server.proc.poll() is None, server.logs()
