@@ -49,7 +49,8 @@ struct LimitsSection {
   int32_t max_adapters = 64;               // per tenant; also the server's resident maximum
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;
-  int32_t max_pending_ops = 256;           // queued ops per tenant over all its adapters
+  int32_t max_pending_ops = 256;           // queued (and Tinker-buffered) ops per tenant
+  int64_t max_buffered_tokens = 262144;    // tokens of Tinker ops buffered ahead of seq gaps
   double tokens_per_s = 0;                 // per-tenant token rate; 0 = unlimited
   int64_t burst_tokens = 65536;            // per-tenant token bucket size
 };

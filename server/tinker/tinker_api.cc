@@ -355,12 +355,10 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
   int64_t tokens = 0;
   for (const training::TokenDatum& d : args.datums) tokens += static_cast<int64_t>(d.input_tokens.size());
   auto shared_args = std::make_shared<training::ForwardArgs>(std::move(args));
-  Submit submit = [this, context, tenant, adapter = (*model)->adapter, shared_args, forward_only, bad, tokens,
-                   seq_id, fingerprint]() -> absl::StatusOr<uint64_t> {
+  // Its tokens are charged to the tenant's rate by Sequenced, before it is queued or buffered.
+  Submit submit = [this, context, adapter = (*model)->adapter, shared_args, forward_only, bad, seq_id,
+                   fingerprint]() -> absl::StatusOr<uint64_t> {
     if (!bad.ok()) return bad;
-    if (rate_limiter_ != nullptr) {
-      if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
-    }
     training::SubmitOptions options;
     options.idempotency_key = seq_id > 0 ? absl::StrCat("tinker-seq-", seq_id) : "";
     options.fingerprint = fingerprint;
@@ -368,15 +366,14 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
         context, adapter,
         forward_only ? training::ForwardMode::kForward : training::ForwardMode::kForwardBackward, *shared_args,
         false, options);
-    if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
     return id;
   };
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "forward_backward result");
     return out.ok() ? EncodeForwardBackward(**out) : Outcome::Failed(out.status());
   };
-  return Sequenced(*model, seq_id, {forward_only ? "forward" : "forward_backward", fingerprint}, std::move(submit),
-                   std::move(encode));
+  return Sequenced(tenant, *model, seq_id, {forward_only ? "forward" : "forward_backward", fingerprint, tokens},
+                   std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& r) {
@@ -469,7 +466,7 @@ absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const J
     o.json = {{"metrics", metrics}, {"type", "optim_step"}};
     return o;
   };
-  return Sequenced(*model, *seq, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -502,7 +499,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, {"save_weights", FingerprintOf(absl::StrCat(*name, "\n", overwrite))},
+  return Sequenced(tenant, *model, *seq, {"save_weights", FingerprintOf(absl::StrCat(*name, "\n", overwrite))},
                    std::move(submit), std::move(encode));
 }
 
@@ -528,7 +525,7 @@ absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const
     o.json = {{"path", path}, {"model_id", model_id}, {"type", "load_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, {"load_weights", FingerprintOf(absl::StrCat(*path, "\n", optimizer))},
+  return Sequenced(tenant, *model, *seq, {"load_weights", FingerprintOf(absl::StrCat(*path, "\n", optimizer))},
                    std::move(submit), std::move(encode));
 }
 

@@ -195,14 +195,23 @@ class TinkerApi {
   struct OpIdentity {
     const char* name = "";
     uint64_t fingerprint = 0;
+    int64_t tokens = 0;  // what the op costs (forward_backward: its tokens), for the limits
   };
   // Orders by seq_id (see above); returns the promise JSON or a direct error. A seq_id seen
   // before returns the first request's promise when `op` matches, else FAILED_PRECONDITION
   // (an idempotency conflict, HTTP 400) naming the seq_id.
-  absl::StatusOr<Json> Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, OpIdentity op, Submit submit,
-                                 Encoder encode);
+  //
+  // Every op is admitted against the tenant's limits before it is buffered or queued, so
+  // ops waiting ahead of a gap count like queued ones: its size (max_tokens_per_request,
+  // 403), its queued and buffered ops (max_pending_ops, 429), its buffered tokens
+  // (max_buffered_tokens, 429) and its token rate (tokens_per_s, 429).
+  // Each gap is timed on its own: the op after a missing seq_id waits at most
+  // seq_gap_timeout from its arrival, then the gap is skipped.
+  absl::StatusOr<Json> Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model, int64_t seq_id,
+                                 OpIdentity op, Submit submit, Encoder encode);
   void DrainLocked(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model.mu);
-  void ArmGapTimer(const std::shared_ptr<Model>& model);
+  // Arms the timer of the gap in front of the first buffered op (when there is one).
+  void ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model->mu);
   absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
                                            int64_t seq_id, training::ForwardArgs args, bool forward_only,
                                            uint64_t fingerprint);
@@ -223,6 +232,8 @@ class TinkerApi {
   absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);  // by ModelKey
   // Idempotency: key → request id (create_model, sampling sessions, asample).
   absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
+  // Tinker ops buffered ahead of seq gaps, per tenant: (count, tokens).
+  absl::flat_hash_map<std::string, std::pair<int64_t, int64_t>> buffered_ ABSL_GUARDED_BY(mu_);
   // Direct answers that must be idempotent: create_sampling_session.
   absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
   const std::string boot_;  // random, so request ids of another boot never match

@@ -83,6 +83,9 @@ struct TinkerApi::Model {
     std::shared_ptr<Entry> entry;
     Submit submit;
     Encoder encode;
+    tenancy::Tenant tenant;  // whose rate was charged `tokens` when it was buffered
+    int64_t tokens = 0;
+    absl::Time arrived;      // its gap is timed from here
   };
   std::map<int64_t, Waiting> buffered ABSL_GUARDED_BY(mu);
   struct SeqRecord {
@@ -91,7 +94,6 @@ struct TinkerApi::Model {
     uint64_t fingerprint = 0;  // OpIdentity::fingerprint
   };
   std::map<int64_t, SeqRecord> by_seq ABSL_GUARDED_BY(mu);  // seq_id → its first request
-  uint64_t progress ABSL_GUARDED_BY(mu) = 0;                  // bumps when next_seq moves
 };
 
 // A thread for blocking calls and timers: its jobs run one at a time, each when it falls due.

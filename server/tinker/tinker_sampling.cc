@@ -48,7 +48,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
                 {"type", "save_weights_for_sampler"}};
       return o;
     };
-    return Sequenced(*model, *seq, {"save_weights_for_sampler", FingerprintOf(*name)}, std::move(submit),
+    return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", FingerprintOf(*name)}, std::move(submit),
                      std::move(encode));
   }
   if (sampler_ == nullptr) return NoSampler();
@@ -73,7 +73,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
     o.json = {{"sampling_session_id", (*session)->sampling_session_id}, {"type", "save_weights_for_sampler"}};
     return o;
   };
-  return Sequenced(*model, *seq, {"save_weights_for_sampler", fingerprint}, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {

@@ -1,17 +1,21 @@
 """One request lifecycle under every API, through the real server with auth on and two
 tenants (alice and bob): idempotency keys scoped per adapter and op, Tinker model ids per
 tenant, sampling sessions and snapshots that are released, so an RL loop runs in a bounded
-footprint."""
+footprint, seq_id gaps each timed on their own with buffered ops inside the tenant's limits."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+import psutil
 import pytest
 import requests
+from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
 from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb
 
@@ -217,4 +221,99 @@ def test_an_rl_loop_that_never_closes_anything_runs_in_a_bounded_footprint(launc
     svc.close("success").result()
     wait_until(lambda: gauges(server)[1] == 0 or None, scaled(10), "the session's snapshots released")
     assert capacity(server).sampler_snapshots == 0
+    assert server.proc.poll() is None, server.logs()
+
+
+# ---- seq_id gaps -------------------------------------------------------------------------
+
+GAP_S = 30.0  # TinkerOptions::seq_gap_timeout
+
+
+def fwdbwd_tokens(model_id: str, seq_id: int, n: int) -> bytes:
+    """A forward_backward of one datum of n tokens."""
+    rng = np.random.default_rng(seq_id)
+    seq = rng.integers(0, 200, n + 1)
+    datum = tp.Datum(
+        model_input=[tp.Chunk(encoded_text=tp.EncodedTextChunk(tokens=np.asarray(seq[:-1], np.int32).tobytes()))],
+        loss_fn_inputs={"target_tokens": tp.Tensor(dense=np.asarray(seq[1:], np.int64).tobytes(),
+                                                   dtype=tp.DTYPE_INT64, shape=[n])})
+    return tp.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, data=[datum],
+                                     loss_fn="cross_entropy").SerializeToString()
+
+
+def outcome(api: Api, request_id: str, deadline: float) -> dict[str, Any]:
+    """The future's JSON result, long-polling until `deadline` (time.monotonic())."""
+    while time.monotonic() < deadline:
+        r = api.post("/retrieve_future", {"request_id": request_id})
+        assert r.status_code == 200, r.text
+        if r.json().get("type") != "try_again":
+            return r.json()
+    raise AssertionError(f"{request_id} still pending")
+
+
+@pytest.fixture
+def gap_server(launch_server: LaunchServer, tmp_path: Path) -> ServerProcess:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")})
+    for tenant in overrides["auth"]["tenants"]:
+        if tenant["id"] == "bob":
+            tenant["quotas"] = {"max_pending_ops": 3}
+    overrides["limits"] = {"max_buffered_tokens": 63, "max_pending_ops": 16}
+    return launch_server(overrides)
+
+
+def test_each_seq_gap_is_timed_on_its_own_and_buffered_ops_count_against_limits(gap_server: ServerProcess) -> None:
+    server = gap_server
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    _, model_id = new_model(alice)
+    _, bob_model = new_model(bob)
+
+    # seq 2, 3, 5, 6 without 1 and 4: two gaps, each timed from its own first op's arrival.
+    start = time.monotonic()
+    ids = {}
+    for seq in (2, 3, 5, 6):
+        r = alice.post("/forward_backward", data=fwdbwd_tokens(model_id, seq, 7), headers=PROTO)
+        assert r.status_code == 200, r.text
+        ids[seq] = r.json()["request_id"]
+    deadline = start + scaled(2 * GAP_S)
+    for seq, request_id in ids.items():
+        out = outcome(alice, request_id, deadline)
+        assert "metrics" in out, (seq, out)
+    print(f"seq 2,3,5,6 without 1 and 4: all finished after {time.monotonic() - start:.1f} s "
+          f"(gap timeout {GAP_S:.0f} s)")
+
+    # Ops ahead of a gap are admitted like queued ones. Oversized: refused at once (403),
+    # nothing buffered, so the coordinator's memory stays flat.
+    proc = psutil.Process(server.pid)
+    rss_before = proc.memory_info().rss
+    oversized = fwdbwd_tokens(model_id, 1000, 40000)
+    for i in range(300):
+        body = oversized if i == 0 else tp.ForwardBackwardRequest.FromString(oversized)
+        if i > 0:
+            body.seq_id = 1000 + i
+            body = body.SerializeToString()
+        r = alice.post("/forward_backward", data=body, headers=PROTO)
+        assert r.status_code == 403, r.text
+        assert "max_tokens_per_request" in r.json()["detail"], r.text
+    growth = proc.memory_info().rss - rss_before
+    print(f"300 far-ahead oversized ops: all 403; coordinator RSS growth {growth / 2**20:.1f} MiB")
+    assert growth < 100 * 2**20
+
+    # Buffered tokens: 9 ops of 7 tokens fill max_buffered_tokens (63); the 10th is refused
+    # (429, it clears when the gap fills or times out), naming the limit.
+    for i in range(9):
+        r = alice.post("/forward_backward", data=fwdbwd_tokens(model_id, 2000 + i, 7), headers=PROTO)
+        assert r.status_code == 200, r.text
+    r = alice.post("/forward_backward", data=fwdbwd_tokens(model_id, 2009, 7), headers=PROTO)
+    assert r.status_code == 429 and "max_buffered_tokens" in r.json()["detail"], r.text
+
+    # Buffered ops count toward max_pending_ops (bob's quota: 3): the 4th is refused.
+    for i in range(3):
+        r = bob.post("/forward_backward", data=fwdbwd_tokens(bob_model, 100 + i, 7), headers=PROTO)
+        assert r.status_code == 200, r.text
+    r = bob.post("/forward_backward", data=fwdbwd_tokens(bob_model, 103, 7), headers=PROTO)
+    assert r.status_code == 429 and "max_pending_ops" in r.json()["detail"], r.text
+
+    # The other tenant is served normally meanwhile: alice's in-order op of another model.
+    _, other = new_model(alice)
+    assert served_forward_backward(alice, other, 1) > 0
     assert server.proc.poll() is None, server.logs()
