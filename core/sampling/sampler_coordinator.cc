@@ -451,6 +451,17 @@ void SamplerCoordinator::Housekeep() {
   for (const auto& [tenant, queue] : queues) DropQueues(tenant, {queue}, "the sampling session was released");
 }
 
+int64_t SamplerCoordinator::TokensOf(const std::vector<std::vector<int64_t>>& prompts,
+                                     const SamplingParams& params) const {
+  const int64_t max_tokens = params.max_tokens == 0 ? options_.default_max_tokens : std::max<int64_t>(params.max_tokens, 0);
+  const int64_t samples = params.num_samples == 0 ? 1 : std::max<int64_t>(params.num_samples, 0);
+  int64_t total = 0;
+  for (const std::vector<int64_t>& prompt : prompts) {
+    total += (static_cast<int64_t>(prompt.size()) + max_tokens) * samples;
+  }
+  return total;
+}
+
 SamplerStats SamplerCoordinator::stats() const {
   absl::MutexLock lock(&mu_);
   SamplerStats s;

@@ -161,6 +161,11 @@ class SamplerCoordinator {
                                         std::vector<std::vector<int64_t>> prompts, const SamplingParams& params,
                                         const SubmitOptions& options);
 
+  // What a sampling request costs, in tokens: (prompt + max_tokens) x num_samples summed over
+  // the prompts (max_tokens 0 = the default). The figure max_tokens_per_request limits and
+  // the transports charge to the tenant's token rate (tokens_per_s), as for training.
+  int64_t TokensOf(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params) const;
+
   // Closes sessions unused for session_timeout, and owned sessions whose training session
   // ended. Call periodically.
   void Housekeep();

@@ -128,8 +128,15 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
       [&](const tenancy::Tenant& t) {
         std::vector<std::vector<int64_t>> prompts;
         for (const v1::Prompt& p : request->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
-        return state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(), std::move(prompts),
-                                            ToParams(request->params()), ToSubmitOptions(context, request->options(), request));
+        const sampling::SamplingParams params = ToParams(request->params());
+        // Charged to the tenant's token rate like training.
+        const int64_t tokens = state_.sampler->TokensOf(prompts, params);
+        if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return absl::StatusOr<uint64_t>(s);
+        absl::StatusOr<uint64_t> id = state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(),
+                                                                   std::move(prompts), params,
+                                                                   ToSubmitOptions(context, request->options(), request));
+        if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
+        return id;
       },
       [response](uint64_t id) { response->set_future_id(id); },
       [response](const FutureValue& value) { return FillSample(value, response); });

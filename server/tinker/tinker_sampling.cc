@@ -330,8 +330,14 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
+  // Sampling is charged to the tenant's token rate like training (429 with Retry-After).
+  const int64_t tokens = sampler_->TokensOf({*prompt}, *params);
+  if (rate_limiter_ != nullptr) {
+    if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
+  }
   training::SubmitOptions options;
   absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, *session, {*prompt}, *params, options);
+  if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
   if (!id.ok()) return id.status();  // 429 on overload: only accepted submissions are remembered
   std::shared_ptr<Entry> entry = NewEntry(tenant.id, "");
   for (int64_t i = 0; i < *num_samples; ++i) {

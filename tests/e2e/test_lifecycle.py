@@ -317,3 +317,34 @@ def test_each_seq_gap_is_timed_on_its_own_and_buffered_ops_count_against_limits(
     _, other = new_model(alice)
     assert served_forward_backward(alice, other, 1) > 0
     assert server.proc.poll() is None, server.logs()
+
+
+# ---- sampling is rate-limited like training ----------------------------------------------
+
+def test_sampling_is_charged_to_the_tenants_token_rate_like_training(launch_server: LaunchServer,
+                                                                     tmp_path: Path) -> None:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")})
+    for tenant in overrides["auth"]["tenants"]:
+        if tenant["id"] == "alice":
+            tenant["quotas"] = {"tokens_per_s": 0.01, "burst_tokens": 40}
+    server = launch_server(overrides)
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    _, model_id = new_model(alice)
+    # (3 prompt + 7 new tokens) x 4 samples = 40 tokens: exactly alice's burst.
+    body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [11, 42, 7]}]}, "num_samples": 4,
+            "sampling_params": {"max_tokens": 7, "seed": 1}}
+    first = alice.post("/asample", body)
+    assert first.status_code == 200, first.text
+    assert len(alice.result(first.json()["request_id"]).json()["sequences"]) == 4
+    refused = alice.post("/asample", body)
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    # The same bucket as training: alice's forward_backward waits too...
+    r = alice.post("/forward_backward", data=fwdbwd_body(model_id, 1), headers=PROTO)
+    assert r.status_code == 429, r.text
+    # ...while bob, without a rate quota, samples and trains as usual.
+    for _ in range(3):
+        ok = bob.post("/asample", body)
+        assert ok.status_code == 200, ok.text
+    _, bob_model = new_model(bob)
+    assert served_forward_backward(bob, bob_model, 1) > 0
