@@ -22,9 +22,13 @@ struct TenantContext {
   int32_t max_pending_ops = 256;
 };
 
+// The one LoRA alpha default of every API (Twinkle's AddAdapter with lora_alpha unset,
+// Tinker's create_model, which has no alpha): PEFT-style scaling alpha / rank.
+inline constexpr double kDefaultLoraAlpha = 32;
+
 struct LoraArgs {
   int64_t rank = 8;
-  double alpha = 32;
+  double alpha = kDefaultLoraAlpha;
   double dropout = 0;
   std::vector<std::string> targets = {"all-linear"};
   bool use_rslora = false;

@@ -71,7 +71,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
     args.name = request->adapter_name();
     const v1::LoraConfig& c = request->config();
     args.lora.rank = c.r() == 0 ? 8 : c.r();
-    args.lora.alpha = c.lora_alpha() == 0 ? 32 : c.lora_alpha();
+    args.lora.alpha = c.lora_alpha() == 0 ? training::kDefaultLoraAlpha : c.lora_alpha();
     args.lora.dropout = c.lora_dropout();
     if (c.target_modules_size() > 0) args.lora.targets.assign(c.target_modules().begin(), c.target_modules().end());
     args.lora.use_rslora = c.use_rslora();

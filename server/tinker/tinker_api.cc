@@ -25,7 +25,6 @@ namespace twinkle::tinker {
 using training::OpOutput;
 
 namespace {
-constexpr double kLoraAlpha = 32;
 
 // PEFT target modules for Tinker's three switches.
 absl::StatusOr<std::vector<std::string>> Targets(bool attn, bool mlp, bool unembed) {
@@ -244,7 +243,7 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
   args.name = AdapterNameFor(spec.session, spec.model_seq);
   args.session_id = spec.session;
   args.lora.rank = spec.rank;
-  args.lora.alpha = kLoraAlpha;
+  args.lora.alpha = training::kDefaultLoraAlpha;
   args.lora.use_rslora = false;
   args.lora.targets = spec.targets;
   args.lora.seed = spec.seed;

@@ -9,7 +9,7 @@
 //
 // What lives here and nowhere else:
 //  - Tinker model ids: a model is an adapter of the caller's tenant created through
-//    TrainingCoordinator::AddAdapter (lora_alpha 32, rsLoRA off, targets from
+//    TrainingCoordinator::AddAdapter (lora_alpha training::kDefaultLoraAlpha = 32, rsLoRA off, targets from
 //    train_attn/train_mlp/train_unembed); its model_id is the adapter's run id, so
 //    tinker://<model_id>/weights/<name> resolves through the checkpoint registry.
 //  - Sessions: the coordinator's sessions; models die with a session that stops beating.
