@@ -88,6 +88,14 @@ void TinkerApi::Housekeep() {
         ++it;
       }
     }
+    // A dedupe key outlives nothing it points at (asample adds one per call).
+    for (auto it = dedupe_.begin(); it != dedupe_.end();) {
+      if (entries_.contains(it->second)) {
+        ++it;
+      } else {
+        dedupe_.erase(it++);
+      }
+    }
   }
   timers_->After(absl::Seconds(60), [this] { Housekeep(); });
 }
