@@ -382,6 +382,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler_options.model_dir = config.model.path;
   sampler_options.max_decode_steps_per_call = config.sampler.max_decode_steps_per_call;
   sampler_options.max_snapshots = config.sampler.max_snapshots;
+  sampler_options.max_snapshots_per_tenant = config.sampler.max_snapshots_per_tenant;
   sampler_options.max_sessions_per_tenant = config.sampler.max_sessions_per_tenant;
   sampler_options.session_timeout = absl::Seconds(config.sessions.adapter_timeout_s);
   sampler_options.default_max_tokens = config.sampler.default_max_tokens;

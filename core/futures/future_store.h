@@ -5,7 +5,6 @@
 // for it with a timeout (the gRPC blocking calls and the HTTP long-poll both sit on Wait).
 // A future belongs to a tenant: another tenant's id is NotFound, exactly like an unknown id.
 
-#include <any>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -18,10 +17,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/common/clock.h"
+#include "core/futures/future_value.h"
 
 namespace twinkle {
 
-using FutureResult = absl::StatusOr<std::any>;
+// A finished op: its typed value, or the error it failed with.
+using FutureResult = absl::StatusOr<FutureValue>;
 
 // Makes futures outlive the process: told of every creation and completion, asked about ids
 // the store does not hold (issued before a restart). Implementations must not block for

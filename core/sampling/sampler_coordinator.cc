@@ -172,23 +172,131 @@ absl::Status SamplerCoordinator::CheckSessionRoom(const std::string& tenant) con
 }
 
 std::string SamplerCoordinator::AddSession(const std::string& tenant, const std::string& model_path,
-                                           std::shared_ptr<Snapshot> snapshot) {
+                                           std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live) {
   auto session = std::make_shared<Session>();
   session->id = absl::StrCat("sampler-", next_session_++);
   session->tenant = tenant;
   session->model_path = model_path;
   session->snapshot = std::move(snapshot);
+  session->owner = owner;
+  session->live = live;
   session->last_used = clock_.Now();
   sessions_[session->id] = session;
   return session->id;
 }
 
+std::string SamplerCoordinator::ReleaseLocked(std::map<std::string, std::shared_ptr<Session>>::iterator it,
+                                              const std::string& why, std::vector<std::shared_ptr<Session>>* keep) {
+  const std::string id = it->first;
+  const std::string tenant = it->second->tenant;
+  LogInfo(kLog, absl::StrCat("tenant ", tenant, ": sampling session ", id, " released: ", why));
+  keep->push_back(std::move(it->second));  // its snapshot is let go after mu_
+  sessions_.erase(it);
+  if (released_.emplace(id, std::make_pair(tenant, why)).second) released_order_.push_back(id);
+  while (static_cast<int64_t>(released_order_.size()) > std::max(options_.released_sessions_remembered, 0)) {
+    released_.erase(released_order_.front());
+    released_order_.pop_front();
+  }
+  WakeAllLanes();  // its snapshot may be freed now
+  return training::TrainingCoordinator::TaskQueue(tenant, "sampler/" + id);
+}
+
+void SamplerCoordinator::DropQueues(const std::string& tenant, const std::vector<std::string>& queues,
+                                    const std::string& why) {
+  // Requests already handed to a decode thread still finish; queued ones are refused.
+  for (const std::string& queue : queues) {
+    training_.scheduler().DropAdapter(queue, absl::FailedPreconditionError(why));
+  }
+  (void)tenant;
+}
+
+void SamplerCoordinator::MakeRoomForLiveSnapshotLocked(const std::string& tenant, std::vector<std::string>* queues,
+                                                       std::vector<std::shared_ptr<Session>>* keep) {
+  for (;;) {
+    int64_t live = 0, mine = 0;
+    auto lru = sessions_.end();
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+      if (it->second->tenant != tenant) continue;
+      ++mine;
+      if (!it->second->live) continue;
+      ++live;
+      if (lru == sessions_.end() || it->second->last_used < lru->second->last_used) lru = it;
+    }
+    if (lru == sessions_.end()) return;  // nothing of its own to evict
+    int64_t server_wide = 0;
+    {
+      absl::MutexLock dead(&graveyard_->mu);
+      server_wide = graveyard_->live;
+    }
+    const bool over = live >= options_.max_snapshots_per_tenant || mine >= options_.max_sessions_per_tenant ||
+                      server_wide >= options_.max_snapshots;
+    if (!over) return;
+    queues->push_back(ReleaseLocked(
+        lru,
+        absl::StrCat("its snapshot was evicted as the least recently used of your ", live,
+                     " unnamed sampler snapshots (limit sampler.max_snapshots_per_tenant = ",
+                     options_.max_snapshots_per_tenant, "); save the weights for sampling again"),
+        keep));
+    // A snapshot still held by a running request is freed when it finishes: the server-wide
+    // figure may not drop at once, so evict at most what the per-tenant caps ask beyond one.
+    if (live < options_.max_snapshots_per_tenant && mine < options_.max_sessions_per_tenant) return;
+  }
+}
+
+absl::StatusOr<std::string> SamplerCoordinator::ImplicitSession(const TenantContext& tenant,
+                                                                const std::string& model_path) {
+  const std::string key = absl::StrCat(tenant.id, "\n", model_path);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = implicit_.find(key);
+    if (it != implicit_.end()) {
+      auto s = sessions_.find(it->second);
+      if (s != sessions_.end() && s->second->tenant == tenant.id) {
+        s->second->last_used = clock_.Now();
+        return it->second;
+      }
+      implicit_.erase(it);
+    }
+  }
+  absl::StatusOr<std::string> id = CreateSession(tenant, model_path);
+  if (!id.ok()) return id.status();
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = implicit_.emplace(key, *id);
+  if (!inserted) {
+    // Another request made one meanwhile: keep that one, close ours.
+    if (it->second != *id && sessions_.count(it->second)) {
+      sessions_.erase(*id);
+      WakeAllLanes();
+      return it->second;
+    }
+    it->second = *id;
+  }
+  return *id;
+}
+
+int64_t SamplerCoordinator::CloseOwnedBy(const TenantContext& tenant, const std::string& owner) {
+  if (owner.empty()) return 0;
+  std::vector<std::shared_ptr<Session>> keep;
+  std::vector<std::string> queues;
+  const std::string why = absl::StrCat("its session ", owner, " finished");
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      auto next = std::next(it);
+      if (it->second->tenant == tenant.id && it->second->owner == owner) queues.push_back(ReleaseLocked(it, why, &keep));
+      it = next;
+    }
+  }
+  DropQueues(tenant.id, queues, absl::StrCat("the sampling session was released: ", why));
+  return static_cast<int64_t>(queues.size());
+}
+
 absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContext& tenant,
-                                                              const std::string& model_path) {
+                                                              const std::string& model_path, const std::string& owner) {
   if (model_path.empty()) {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
-    return AddSession(tenant.id, "", nullptr);
+    return AddSession(tenant.id, "", nullptr, owner, false);
   }
   if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
   if (model_path.find("://") == std::string::npos) {
@@ -202,7 +310,9 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
     if (auto it = snapshots_by_source_.find(source_key); it != snapshots_by_source_.end()) {
-      if (std::shared_ptr<Snapshot> shared = it->second.lock()) return AddSession(tenant.id, model_path, shared);
+      if (std::shared_ptr<Snapshot> shared = it->second.lock()) {
+        return AddSession(tenant.id, model_path, shared, owner, false);
+      }
     }
   }
   if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
@@ -225,24 +335,46 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
     snapshots_by_source_[source_key] = snapshot;
   }
   LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": sampling session on ", model_path));
-  return AddSession(tenant.id, model_path, std::move(snapshot));
+  return AddSession(tenant.id, model_path, std::move(snapshot), owner, false);
 }
 
 absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSnapshotSession(const TenantContext& tenant,
                                                                    const std::string& adapter_name,
-                                                                   const SubmitOptions& options) {
-  if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
+                                                                   const SubmitOptions& options,
+                                                                   const std::string& owner) {
+  {
+    // Server-wide full: refused only when the tenant has no live snapshot of its own to evict.
+    absl::MutexLock lock(&mu_);
+    bool has_live = false;
+    for (const auto& [id, s] : sessions_) has_live |= s->tenant == tenant.id && s->live;
+    if (!has_live) {
+      if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
+    }
+  }
   const std::string tenant_id = tenant.id;
   return training_.SubmitWithWeights(
       tenant, adapter_name,
-      [this, tenant_id, adapter_name](training::TrainingCoordinator::CapturedWeights weights)
+      [this, tenant_id, adapter_name, owner](training::TrainingCoordinator::CapturedWeights weights)
           -> FutureResult {
-        if (absl::Status s = CheckSnapshotRoom(); !s.ok()) return s;
-        absl::MutexLock lock(&mu_);
-        if (absl::Status s = CheckSessionRoom(tenant_id); !s.ok()) return s;
-        std::shared_ptr<Snapshot> snapshot =
-            NewSnapshot(tenant_id, absl::StrCat("adapter ", adapter_name), std::move(weights));
-        return std::any(SnapshotSession{AddSession(tenant_id, "", std::move(snapshot))});
+        std::vector<std::shared_ptr<Session>> keep;  // evicted sessions, let go after mu_
+        std::vector<std::string> queues;
+        FutureResult result = absl::InternalError("unset");
+        {
+          absl::MutexLock lock(&mu_);
+          MakeRoomForLiveSnapshotLocked(tenant_id, &queues, &keep);
+          if (absl::Status s = CheckSessionRoom(tenant_id); !s.ok()) {
+            result = s;
+          } else if (absl::Status room = CheckSnapshotRoom(); !room.ok()) {
+            result = room;
+          } else {
+            std::shared_ptr<Snapshot> snapshot =
+                NewSnapshot(tenant_id, absl::StrCat("adapter ", adapter_name), std::move(weights));
+            result = FutureValue(SnapshotSession{AddSession(tenant_id, "", std::move(snapshot), owner, true)});
+          }
+        }
+        keep.clear();
+        DropQueues(tenant_id, queues, "the sampling session was released: its snapshot was evicted");
+        return result;
       },
       options);
 }
@@ -252,6 +384,12 @@ absl::StatusOr<std::shared_ptr<SamplerCoordinator::Session>> SamplerCoordinator:
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->tenant != tenant.id) {
+    auto released = released_.find(id);
+    if (released != released_.end() && released->second.first == tenant.id) {
+      // Not a retryable condition: the session and its weights are gone for good.
+      return absl::FailedPreconditionError(
+          absl::StrCat("sampling session '", id, "' was released: ", released->second.second));
+    }
     return absl::NotFoundError(absl::StrCat("sampling session '", id, "' not found"));
   }
   it->second->last_used = clock_.Now();
@@ -289,18 +427,39 @@ absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const
 
 void SamplerCoordinator::Housekeep() {
   std::vector<std::shared_ptr<Session>> expired;
-  absl::MutexLock lock(&mu_);
-  const absl::Time cutoff = clock_.Now() - options_.session_timeout;
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (it->second->last_used < cutoff) {
-      LogInfo(kLog, absl::StrCat("tenant ", it->second->tenant, ": sampling session ", it->first, " expired"));
-      expired.push_back(std::move(it->second));
-      it = sessions_.erase(it);
-    } else {
-      ++it;
+  std::vector<std::pair<std::string, std::string>> queues;  // (tenant, queue)
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time cutoff = clock_.Now() - options_.session_timeout;
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      auto next = std::next(it);
+      const Session& s = *it->second;
+      std::string why;
+      if (s.last_used < cutoff) {
+        why = "unused for sessions.adapter_timeout_s";
+      } else if (!s.owner.empty() && !training_.SessionAlive(s.tenant, s.owner)) {
+        why = absl::StrCat("its session ", s.owner, " ended (finished or stopped heartbeating)");
+      }
+      if (!why.empty()) {
+        const std::string tenant = s.tenant;
+        queues.emplace_back(tenant, ReleaseLocked(it, why, &expired));
+      }
+      it = next;
     }
   }
-  if (!expired.empty()) WakeAllLanes();
+  expired.clear();
+  for (const auto& [tenant, queue] : queues) DropQueues(tenant, {queue}, "the sampling session was released");
+}
+
+int64_t SamplerCoordinator::TokensOf(const std::vector<std::vector<int64_t>>& prompts,
+                                     const SamplingParams& params) const {
+  const int64_t max_tokens = params.max_tokens == 0 ? options_.default_max_tokens : std::max<int64_t>(params.max_tokens, 0);
+  const int64_t samples = params.num_samples == 0 ? 1 : std::max<int64_t>(params.num_samples, 0);
+  int64_t total = 0;
+  for (const std::vector<int64_t>& prompt : prompts) {
+    total += (static_cast<int64_t>(prompt.size()) + max_tokens) * samples;
+  }
+  return total;
 }
 
 SamplerStats SamplerCoordinator::stats() const {
@@ -414,11 +573,11 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   request->output.prompts.resize(request->prompts.size());
   request->rows_left = request->prompts.size();
   // A queue per session: requests of one session keep their order; sessions interleave.
-  return training_.SubmitTask(tenant, "sampler/" + session_id, total_tokens,
+  return training_.SubmitTask(tenant, "sampler/" + session_id, "sample", total_tokens,
                               [this, request](uint64_t op_id) -> FutureResult {
                                 request->future_id = op_id;
                                 Enqueue(request);
-                                return std::any(sched::Deferred{});
+                                return FutureValue(sched::Deferred{});
                               },
                               options);
 }

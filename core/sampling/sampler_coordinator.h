@@ -52,6 +52,7 @@
 #include "core/training/coordinator.h"
 #include "core/training/engine_link.h"
 #include "core/sampling/token_text.h"
+#include "core/sampling/types.h"
 #include "core/training/types.h"
 
 namespace twinkle::sampling {
@@ -78,42 +79,6 @@ struct SamplingParams {
   int64_t prompt_top_logprobs = 0;
 };
 
-// The k most likely tokens at each of a run of positions, row-major [positions, k], by
-// descending logprob (the model's log-softmax of the raw logits); equal logprobs by ascending
-// token id. k = 0: not asked (both empty).
-struct TopLogprobs {
-  int64_t k = 0;
-  std::vector<int64_t> token_ids;
-  std::vector<float> logprobs;
-  size_t positions() const { return k > 0 ? token_ids.size() / static_cast<size_t>(k) : 0; }
-};
-
-struct SampledSequence {
-  std::vector<int64_t> tokens;  // generated tokens only; a stop token that ended it is last
-  std::vector<float> logprobs;  // log p(token) under the model (log-softmax of the raw logits)
-  std::string stop_reason;      // "stop" | "length"
-  TopLogprobs top_logprobs;     // when asked: one position per token
-};
-
-struct PromptOutput {
-  std::vector<SampledSequence> sequences;  // num_samples of them, in order
-  // [P] when asked: prompt_logprobs[i] = log p(prompt[i] | prompt[:i]); [0] is NaN.
-  std::vector<float> prompt_logprobs;
-  // [P] positions when asked, aligned like prompt_logprobs: position i is the distribution
-  // that predicts prompt[i] from prompt[:i]; position 0 has none (ids -1, logprobs NaN).
-  TopLogprobs prompt_top_logprobs;
-};
-
-// The future value of SubmitSample: one PromptOutput per prompt, in order.
-struct SampleOutput {
-  std::vector<PromptOutput> prompts;
-};
-
-// The future value of SubmitSnapshotSession.
-struct SnapshotSession {
-  std::string sampling_session_id;
-};
-
 struct SamplingSessionInfo {
   std::string id;
   std::string base_model;
@@ -125,7 +90,13 @@ struct SamplerOptions {
   std::string model_dir;  // its tokenizer.json decodes tokens for stop strings
   int64_t max_decode_steps_per_call = 8;  // one decode chunk; bounds what a training step waits
   int32_t max_snapshots = 64;             // engine snapshots held at once, server-wide
+  // Live (unnamed) adapter snapshots a tenant holds at once: a new one beyond this evicts the
+  // tenant's least recently used one (its session is closed; using it later is refused).
+  int32_t max_snapshots_per_tenant = 16;
   int32_t max_sessions_per_tenant = 64;
+  // Sessions closed (evicted, owner finished or gone) are remembered this many at most, so a
+  // later use gets "released: <why>" rather than "not found".
+  int32_t released_sessions_remembered = 4096;
   absl::Duration session_timeout = absl::Seconds(1800);  // unused this long: closed
   int64_t default_max_tokens = 16;
   int64_t max_num_samples = 128;
@@ -165,12 +136,22 @@ class SamplerCoordinator {
   void Stop();
 
   // A session on the base model (`model_path` empty) or on a checkpoint of the caller's
-  // tenant (another tenant's path is NotFound, like an unknown one).
-  absl::StatusOr<std::string> CreateSession(const TenantContext& tenant, const std::string& model_path);
+  // tenant (another tenant's path is NotFound, like an unknown one). `owner`: the training
+  // session (TrainingCoordinator's) it belongs to, or empty; an owned session is closed when
+  // its owner ends (CloseOwnedBy) or is gone (Housekeep).
+  absl::StatusOr<std::string> CreateSession(const TenantContext& tenant, const std::string& model_path,
+                                            const std::string& owner = "");
   // Snapshots adapter `adapter_name` in its queue and opens a session on the snapshot.
-  // Future value: SnapshotSession.
+  // Future value: SnapshotSession. Live snapshots are capped per tenant
+  // (max_snapshots_per_tenant): making one beyond the cap evicts the tenant's least recently
+  // used one, so a loop that never closes anything holds a bounded number.
   absl::StatusOr<uint64_t> SubmitSnapshotSession(const TenantContext& tenant, const std::string& adapter_name,
-                                                 const SubmitOptions& options);
+                                                 const SubmitOptions& options, const std::string& owner = "");
+  // The one implicit session of (tenant, model_path), for requests that name no session:
+  // made on first use, reused afterwards (and made again if it was closed).
+  absl::StatusOr<std::string> ImplicitSession(const TenantContext& tenant, const std::string& model_path);
+  // Closes every session of the tenant owned by training session `owner`; returns how many.
+  int64_t CloseOwnedBy(const TenantContext& tenant, const std::string& owner);
   absl::StatusOr<SamplingSessionInfo> GetSession(const TenantContext& tenant, const std::string& session_id);
   absl::Status CloseSession(const TenantContext& tenant, const std::string& session_id);
 
@@ -180,7 +161,13 @@ class SamplerCoordinator {
                                         std::vector<std::vector<int64_t>> prompts, const SamplingParams& params,
                                         const SubmitOptions& options);
 
-  // Closes sessions unused for session_timeout. Call periodically.
+  // What a sampling request costs, in tokens: (prompt + max_tokens) x num_samples summed over
+  // the prompts (max_tokens 0 = the default). The figure max_tokens_per_request limits and
+  // the transports charge to the tenant's token rate (tokens_per_s), as for training.
+  int64_t TokensOf(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params) const;
+
+  // Closes sessions unused for session_timeout, and owned sessions whose training session
+  // ended. Call periodically.
   void Housekeep();
   SamplerStats stats() const;
 
@@ -196,7 +183,17 @@ class SamplerCoordinator {
                                         training::TrainingCoordinator::CapturedWeights weights)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string AddSession(const std::string& tenant, const std::string& model_path,
-                         std::shared_ptr<Snapshot> snapshot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a session, remembering why (a later use is told), and returns its scheduler queue
+  // for the caller to drop once mu_ is released.
+  std::string ReleaseLocked(std::map<std::string, std::shared_ptr<Session>>::iterator it, const std::string& why,
+                            std::vector<std::shared_ptr<Session>>* keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the tenant's least recently used live sessions (and so their snapshots) until a
+  // new live snapshot fits the per-tenant caps (and, while it has any, the server-wide one).
+  void MakeRoomForLiveSnapshotLocked(const std::string& tenant, std::vector<std::string>* queues,
+                                     std::vector<std::shared_ptr<Session>>* keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropQueues(const std::string& tenant, const std::vector<std::string>& queues, const std::string& why);
   absl::Status CheckSnapshotRoom() const;
   absl::Status CheckSessionRoom(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Scheduler thread: the op's turn came; its rows wait for the decode threads, each on the
@@ -227,6 +224,11 @@ class SamplerCoordinator {
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Sessions closed by the server: id → (tenant, why), oldest first for the bound.
+  std::map<std::string, std::pair<std::string, std::string>> released_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> released_order_ ABSL_GUARDED_BY(mu_);
+  // ImplicitSession's: tenant + "\n" + model_path → session id.
+  std::map<std::string, std::string> implicit_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::weak_ptr<Snapshot>> snapshots_by_source_ ABSL_GUARDED_BY(mu_);  // tenant + path
   std::map<std::string, int64_t> in_flight_by_tenant_ ABSL_GUARDED_BY(mu_);  // requests handed over
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;

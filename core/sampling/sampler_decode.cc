@@ -131,7 +131,7 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
     absl::MutexLock lock(&mu_);
     done = --request.rows_left == 0;
   }
-  if (done) Finish(request, std::any(std::move(request.output)));
+  if (done) Finish(request, FutureValue(std::move(request.output)));
 }
 
 absl::Status SamplerCoordinator::EnsureOnEngine(Lane& lane, Snapshot& snapshot) {

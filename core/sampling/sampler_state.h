@@ -38,6 +38,8 @@ struct SamplerCoordinator::Session {
   std::string tenant;
   std::string model_path;
   std::shared_ptr<Snapshot> snapshot;  // null: the base model
+  std::string owner;                   // the training session it belongs to, or empty
+  bool live = false;                   // its snapshot is a live (unnamed) adapter capture
   absl::Time last_used;
 };
 

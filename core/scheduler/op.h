@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "core/futures/future_value.h"
 
 namespace twinkle::sched {
 
@@ -25,7 +28,12 @@ struct Op {
   int64_t tokens = 0;           // what fairness charges for it (kOther: 0, counted as 1)
   absl::Time deadline = absl::InfiniteFuture();  // never starts after this
   int64_t seq_id = -1;          // >= 0: ordered by it within the adapter's queue (Tinker)
-  std::string idempotency_key;  // non-empty: a second Submit with it returns the first's id
+  // Idempotency, per adapter queue (so per tenant: a queue is one tenant's). Non-empty: a
+  // second Submit with the same key, the same `name` and the same `fingerprint` returns the
+  // first op's id; with another name or fingerprint it is refused (IdempotencyConflict).
+  std::string idempotency_key;
+  std::string name;             // what the op is ("forward_backward", "optim_step", ...)
+  uint64_t fingerprint = 0;     // a hash of the request's body; 0 = not given (not compared)
   std::any payload;             // the executor's
 };
 
@@ -33,6 +41,19 @@ struct Op {
 // and the executor completes it later from another thread (a checkpoint write running off the
 // scheduler thread). The executor Block()s the adapter first, and Unblock()s it when done,
 // so the adapter's later ops wait while other adapters' ops keep running.
-struct Deferred {};
+using Deferred = ::twinkle::Deferred;
+
+// The refusal of a replayed idempotency key whose first use was another op or another body:
+// FAILED_PRECONDITION (it will not clear by itself), marked so that the HTTP mapping answers
+// 400 (the Tinker SDK retries 409) rather than 403.
+inline constexpr char kIdempotencyConflictUrl[] = "twinkle.dev/idempotency-conflict";
+inline absl::Status IdempotencyConflict(absl::string_view message) {
+  absl::Status s = absl::FailedPreconditionError(message);
+  s.SetPayload(kIdempotencyConflictUrl, absl::Cord("1"));
+  return s;
+}
+inline bool IsIdempotencyConflict(const absl::Status& s) {
+  return s.GetPayload(kIdempotencyConflictUrl).has_value();
+}
 
 }  // namespace twinkle::sched

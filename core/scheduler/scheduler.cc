@@ -5,7 +5,7 @@
 #include <deque>
 #include <exception>
 #include <tuple>
-#include <typeinfo>
+#include <variant>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -56,7 +56,12 @@ struct Scheduler::Queue {
   bool in_rr = false;             // listed in tenant->rr (exactly when ops is non-empty and
                                   // the queue is not blocked)
   int blocked = 0;                // Block() count: while > 0 none of its ops is picked
-  absl::flat_hash_map<std::string, uint64_t> keys;  // idempotency key → future id
+  struct KeyRecord {
+    uint64_t id = 0;       // the future id of the op first submitted with the key
+    std::string name;      // that op's name and body fingerprint: a replay must match both
+    uint64_t fingerprint = 0;
+  };
+  absl::flat_hash_map<std::string, KeyRecord> keys;  // idempotency key → its first op
   std::deque<std::string> key_order;                // oldest first, for the bound
 };
 
@@ -117,7 +122,21 @@ absl::StatusOr<uint64_t> Scheduler::Submit(Op op) {
   // A retry of an accepted op: the earlier id, whatever became of it since.
   if (queue != nullptr && !op.idempotency_key.empty()) {
     auto k = queue->keys.find(op.idempotency_key);
-    if (k != queue->keys.end()) return k->second;
+    if (k != queue->keys.end()) {
+      const Queue::KeyRecord& first = k->second;
+      if (first.name != op.name) {
+        return IdempotencyConflict(absl::StrCat(
+            "idempotency key '", op.idempotency_key, "' was already used for a ", first.name.empty() ? "different" : first.name,
+            " operation of this adapter; a ", op.name.empty() ? "different" : op.name,
+            " operation needs a key of its own"));
+      }
+      if (first.fingerprint != 0 && op.fingerprint != 0 && first.fingerprint != op.fingerprint) {
+        return IdempotencyConflict(absl::StrCat("idempotency key '", op.idempotency_key, "' was already used for a ",
+                                                first.name, " with a different request body; a new request needs a "
+                                                "key of its own"));
+      }
+      return first.id;
+    }
   }
   if (op.deadline <= now) {
     return absl::DeadlineExceededError("deadline passed before the op was queued");
@@ -161,7 +180,7 @@ absl::StatusOr<uint64_t> Scheduler::Submit(Op op) {
       queue->keys.erase(queue->key_order.front());
       queue->key_order.pop_front();
     }
-    queue->keys.emplace(op.idempotency_key, id);
+    queue->keys.emplace(op.idempotency_key, Queue::KeyRecord{id, op.name, op.fingerprint});
     queue->key_order.push_back(op.idempotency_key);
   }
   if (op.deadline != absl::InfiniteFuture()) deadlines_.emplace(op.deadline, id);
@@ -390,7 +409,7 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
   const absl::Duration duration = clock_.Now() - start;
   for (size_t i = 0; i < ops.size(); ++i) {
     // A Deferred result: the executor completes this future itself, later.
-    if (results[i].ok() && results[i]->type() == typeid(Deferred)) continue;
+    if (results[i].ok() && std::holds_alternative<Deferred>(*results[i])) continue;
     futures_.Complete(ops[i]->id, std::move(results[i]));
   }
 

@@ -102,7 +102,9 @@ class Scheduler {
   // RESOURCE_EXHAUSTED when the adapter's queue or the tenant's pending quota is full;
   // DEADLINE_EXCEEDED when the deadline has already passed; UNAVAILABLE after Stop. With an
   // idempotency key already seen for this adapter, returns the earlier op's id and queues
-  // nothing.
+  // nothing when the op's name and fingerprint match the earlier op's; otherwise
+  // FAILED_PRECONDITION (IdempotencyConflict) naming the key: a replay never gets another
+  // op's result.
   absl::StatusOr<uint64_t> Submit(Op op);
 
   // Removes a queued op: its future completes with CANCELLED. NotFound when the id is not

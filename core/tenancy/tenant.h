@@ -12,7 +12,9 @@ struct Quotas {
   int32_t max_adapters = 64;               // adapters the tenant may hold at once
   int32_t max_lora_rank = 64;              // largest LoRA rank it may request
   int64_t max_tokens_per_request = 32768;  // largest single request, in tokens
-  int32_t max_pending_ops = 256;           // ops queued for it over all its adapters
+  int32_t max_pending_ops = 256;           // ops queued for it over all its adapters (and
+                                           // Tinker ops buffered ahead of a seq_id gap)
+  int64_t max_buffered_tokens = 262144;    // tokens of its Tinker ops buffered ahead of gaps
   double tokens_per_s = 0;                 // sustained token rate; 0 = unlimited
   int64_t burst_tokens = 65536;            // token bucket size (tokens usable at once)
 };

@@ -45,7 +45,9 @@ class TrainingCoordinator::Runner final : public sched::Executor {
   std::vector<FutureResult> Execute(const std::vector<const sched::Op*>& batch) override {
     if (batch.size() == 1 && batch[0]->kind == sched::OpKind::kOther) {
       c_.current_op_ = batch[0]->id;
-      return {std::any_cast<const ControlPayload&>(batch[0]->payload).run()};
+      const auto* control = std::any_cast<ControlPayload>(&batch[0]->payload);
+      if (control == nullptr) return {absl::InternalError("a control op without its payload")};
+      return {control->run()};
     }
     return c_.RunFused(batch);
   }
@@ -133,6 +135,33 @@ absl::Status TrainingCoordinator::Heartbeat(const TenantContext& tenant, const s
   return absl::OkStatus();
 }
 
+bool TrainingCoordinator::SessionAlive(const std::string& tenant, const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  return it != sessions_.end() && it->second.tenant == tenant;
+}
+
+absl::Status TrainingCoordinator::EndSession(const TenantContext& tenant, const std::string& session_id) {
+  std::vector<std::shared_ptr<Adapter>> owned;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end() || it->second.tenant != tenant.id) {
+      return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
+    }
+    sessions_.erase(it);
+    for (const auto& [key, a] : adapters_) {
+      if (a->tenant == tenant.id && a->session_id == session_id) owned.push_back(a);
+    }
+  }
+  for (const std::shared_ptr<Adapter>& a : owned) {
+    LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": adapter ", a->name, " released: its session ended"));
+    Release(a, absl::AbortedError(absl::StrCat("adapter '", a->name, "' was released: its session ", session_id,
+                                               " ended")));
+  }
+  return absl::OkStatus();
+}
+
 // ---- adapters ------------------------------------------------------------------------------
 
 absl::StatusOr<std::shared_ptr<TrainingCoordinator::Adapter>> TrainingCoordinator::Find(
@@ -185,7 +214,9 @@ absl::StatusOr<OpOutput> TrainingCoordinator::WaitFor(uint64_t id, const std::st
   absl::StatusOr<FutureResult> r = futures_.Wait(id, tenant, absl::InfiniteDuration());
   if (!r.ok()) return r.status();
   if (!r->ok()) return r->status();
-  return std::any_cast<OpOutput>(**r);
+  absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(**r, "training result");
+  if (!out.ok()) return out.status();
+  return **out;
 }
 
 absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantContext& tenant,
@@ -251,7 +282,7 @@ absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantCon
   }
   // Created on the engine by a queued op, so residency bookkeeping stays on one thread.
   absl::StatusOr<uint64_t> id = SubmitControlOp(
-      tenant, adapter,
+      tenant, adapter, "add_adapter",
       [this, adapter]() -> FutureResult {
         SyncGeneration();
         if (absl::Status s = EnsureResident(*adapter, {adapter.get()}); !s.ok()) return s;
@@ -301,6 +332,7 @@ void TrainingCoordinator::Release(const std::shared_ptr<Adapter>& adapter, const
   op.tenant = adapter->tenant;
   op.adapter = adapter->key;
   op.kind = sched::OpKind::kOther;
+  op.name = "remove_adapter";
   op.payload = ControlPayload{[this, adapter]() -> FutureResult {
     SyncGeneration();
     if (adapter->resident && !adapter->lost) {

@@ -74,6 +74,12 @@ class TrainingCoordinator {
   // Sessions (Twinkle's create_session / heartbeat). Unknown or another tenant's: NotFound.
   std::string CreateSession(const TenantContext& tenant);
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
+  // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
+  bool SessionAlive(const std::string& tenant, const std::string& session_id) const;
+  // Ends the session: it is forgotten (heartbeats get NotFound) and its adapters are released
+  // (their queued ops fail ABORTED); blocks until they are off the engine. NotFound when it is
+  // not a live session of the tenant.
+  absl::Status EndSession(const TenantContext& tenant, const std::string& session_id);
 
   // Registers the adapter and creates it on the engine; blocks until done.
   absl::StatusOr<AddAdapterResult> AddAdapter(const TenantContext& tenant, const AddAdapterArgs& args);
@@ -148,7 +154,9 @@ class TrainingCoordinator {
   // Queues `run` in the tenant's private queue `queue` ('#' + queue never collides with an
   // adapter name), charged `tokens` for fair share. It runs on the scheduler thread with its
   // op id and may return sched::Deferred{} and complete the future itself later.
-  absl::StatusOr<uint64_t> SubmitTask(const TenantContext& tenant, const std::string& queue, int64_t tokens,
+  // `name` is the op's name for idempotency (a replayed key must name the same op).
+  absl::StatusOr<uint64_t> SubmitTask(const TenantContext& tenant, const std::string& queue, const char* name,
+                                      int64_t tokens,
                                       std::function<FutureResult(uint64_t op_id)> run,
                                       const SubmitOptions& options);
   // The scheduler queue key of SubmitTask's `queue` (for Scheduler::DropAdapter).
@@ -179,7 +187,8 @@ class TrainingCoordinator {
 
   absl::StatusOr<std::shared_ptr<Adapter>> Find(const TenantContext& tenant, const std::string& name) const;
   absl::StatusOr<uint64_t> SubmitControlOp(const TenantContext& tenant, const std::shared_ptr<Adapter>& adapter,
-                                           std::function<FutureResult()> run, const SubmitOptions& options);
+                                           const char* name, std::function<FutureResult()> run,
+                                           const SubmitOptions& options);
   absl::Status CheckPending(const TenantContext& tenant) const;
   absl::StatusOr<OpOutput> WaitFor(uint64_t id, const std::string& tenant);
   void Release(const std::shared_ptr<Adapter>& adapter, const absl::Status& why);

@@ -29,7 +29,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
     return absl::InvalidArgumentError("consumed_train_samples: must not be negative");
   }
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, checkpoint, args]() -> FutureResult {
+  return SubmitControlOp(tenant, a, args.is_sampler ? "save_weights_for_sampler" : "save", [this, a, checkpoint, args]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     absl::StatusOr<ipc::Message> state =
@@ -67,7 +67,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
                                                                        : CheckpointKind::kTraining,
                                             checkpoint}.uri();
         out.checkpoint_dir = record->path;
-        result = std::any(std::move(out));
+        result = FutureValue(std::move(out));
         LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": saved ", record->checkpoint_id, " of run ", a->run_id));
         if (options_.registry != nullptr) {
           (void)options_.registry->TouchRun(a->tenant, a->run_id, absl::Now(), trainer.optimizer_steps);
@@ -83,7 +83,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
       absl::MutexLock lock(&io_mu_);
       io_jobs_.push_back(std::move(job));
     }
-    return std::any(sched::Deferred{});
+    return FutureValue(sched::Deferred{});
   }, {});
 }
 
@@ -111,7 +111,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
                                                       " holds no trainer state (a sampler checkpoint?)"));
   }
   auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
-  return SubmitControlOp(tenant, a, [this, a, data, mode, resume]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "load", [this, a, data, mode, resume]() -> FutureResult {
     SyncGeneration();
     if (a->lost) {  // loading a checkpoint is exactly how a lost adapter comes back
       a->lost = false;
@@ -185,6 +185,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitExport(const TenantContext& 
   op.tenant = tenant.id;
   op.adapter = key;
   op.kind = sched::OpKind::kOther;
+  op.name = "export";
   op.payload = ControlPayload{[this, data, key, parent, export_name]() -> FutureResult {
     ipc::CreateAdapterRequest create;
     create.adapter_id = key;

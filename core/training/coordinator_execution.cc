@@ -311,7 +311,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitOptimStep(const TenantContex
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, hyper]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "optim_step", [this, a, hyper]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     ipc::OptimStepRequest req;

@@ -55,6 +55,17 @@ absl::StatusOr<std::map<std::string, double>> OptimizerHyper(const std::map<std:
   return out;
 }
 
+const char* ControlName(Control control) {
+  switch (control) {
+    case Control::kClipGradNorm: return "clip_grad_norm";
+    case Control::kStep: return "step";
+    case Control::kZeroGrad: return "zero_grad";
+    case Control::kLrStep: return "lr_step";
+    case Control::kClipGradAndStep: return "clip_grad_and_step";
+  }
+  return "control";
+}
+
 std::string FormatNumber(double v) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.6g", v);
@@ -81,7 +92,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitWithWeights(const TenantCont
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, then = std::move(then)]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "snapshot", [this, a, then = std::move(then)]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     absl::StatusOr<ipc::Message> state = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));
@@ -104,7 +115,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitWithWeights(const TenantCont
 }
 
 absl::StatusOr<uint64_t> TrainingCoordinator::SubmitTask(const TenantContext& tenant, const std::string& queue,
-                                                         int64_t tokens, std::function<FutureResult(uint64_t)> run,
+                                                         const char* name, int64_t tokens, std::function<FutureResult(uint64_t)> run,
                                                          const SubmitOptions& options) {
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
   sched::Op op;
@@ -115,13 +126,15 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitTask(const TenantContext& te
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
+  op.name = name;
+  op.fingerprint = options.fingerprint;
   op.payload = ControlPayload{[this, run = std::move(run)]() -> FutureResult { return run(current_op_); }};
   return scheduler_->Submit(std::move(op));
 }
 
 absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControlOp(const TenantContext& tenant,
                                                               const std::shared_ptr<Adapter>& adapter,
-                                                              std::function<FutureResult()> run,
+                                                              const char* name, std::function<FutureResult()> run,
                                                               const SubmitOptions& options) {
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
   sched::Op op;
@@ -131,6 +144,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControlOp(const TenantContex
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
+  op.name = name;
+  op.fingerprint = options.fingerprint;
   op.payload = ControlPayload{std::move(run)};
   return scheduler_->Submit(std::move(op));
 }
@@ -157,6 +172,10 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
+  op.name = mode == ForwardMode::kForwardBackward ? "forward_backward"
+            : mode == ForwardMode::kForward       ? "forward"
+                                                  : "forward_only";
+  op.fingerprint = options.fingerprint;
   op.payload = FusedPayload{*adapter, *std::move(packed), mode, disable_lora && mode == ForwardMode::kForwardOnly};
   return scheduler_->Submit(std::move(op));
 }
@@ -174,6 +193,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitBackward(const TenantContext
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
+  op.name = "backward";
+  op.fingerprint = options.fingerprint;
   op.payload = FusedPayload{*adapter, std::nullopt, ForwardMode::kForwardBackward, false};
   return scheduler_->Submit(std::move(op));
 }
@@ -184,7 +205,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitCalculateLoss(const TenantCo
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   Adapter* a = adapter->get();
-  return SubmitControlOp(tenant, *adapter, [a]() -> FutureResult {
+  return SubmitControlOp(tenant, *adapter, "calculate_loss", [a]() -> FutureResult {
     if (!a->last_loss) return absl::FailedPreconditionError("calculate_loss: no forward has run on this adapter yet");
     OpOutput out;
     out.value = out.loss = *a->last_loss;
@@ -206,7 +227,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControl(const TenantContext&
     }
   }
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, control, max_norm, norm_type]() -> FutureResult {
+  return SubmitControlOp(tenant, a, ControlName(control), [this, a, control, max_norm, norm_type]() -> FutureResult {
     return RunControl(*a, control, max_norm, norm_type);
   }, options);
 }
@@ -229,7 +250,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetLoss(const TenantContext&
   }
   std::shared_ptr<Adapter> a = *adapter;
   ipc::LossSpecMsg spec{engine_name, config, string_config};
-  return SubmitControlOp(tenant, a, [a, spec]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "set_loss", [a, spec]() -> FutureResult {
     a->loss = spec;
     return OpOutput{};
   }, {});
@@ -248,7 +269,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetOptimizer(const TenantCon
   absl::StatusOr<std::map<std::string, double>> hyper = OptimizerHyper(config);
   if (!hyper.ok()) return hyper.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a, kind, hyper = *hyper]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "set_optimizer", [this, a, kind, hyper = *hyper]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     ipc::SetOptimizerRequest req{a->key, kind};
@@ -270,7 +291,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetLrScheduler(const TenantC
   absl::StatusOr<std::unique_ptr<LrScheduler>> made = LrScheduler::Create(spec);
   if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("scheduler_cls: ", made.status().message()));
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a, spec]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "set_lr_scheduler", [a, spec]() -> FutureResult {
     a->schedule = spec;
     a->scheduler = *LrScheduler::Create(spec);
     a->lr_steps = 0;
@@ -283,7 +304,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitCalculateMetric(const Tenant
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "calculate_metric", [a]() -> FutureResult {
     OpOutput out;
     if (a->loss_count > 0) out.metric_strings["loss"] = FormatNumber(a->loss_sum / static_cast<double>(a->loss_count));
     if (a->last_grad_norm) out.metric_strings["grad_norm"] = FormatNumber(*a->last_grad_norm);
@@ -300,7 +321,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetTrainConfigs(const Tenant
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [a]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "get_train_configs", [a]() -> FutureResult {
     nlohmann::json j;
     j["adapter_name"] = a->name;
     j["run_id"] = a->run_id;
@@ -323,7 +344,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitGetStateDict(const TenantCon
   absl::StatusOr<std::shared_ptr<Adapter>> adapter = Find(tenant, name);
   if (!adapter.ok()) return adapter.status();
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, [this, a]() -> FutureResult {
+  return SubmitControlOp(tenant, a, "get_state_dict", [this, a]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a->key}));

@@ -106,9 +106,9 @@ void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, co
   r.id = id;
   r.tenant = tenant;
   r.created = r.updated = absl::Now();
-  if (result.ok() && std::any_cast<OpOutput>(&*result) != nullptr) {
+  if (result.ok() && std::holds_alternative<OpOutput>(*result)) {
     r.state = "done";
-    r.result = OpOutputToJson(*std::any_cast<OpOutput>(&*result));
+    r.result = OpOutputToJson(std::get<OpOutput>(*result));
   } else if (result.ok()) {
     // Results of other kinds (sampling outputs, sampling sessions) are served from memory
     // only; the journal is read once that is gone (a restart, or past future_retention_s), so
@@ -170,10 +170,10 @@ absl::StatusOr<FutureResult> RegistryFutureJournal::Lookup(uint64_t id, const st
     return absl::NotFoundError("no such future");
   }
   if (r->state == "done") {
-    if (r->result.empty()) return FutureResult(std::any(OpOutput{}));
+    if (r->result.empty()) return FutureResult(OpOutput{});
     absl::StatusOr<OpOutput> out = OpOutputFromJson(r->result);
     if (!out.ok()) return FutureResult(out.status());
-    return FutureResult(std::any(*std::move(out)));
+    return FutureResult(*std::move(out));
   }
   if (r->state == "failed") {
     return FutureResult(absl::Status(static_cast<absl::StatusCode>(r->error_code), r->error_message));

@@ -22,9 +22,13 @@ struct TenantContext {
   int32_t max_pending_ops = 256;
 };
 
+// The one LoRA alpha default of every API (Twinkle's AddAdapter with lora_alpha unset,
+// Tinker's create_model, which has no alpha): PEFT-style scaling alpha / rank.
+inline constexpr double kDefaultLoraAlpha = 32;
+
 struct LoraArgs {
   int64_t rank = 8;
-  double alpha = 32;
+  double alpha = kDefaultLoraAlpha;
   double dropout = 0;
   std::vector<std::string> targets = {"all-linear"};
   bool use_rslora = false;
@@ -89,7 +93,10 @@ enum class Control { kClipGradNorm, kStep, kZeroGrad, kLrStep, kClipGradAndStep 
 struct SubmitOptions {
   absl::Time deadline = absl::InfiniteFuture();
   int64_t seq_id = -1;
+  // Non-empty: a retry with the same key (same adapter, same op, same fingerprint) gets the
+  // first submission's future; the same key on another op or body is refused.
   std::string idempotency_key;
+  uint64_t fingerprint = 0;  // a hash of the request body, from the transport; 0 = unknown
 };
 
 struct SequenceResult {

@@ -87,6 +87,7 @@ template <typename V> void VisitFields(V& v, LimitsSection& c) {
   v.Field("max_lora_rank", c.max_lora_rank, Range(1, 1024));
   v.Field("max_tokens_per_request", c.max_tokens_per_request, Range(1, 1e9));
   v.Field("max_pending_ops", c.max_pending_ops, Range(1, 1e6));
+  v.Field("max_buffered_tokens", c.max_buffered_tokens, Range(1, 1e12));
   v.Field("tokens_per_s", c.tokens_per_s, Range(0, 1e12));
   v.Field("burst_tokens", c.burst_tokens, Range(1, 1e12));
 }
@@ -113,6 +114,7 @@ template <typename V> void VisitFields(V& v, SamplerSection& c) {
   v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
   v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
   v.Field("max_snapshots", c.max_snapshots, Range(1, 1e5));
+  v.Field("max_snapshots_per_tenant", c.max_snapshots_per_tenant, Range(1, 1e5));
   v.Field("max_sessions_per_tenant", c.max_sessions_per_tenant, Range(1, 1e5));
   v.Field("default_max_tokens", c.default_max_tokens, Range(1, 1e7));
   v.Field("max_num_samples", c.max_num_samples, Range(1, 1e5));
@@ -395,6 +397,8 @@ class YamlReader {
     check("max_tokens_per_request", static_cast<double>(q.max_tokens_per_request),
           static_cast<double>(limits.max_tokens_per_request), false);
     check("max_pending_ops", q.max_pending_ops, limits.max_pending_ops, false);
+    check("max_buffered_tokens", static_cast<double>(q.max_buffered_tokens),
+          static_cast<double>(limits.max_buffered_tokens), false);
     check("tokens_per_s", q.tokens_per_s, limits.tokens_per_s, true);
     check("burst_tokens", static_cast<double>(q.burst_tokens),
           static_cast<double>(limits.burst_tokens), false);

@@ -66,7 +66,8 @@ struct LimitsSection {
   int32_t max_adapters = 64;               // per tenant; also the server's resident maximum
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;
-  int32_t max_pending_ops = 256;           // queued ops per tenant over all its adapters
+  int32_t max_pending_ops = 256;           // queued (and Tinker-buffered) ops per tenant
+  int64_t max_buffered_tokens = 262144;    // tokens of Tinker ops buffered ahead of seq gaps
   double tokens_per_s = 0;                 // per-tenant token rate; 0 = unlimited
   int64_t burst_tokens = 65536;            // per-tenant token bucket size
 };
@@ -103,6 +104,7 @@ struct SamplerSection {
   int32_t kv_block_size = 16;             // tokens per block
   int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
   int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide
+  int32_t max_snapshots_per_tenant = 16;  // live (unnamed) snapshots per tenant; LRU-evicted beyond
   int32_t max_sessions_per_tenant = 64;   // open sampling sessions per tenant
   int32_t default_max_tokens = 16;        // when a request leaves max_tokens unset
   int32_t max_num_samples = 128;          // completions per prompt in one request

@@ -82,7 +82,7 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
 grpc::ServerUnaryReactor* HandleQueuedAny(
     grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
-    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const std::any&)> fill) {
+    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const FutureValue&)> fill) {
   auto timer = std::make_shared<RequestTimer>(state.metrics, method);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto finish = [context, reactor, timer](const absl::Status& status) {
@@ -114,8 +114,8 @@ grpc::ServerUnaryReactor* HandleQueued(
     std::function<void(uint64_t)> set_future_id,
     std::function<absl::Status(const training::OpOutput&)> fill) {
   return HandleQueuedAny(context, state, method, return_future, submit, std::move(set_future_id),
-                         [fill = std::move(fill)](const std::any& result) {
-                           const auto* out = std::any_cast<training::OpOutput>(&result);
+                         [fill = std::move(fill)](const FutureValue& result) {
+                           const auto* out = std::get_if<training::OpOutput>(&result);
                            if (out == nullptr) return absl::InternalError("the op produced an unexpected result type");
                            return fill(*out);
                          });

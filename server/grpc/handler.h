@@ -6,13 +6,13 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <any>
 #include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/futures/future_value.h"
 #include "core/tenancy/tenant.h"
 #include "core/training/types.h"
 #include "server/serving_state.h"
@@ -46,6 +46,6 @@ grpc::ServerUnaryReactor* HandleQueued(
 grpc::ServerUnaryReactor* HandleQueuedAny(
     grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
-    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const std::any&)> fill);
+    std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const FutureValue&)> fill);
 
 }  // namespace twinkle

@@ -51,8 +51,8 @@ void FillTop(const sampling::TopLogprobs& top, google::protobuf::RepeatedPtrFiel
   }
 }
 
-absl::Status FillSample(const std::any& value, v1::SampleResponse* response) {
-  const auto* out = std::any_cast<sampling::SampleOutput>(&value);
+absl::Status FillSample(const FutureValue& value, v1::SampleResponse* response) {
+  const auto* out = std::get_if<sampling::SampleOutput>(&value);
   if (out == nullptr) return absl::InvalidArgumentError("the future is not a sampling request's (use WaitFuture)");
   for (const sampling::PromptOutput& p : out->prompts) {
     v1::PromptResult* r = response->add_results();
@@ -91,11 +91,11 @@ TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
       [&](const tenancy::Tenant& t) {
         *tenant = ToTenantContext(t);
         return state_.sampler->SubmitSnapshotSession(*tenant, request->adapter_name(),
-                                                     ToSubmitOptions(context, request->options()));
+                                                     ToSubmitOptions(context, request->options(), request));
       },
       [](uint64_t) {},
-      [this, tenant, response](const std::any& value) -> absl::Status {
-        const auto* snapshot = std::any_cast<sampling::SnapshotSession>(&value);
+      [this, tenant, response](const FutureValue& value) -> absl::Status {
+        const auto* snapshot = std::get_if<sampling::SnapshotSession>(&value);
         if (snapshot == nullptr) return absl::InternalError("snapshot: unexpected result type");
         absl::StatusOr<sampling::SamplingSessionInfo> info =
             state_.sampler->GetSession(*tenant, snapshot->sampling_session_id);
@@ -128,16 +128,23 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
       [&](const tenancy::Tenant& t) {
         std::vector<std::vector<int64_t>> prompts;
         for (const v1::Prompt& p : request->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
-        return state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(), std::move(prompts),
-                                            ToParams(request->params()), ToSubmitOptions(context, request->options()));
+        const sampling::SamplingParams params = ToParams(request->params());
+        // Charged to the tenant's token rate like training.
+        const int64_t tokens = state_.sampler->TokensOf(prompts, params);
+        if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return absl::StatusOr<uint64_t>(s);
+        absl::StatusOr<uint64_t> id = state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(),
+                                                                   std::move(prompts), params,
+                                                                   ToSubmitOptions(context, request->options(), request));
+        if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
+        return id;
       },
       [response](uint64_t id) { response->set_future_id(id); },
-      [response](const std::any& value) { return FillSample(value, response); });
+      [response](const FutureValue& value) { return FillSample(value, response); });
 }
 
 TWINKLE_RPC_DEF(WaitSample, WaitFutureRequest, SampleResponse) {
   return HandleNow(context, state_, "SamplerService/WaitSample", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::StatusOr<std::optional<std::any>> r = WaitForResult(context, *state_.futures, t.id, *request);
+    absl::StatusOr<std::optional<FutureValue>> r = WaitForResult(context, *state_.futures, t.id, *request);
     if (!r.ok()) return r.status();
     if (!r->has_value()) {
       response->set_done(false);

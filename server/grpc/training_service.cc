@@ -71,7 +71,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
     args.name = request->adapter_name();
     const v1::LoraConfig& c = request->config();
     args.lora.rank = c.r() == 0 ? 8 : c.r();
-    args.lora.alpha = c.lora_alpha() == 0 ? 32 : c.lora_alpha();
+    args.lora.alpha = c.lora_alpha() == 0 ? training::kDefaultLoraAlpha : c.lora_alpha();
     args.lora.dropout = c.lora_dropout();
     if (c.target_modules_size() > 0) args.lora.targets.assign(c.target_modules().begin(), c.target_modules().end());
     args.lora.use_rslora = c.use_rslora();
@@ -137,7 +137,7 @@ grpc::ServerUnaryReactor* TrainingServiceImpl::RunForward(grpc::CallbackServerCo
         if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return s;
         absl::StatusOr<uint64_t> id = state_.coordinator->SubmitForward(
             ToTenantContext(t), request->adapter_name(), static_cast<ForwardMode>(mode), args,
-            request->disable_lora(), ToSubmitOptions(context, request->options()));
+            request->disable_lora(), ToSubmitOptions(context, request->options(), request));
         if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
         return id;
       },
@@ -165,7 +165,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CalculateLoss, AdapterRequest, ScalarRespon
       context, state_, "TrainingService/CalculateLoss", request->options().return_future(),
       [&](const tenancy::Tenant& t) {
         return state_.coordinator->SubmitCalculateLoss(ToTenantContext(t), request->adapter_name(),
-                                                       ToSubmitOptions(context, request->options()));
+                                                       ToSubmitOptions(context, request->options(), request));
       },
       [response](uint64_t id) { response->set_future_id(id); },
       [response](const OpOutput& out) {
@@ -179,7 +179,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Backward, AdapterRequest, Empty) {
       context, state_, "TrainingService/Backward", false,
       [&](const tenancy::Tenant& t) {
         return state_.coordinator->SubmitBackward(ToTenantContext(t), request->adapter_name(),
-                                                  ToSubmitOptions(context, request->options()));
+                                                  ToSubmitOptions(context, request->options(), request));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
 }
@@ -323,11 +323,11 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeRe
 TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureResponse) {
   // Waits on this callback thread, at most the requested timeout (30 s by default).
   return HandleNow(context, state_, "TrainingService/WaitFuture", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::StatusOr<std::optional<std::any>> r = WaitForResult(context, *state_.futures, t.id, *request);
+    absl::StatusOr<std::optional<FutureValue>> r = WaitForResult(context, *state_.futures, t.id, *request);
     if (!r.ok()) return r.status();
     response->set_done(r->has_value());
     if (!r->has_value()) return absl::OkStatus();
-    const auto* found = std::any_cast<OpOutput>(&**r);
+    const auto* found = std::get_if<OpOutput>(&**r);
     if (found == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("future ", request->future_id(),
                                                      " is not a training op (a sampling future? use WaitSample)"));

@@ -3,12 +3,18 @@
 // a request: its RequestOptions, and how long a WaitFuture-style call may wait.
 
 #include <algorithm>
+#include <functional>
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/message.h"
 #include "core/futures/future_store.h"
 #include "core/training/types.h"
 #include "server/grpc/handler.h"
@@ -16,29 +22,46 @@
 
 namespace twinkle {
 
+// A fingerprint of `request` for idempotency: a hash of its deterministic serialization, so a
+// retry of the same request matches and a different body under the same key does not.
+// Never 0 (0 means "not given").
+inline uint64_t Fingerprint(const google::protobuf::Message& request) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    request.SerializeToCodedStream(&coded);
+  }
+  return static_cast<uint64_t>(std::hash<std::string_view>{}(bytes)) | 1;
+}
+
+// `request`, when given, is fingerprinted for the idempotency key (only when there is one).
 inline training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* context,
-                                               const twinkle::v1::RequestOptions& o) {
+                                               const twinkle::v1::RequestOptions& o,
+                                               const google::protobuf::Message* request = nullptr) {
   training::SubmitOptions s;
   s.deadline = ClientDeadline(*context);
   s.seq_id = o.seq_id() > 0 ? o.seq_id() : -1;
   s.idempotency_key = o.idempotency_key();
+  if (!s.idempotency_key.empty() && request != nullptr) s.fingerprint = Fingerprint(*request);
   return s;
 }
 
 // Waits for future `id` at most the request's timeout_ms (30 s when unset) and the client's
 // deadline. nullopt: still pending, the caller answers done = false. Otherwise the op's
 // result, or the error (NotFound for an unknown or another tenant's id, the op's own error).
-inline absl::StatusOr<std::optional<std::any>> WaitForResult(grpc::CallbackServerContext* context,
+inline absl::StatusOr<std::optional<FutureValue>> WaitForResult(grpc::CallbackServerContext* context,
                                                              FutureStore& futures, const std::string& tenant,
                                                              const twinkle::v1::WaitFutureRequest& request) {
   absl::Duration timeout = request.timeout_ms() > 0 ? absl::Milliseconds(request.timeout_ms()) : absl::Seconds(30);
   const absl::Time deadline = ClientDeadline(*context);
   if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
   absl::StatusOr<FutureResult> r = futures.Wait(request.future_id(), tenant, timeout);
-  if (absl::IsUnavailable(r.status())) return std::optional<std::any>();
+  if (absl::IsUnavailable(r.status())) return std::optional<FutureValue>();
   if (!r.ok()) return r.status();
   if (!r->ok()) return r->status();
-  return std::optional<std::any>(**r);
+  return std::optional<FutureValue>(**r);
 }
 
 }  // namespace twinkle

@@ -149,10 +149,12 @@ class Routes {
     http_.RouteInline("GET", absl::StrCat(kApi, "/healthz"), [](const HttpRequest&) {
       return JsonResponse({{"status", "ok"}});
     });
-    Prefix("POST", "/sessions/", [](const tenancy::Tenant&, const HttpRequest& r) -> absl::StatusOr<Json> {
-      // sessions/{id}/finish: models end with their session's heartbeats anyway.
+    Prefix("POST", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       std::vector<std::string> parts = absl::StrSplit(r.path_tail, '/');
-      return Json{{"session_id", parts[0]}};
+      if (parts.size() != 2 || parts[1] != "finish") {
+        return absl::NotFoundError(absl::StrCat("no route POST /api/v1/sessions/", r.path_tail));
+      }
+      return api.FinishSession(t, parts[0]);
     });
     Get("/sessions", [&api](const tenancy::Tenant& t, const HttpRequest&) { return api.ListSessions(t); });
     Prefix("GET", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) {

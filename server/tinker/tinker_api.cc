@@ -7,7 +7,6 @@
 // tinker_sampling.cc.
 #include "server/tinker/tinker_api.h"
 
-#include <any>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -26,7 +25,6 @@ namespace twinkle::tinker {
 using training::OpOutput;
 
 namespace {
-constexpr double kLoraAlpha = 32;
 
 // PEFT target modules for Tinker's three switches.
 absl::StatusOr<std::vector<std::string>> Targets(bool attn, bool mlp, bool unembed) {
@@ -153,7 +151,7 @@ TinkerApi::~TinkerApi() {
 absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const tenancy::Tenant& tenant,
                                                                        const std::string& model_id) {
   absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
+  auto it = models_.find(ModelKey(tenant.id, model_id));
   if (it == models_.end() || it->second->tenant != tenant.id) {
     return absl::NotFoundError(absl::StrCat("model_id: no model '", model_id, "'"));
   }
@@ -211,6 +209,14 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
 }
 
 absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then) {
+  // A model lives in one of the caller's sessions: without one (or in another tenant's) its
+  // id would be shared with other tenants' models.
+  if (spec.session.empty()) {
+    return absl::InvalidArgumentError("session_id: empty; create a session first (create_session)");
+  }
+  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), spec.session); !s.ok()) {
+    return absl::NotFoundError(absl::StrCat("session_id: no session '", spec.session, "'"));
+  }
   const std::string key = absl::StrCat("create_model\n", tenant.id, "\n", spec.session, "\n", spec.model_seq);
   const std::string model_id = ModelIdFor(spec.session, spec.model_seq);
   std::shared_ptr<Entry> entry;
@@ -237,7 +243,7 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
   args.name = AdapterNameFor(spec.session, spec.model_seq);
   args.session_id = spec.session;
   args.lora.rank = spec.rank;
-  args.lora.alpha = kLoraAlpha;
+  args.lora.alpha = training::kDefaultLoraAlpha;
   args.lora.use_rslora = false;
   args.lora.targets = spec.targets;
   args.lora.seed = spec.seed;
@@ -266,7 +272,7 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
     model->switches = Switches{spec.attn, spec.mlp, spec.unembed};
     {
       absl::MutexLock lock(&mu_);
-      models_[model->model_id] = model;
+      models_[ModelKey(model->tenant, model->model_id)] = model;
     }
     then(model, entry);
   });
@@ -302,7 +308,7 @@ absl::StatusOr<Json> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, con
                           optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
                       if (!id.ok()) return Complete(entry, Outcome::Failed(id.status()));
-                      Attach(entry, *id, [tinker_path, model_id = model->model_id](const std::any&) {
+                      Attach(entry, *id, [tinker_path, model_id = model->model_id](const FutureValue&) {
                         Outcome o;
                         o.json = {{"path", tinker_path}, {"model_id", model_id}, {"type", "load_weights"}};
                         return o;
@@ -321,7 +327,7 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
     absl::Status s = coordinator_.RemoveAdapter(context, m->adapter);
     {
       absl::MutexLock lock(&mu_);
-      models_.erase(m->model_id);
+      models_.erase(ModelKey(m->tenant, m->model_id));
     }
     Outcome o = Outcome::Failed(s);
     if (s.ok()) o.json = {{"model_id", m->model_id}, {"type", "unload_model"}};
@@ -333,7 +339,8 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
 // ---- forward_backward ------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
-                                                    int64_t seq_id, training::ForwardArgs args, bool forward_only) {
+                                                    int64_t seq_id, training::ForwardArgs args, bool forward_only,
+                                                    uint64_t fingerprint) {
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, model_id);
   if (!model.ok()) return model.status();
   const training::TenantContext context = ContextOf(tenant);
@@ -347,23 +354,25 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
   int64_t tokens = 0;
   for (const training::TokenDatum& d : args.datums) tokens += static_cast<int64_t>(d.input_tokens.size());
   auto shared_args = std::make_shared<training::ForwardArgs>(std::move(args));
-  Submit submit = [this, context, tenant, adapter = (*model)->adapter, shared_args, forward_only, bad, tokens,
-                   seq_id]() -> absl::StatusOr<uint64_t> {
+  // Its tokens are charged to the tenant's rate by Sequenced, before it is queued or buffered.
+  Submit submit = [this, context, adapter = (*model)->adapter, shared_args, forward_only, bad, seq_id,
+                   fingerprint]() -> absl::StatusOr<uint64_t> {
     if (!bad.ok()) return bad;
-    if (rate_limiter_ != nullptr) {
-      if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
-    }
     training::SubmitOptions options;
     options.idempotency_key = seq_id > 0 ? absl::StrCat("tinker-seq-", seq_id) : "";
+    options.fingerprint = fingerprint;
     absl::StatusOr<uint64_t> id = coordinator_.SubmitForward(
         context, adapter,
         forward_only ? training::ForwardMode::kForward : training::ForwardMode::kForwardBackward, *shared_args,
         false, options);
-    if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
     return id;
   };
-  Encoder encode = [](const std::any& value) { return EncodeForwardBackward(std::any_cast<const OpOutput&>(value)); };
-  return Sequenced(*model, seq_id, std::move(submit), std::move(encode));
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "forward_backward result");
+    return out.ok() ? EncodeForwardBackward(**out) : Outcome::Failed(out.status());
+  };
+  return Sequenced(tenant, *model, seq_id, {forward_only ? "forward" : "forward_backward", fingerprint, tokens},
+                   std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& r) {
@@ -377,7 +386,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, c
     args.datums.push_back(*std::move(d));
   }
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
-  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only());
+  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only(), FingerprintOf(r));
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body,
@@ -404,7 +413,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenan
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
   const bool fwd_only = forward_only || GetBool(body, "forward_only", false).value_or(false) ||
                         GetBool(input, "forward_only", false).value_or(false);
-  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only);
+  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only, FingerprintOf(body.dump()));
 }
 
 // ---- optim_step, save, load -----------------------------------------------------------------
@@ -438,22 +447,25 @@ absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const J
     }
   }
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = *seq]() {
+  const uint64_t fingerprint = FingerprintOf(Json(hyper).dump());
+  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = *seq, fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
+    options.fingerprint = fingerprint;
     return coordinator_.SubmitOptimStep(context, adapter, hyper, options);
   };
-  Encoder encode = [](const std::any& value) {
-    const OpOutput& out = std::any_cast<const OpOutput&>(value);
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "optim_step result");
+    if (!out.ok()) return Outcome::Failed(out.status());
     Json metrics = Json::object();
-    for (const auto& [k, v] : out.metrics) {
+    for (const auto& [k, v] : (*out)->metrics) {
       if (std::isfinite(v)) metrics[k] = v;
     }
     Outcome o;
     o.json = {{"metrics", metrics}, {"type", "optim_step"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -481,12 +493,13 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     args.save_optimizer = true;
     return coordinator_.SubmitSave(context, adapter, args);
   };
-  Encoder encode = [model_id = *model_id, name = *name](const std::any&) {
+  Encoder encode = [model_id = *model_id, name = *name](const FutureValue&) {
     Outcome o;
     o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"save_weights", FingerprintOf(absl::StrCat(*name, "\n", overwrite))},
+                   std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -506,12 +519,13 @@ absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const
                                    optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
   };
-  Encoder encode = [path = *path, model_id = *model_id](const std::any&) {
+  Encoder encode = [path = *path, model_id = *model_id](const FutureValue&) {
     Outcome o;
     o.json = {{"path", path}, {"model_id", model_id}, {"type", "load_weights"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"load_weights", FingerprintOf(absl::StrCat(*path, "\n", optimizer))},
+                   std::move(submit), std::move(encode));
 }
 
 // ---- direct training calls ------------------------------------------------------------------

@@ -9,7 +9,7 @@
 //
 // What lives here and nowhere else:
 //  - Tinker model ids: a model is an adapter of the caller's tenant created through
-//    TrainingCoordinator::AddAdapter (lora_alpha 32, rsLoRA off, targets from
+//    TrainingCoordinator::AddAdapter (lora_alpha training::kDefaultLoraAlpha = 32, rsLoRA off, targets from
 //    train_attn/train_mlp/train_unembed); its model_id is the adapter's run id, so
 //    tinker://<model_id>/weights/<name> resolves through the checkpoint registry.
 //  - Sessions: the coordinator's sessions; models die with a session that stops beating.
@@ -17,7 +17,9 @@
 //    in a reorder buffer (the SDK posts the chunks of one forward_backward concurrently,
 //    the first one last); a gap that is not filled within seq_gap_timeout is skipped.
 //  - Idempotency: (session, model_seq_id), (model_id, seq_id), (session,
-//    sampling_session_seq_id) and (sampling session, seq_id) return the first request id.
+//    sampling_session_seq_id) and (sampling session, seq_id) return the first request id;
+//    a (model_id, seq_id) replayed with another op or another body is refused (400), and the
+//    scheduler's idempotency key "tinker-seq-N" carries the op's name and fingerprint too.
 //  - Futures: request ids ("tk-…") over the coordinator's futures; retrieve_future
 //    long-polls without a thread (a completion callback or a timer answers).
 //  - Errors: absl codes; transports map them (tinker_api.h's HttpStatusFor). A failure
@@ -114,6 +116,11 @@ class TinkerApi {
   Json Capabilities() const;
   absl::StatusOr<Json> CreateSession(const tenancy::Tenant& tenant, const Json& body);
   absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
+  // sessions/{id}/finish (ServiceClient.close): the session's sampling sessions and their
+  // snapshots are closed at once; its models are unloaded and the session ended on the
+  // blocking thread (GetCapacity and /metrics are back to the figures before it within a
+  // second). Finishing an unknown or already finished session answers OK (the SDK retries).
+  absl::StatusOr<Json> FinishSession(const tenancy::Tenant& tenant, const std::string& session_id);
   Json Telemetry(const Json& body) const;
 
   // ---- training (futures: {"request_id", "model_id"}) ----
@@ -160,7 +167,7 @@ class TinkerApi {
   struct Entry;
   struct Model;
   class Worker;
-  using Encoder = std::function<Outcome(const std::any&)>;
+  using Encoder = std::function<Outcome(const FutureValue&)>;
   // Submits to the coordinator (returns the future id) or fails.
   using Submit = std::function<absl::StatusOr<uint64_t>()>;
 
@@ -183,12 +190,31 @@ class TinkerApi {
   void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
   Json Promise(const Entry& entry) const;
   absl::StatusOr<std::shared_ptr<Model>> FindModel(const tenancy::Tenant& tenant, const std::string& model_id);
-  // Orders by seq_id (see above); returns the promise JSON or a direct error.
-  absl::StatusOr<Json> Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit, Encoder encode);
+  // What a seq-ordered call is, for idempotency: a replayed seq_id must repeat the same op
+  // (`name`) with the same body (`fingerprint`, 0 = not compared).
+  struct OpIdentity {
+    const char* name = "";
+    uint64_t fingerprint = 0;
+    int64_t tokens = 0;  // what the op costs (forward_backward: its tokens), for the limits
+  };
+  // Orders by seq_id (see above); returns the promise JSON or a direct error. A seq_id seen
+  // before returns the first request's promise when `op` matches, else FAILED_PRECONDITION
+  // (an idempotency conflict, HTTP 400) naming the seq_id.
+  //
+  // Every op is admitted against the tenant's limits before it is buffered or queued, so
+  // ops waiting ahead of a gap count like queued ones: its size (max_tokens_per_request,
+  // 403), its queued and buffered ops (max_pending_ops, 429), its buffered tokens
+  // (max_buffered_tokens, 429) and its token rate (tokens_per_s, 429).
+  // Each gap is timed on its own: the op after a missing seq_id waits at most
+  // seq_gap_timeout from its arrival, then the gap is skipped.
+  absl::StatusOr<Json> Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model, int64_t seq_id,
+                                 OpIdentity op, Submit submit, Encoder encode);
   void DrainLocked(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model.mu);
-  void ArmGapTimer(const std::shared_ptr<Model>& model);
+  // Arms the timer of the gap in front of the first buffered op (when there is one).
+  void ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model->mu);
   absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
-                                           int64_t seq_id, training::ForwardArgs args, bool forward_only);
+                                           int64_t seq_id, training::ForwardArgs args, bool forward_only,
+                                           uint64_t fingerprint);
   void Housekeep();
 
   const TinkerOptions options_;
@@ -203,9 +229,11 @@ class TinkerApi {
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);  // by ModelKey
   // Idempotency: key → request id (create_model, sampling sessions, asample).
   absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
+  // Tinker ops buffered ahead of seq gaps, per tenant: (count, tokens).
+  absl::flat_hash_map<std::string, std::pair<int64_t, int64_t>> buffered_ ABSL_GUARDED_BY(mu_);
   // Direct answers that must be idempotent: create_sampling_session.
   absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
   const std::string boot_;  // random, so request ids of another boot never match

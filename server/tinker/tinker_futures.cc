@@ -48,6 +48,8 @@ const char* ErrorCategory(const absl::Status& status) {
 }
 
 int HttpStatusFor(const absl::Status& status) {
+  // A replayed key or seq_id of another op: the caller's mistake, and never retried.
+  if (sched::IsIdempotencyConflict(status)) return 400;
   switch (status.code()) {
     case absl::StatusCode::kOk: return 200;
     case absl::StatusCode::kInvalidArgument:
@@ -84,6 +86,14 @@ void TinkerApi::Housekeep() {
         entries_.erase(it++);
       } else {
         ++it;
+      }
+    }
+    // A dedupe key outlives nothing it points at (asample adds one per call).
+    for (auto it = dedupe_.begin(); it != dedupe_.end();) {
+      if (entries_.contains(it->second)) {
+        ++it;
+      } else {
+        dedupe_.erase(it++);
       }
     }
   }
@@ -134,40 +144,96 @@ Json TinkerApi::Promise(const Entry& entry) const {
 
 // ---- seq_id ordering -----------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::Sequenced(const std::shared_ptr<Model>& model, int64_t seq_id, Submit submit,
-                                          Encoder encode) {
+absl::StatusOr<Json> TinkerApi::Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model,
+                                          int64_t seq_id, OpIdentity op, Submit submit, Encoder encode) {
   absl::MutexLock lock(&model->mu);
   if (seq_id > 0) {
     auto seen = model->by_seq.find(seq_id);
     if (seen != model->by_seq.end()) {
+      const Model::SeqRecord& first = seen->second;
+      if (first.op != op.name) {
+        return sched::IdempotencyConflict(absl::StrCat("seq_id ", seq_id, " of model ", model->model_id,
+                                                       " was already used for a ", first.op, "; this ", op.name,
+                                                       " needs a seq_id of its own"));
+      }
+      if (first.fingerprint != 0 && op.fingerprint != 0 && first.fingerprint != op.fingerprint) {
+        return sched::IdempotencyConflict(absl::StrCat("seq_id ", seq_id, " of model ", model->model_id,
+                                                       " was already used for a ", first.op,
+                                                       " with a different request body"));
+      }
       absl::MutexLock map_lock(&mu_);
-      auto e = entries_.find(seen->second);
+      auto e = entries_.find(first.request_id);
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
-  if (seq_id > model->next_seq) {
+  // Admission, on both paths: nothing is buffered or queued past the tenant's limits.
+  const tenancy::Quotas& quotas = tenant.quotas;
+  if (op.tokens > quotas.max_tokens_per_request) {
+    return absl::FailedPreconditionError(absl::StrCat("data: ", op.tokens, " tokens, above your quota of ",
+                                                      quotas.max_tokens_per_request,
+                                                      " per request (max_tokens_per_request)"));
+  }
+  const bool ahead = seq_id > model->next_seq;
+  {
+    absl::MutexLock map_lock(&mu_);
+    const std::pair<int64_t, int64_t> buffered = buffered_[tenant.id];
+    const int64_t pending = buffered.first + coordinator_.scheduler().queued_for_tenant(tenant.id);
+    if (pending >= quotas.max_pending_ops) {
+      return absl::ResourceExhaustedError(absl::StrCat("you have ", pending, " queued or buffered ops, your quota ",
+                                                       "(max_pending_ops) is ", quotas.max_pending_ops,
+                                                       "; wait for some to finish"));
+    }
+    if (ahead && buffered.second + op.tokens > quotas.max_buffered_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "you have ", buffered.second, " tokens of ops waiting for earlier seq_ids; this one's ", op.tokens,
+          " would pass your quota (max_buffered_tokens) of ", quotas.max_buffered_tokens,
+          "; send the missing seq_ids or wait for the gap to time out"));
+    }
+  }
+  if (rate_limiter_ != nullptr && op.tokens > 0) {
+    if (absl::Status s = rate_limiter_->Acquire(tenant, op.tokens); !s.ok()) return s;
+  }
+  if (ahead) {
     // Ahead of its turn: wait for the gap to fill (or time out).
     std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
-    model->by_seq[seq_id] = entry->request_id;
-    model->buffered[seq_id] = Model::Waiting{entry, std::move(submit), std::move(encode)};
-    ArmGapTimer(model);
+    model->by_seq[seq_id] = Model::SeqRecord{entry->request_id, op.name, op.fingerprint};
+    model->buffered[seq_id] = Model::Waiting{entry, std::move(submit), std::move(encode), tenant, op.tokens,
+                                             absl::Now()};
+    {
+      absl::MutexLock map_lock(&mu_);
+      auto& [count, tokens] = buffered_[tenant.id];
+      ++count;
+      tokens += op.tokens;
+    }
+    if (model->buffered.begin()->first == seq_id) ArmGapTimer(model);
     return Promise(*entry);
   }
   // In order (or unordered: no seq_id, or one whose turn was skipped): submit now, so a
   // refusal is the direct answer.
   absl::StatusOr<uint64_t> id = submit();
+  if (!id.ok() && rate_limiter_ != nullptr && op.tokens > 0) rate_limiter_->Refund(tenant, op.tokens);
   if (!id.ok() && Transient(id.status())) return id.status();  // not accepted: the SDK retries it
+  if (!id.ok() && sched::IsIdempotencyConflict(id.status())) {
+    // The key belongs to another op: answer directly (400), remember nothing; the seq_id's
+    // turn is over all the same (the SDK does not resend a 400).
+    if (seq_id == model->next_seq) {
+      model->next_seq = seq_id + 1;
+      DrainLocked(*model);
+      ArmGapTimer(model);
+    }
+    return id.status();
+  }
   std::shared_ptr<Entry> entry = NewEntry(model->tenant, model->model_id);
   if (id.ok()) {
     Attach(entry, *id, std::move(encode));
   } else {
     Complete(entry, Outcome::Failed(id.status()));
   }
-  if (seq_id > 0) model->by_seq[seq_id] = entry->request_id;
+  if (seq_id > 0) model->by_seq[seq_id] = Model::SeqRecord{entry->request_id, op.name, op.fingerprint};
   if (seq_id == model->next_seq) {
     model->next_seq = seq_id + 1;
-    ++model->progress;
     DrainLocked(*model);
+    ArmGapTimer(model);
   }
   // Bound the dedupe table.
   while (model->by_seq.size() > 4096) model->by_seq.erase(model->by_seq.begin());
@@ -178,30 +244,43 @@ void TinkerApi::DrainLocked(Model& model) {
   while (!model.buffered.empty() && model.buffered.begin()->first <= model.next_seq) {
     auto node = model.buffered.extract(model.buffered.begin());
     Model::Waiting& w = node.mapped();
+    {
+      absl::MutexLock map_lock(&mu_);
+      auto& [count, tokens] = buffered_[w.tenant.id];
+      --count;
+      tokens -= w.tokens;
+    }
     absl::StatusOr<uint64_t> id = w.submit();
     if (id.ok()) {
       Attach(w.entry, *id, std::move(w.encode));
     } else {
+      if (rate_limiter_ != nullptr && w.tokens > 0) rate_limiter_->Refund(w.tenant, w.tokens);
       Complete(w.entry, Outcome::Failed(id.status()));
     }
     model.next_seq = std::max(model.next_seq, node.key() + 1);
-    ++model.progress;
   }
 }
 
-void TinkerApi::ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  const uint64_t progress = model->progress;
+void TinkerApi::ArmGapTimer(const std::shared_ptr<Model>& model) {
+  if (model->buffered.empty()) return;
+  const absl::Time due = model->buffered.begin()->second.arrived + options_.seq_gap_timeout;
   std::weak_ptr<Model> weak = model;
-  timers_->After(options_.seq_gap_timeout, [this, weak, progress] {
+  timers_->After(std::max(due - absl::Now(), absl::ZeroDuration()), [this, weak] {
     std::shared_ptr<Model> m = weak.lock();
     if (m == nullptr) return;
     absl::MutexLock lock(&m->mu);
-    if (m->progress != progress || m->buffered.empty()) return;
+    if (m->buffered.empty()) return;
+    const auto& [first, waiting] = *m->buffered.begin();
+    if (waiting.arrived + options_.seq_gap_timeout > absl::Now()) {
+      ArmGapTimer(m);  // a later arrival is first now: its own gap, its own time
+      return;
+    }
     LogWarning(kLog, absl::StrCat("model ", m->model_id, ": seq_id ", m->next_seq, " did not arrive within ",
                                   absl::FormatDuration(options_.seq_gap_timeout), "; continuing with seq_id ",
-                                  m->buffered.begin()->first));
-    m->next_seq = m->buffered.begin()->first;
+                                  first));
+    m->next_seq = first;
     DrainLocked(*m);
+    ArmGapTimer(m);  // the next gap, timed from its own first op's arrival
   });
 }
 

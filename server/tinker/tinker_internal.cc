@@ -3,11 +3,31 @@
 #include <cstdint>
 #include <string>
 
+#include <functional>
+#include <string_view>
+
 #include "absl/strings/numbers.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "absl/strings/str_cat.h"
 #include "server/tinker/tinker_internal.h"
 
 namespace twinkle::tinker {
+
+uint64_t FingerprintOf(std::string_view bytes) {
+  return static_cast<uint64_t>(std::hash<std::string_view>{}(bytes)) | 1;
+}
+
+uint64_t FingerprintOf(const google::protobuf::Message& message) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    message.SerializeToCodedStream(&coded);
+  }
+  return FingerprintOf(std::string_view(bytes));
+}
 
 std::string ModelIdFor(const std::string& session_id, int64_t model_seq_id) {
   return absl::StrCat(session_id, ":train:", model_seq_id);

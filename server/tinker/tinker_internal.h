@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "google/protobuf/message.h"
 #include "server/tinker/tinker_api.h"
 
 namespace twinkle::tinker {
@@ -46,6 +48,17 @@ std::string ModelIdOf(const std::string& run_id);
 std::string InternalPath(const std::string& path);
 std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoint_id);
 
+// A request body's fingerprint for idempotency (tinker_api.cc): a hash, never 0.
+uint64_t FingerprintOf(std::string_view bytes);
+// A protobuf's, over its deterministic serialization.
+uint64_t FingerprintOf(const google::protobuf::Message& message);
+
+// TinkerApi::models_'s key: model ids are chosen by clients (they embed the session id), so
+// the map is per tenant.
+inline std::string ModelKey(const std::string& tenant, const std::string& model_id) {
+  return tenant + "\n" + model_id;
+}
+
 struct Switches {
   bool attn = false, mlp = false, unembed = false;
 };
@@ -70,10 +83,17 @@ struct TinkerApi::Model {
     std::shared_ptr<Entry> entry;
     Submit submit;
     Encoder encode;
+    tenancy::Tenant tenant;  // whose rate was charged `tokens` when it was buffered
+    int64_t tokens = 0;
+    absl::Time arrived;      // its gap is timed from here
   };
   std::map<int64_t, Waiting> buffered ABSL_GUARDED_BY(mu);
-  std::map<int64_t, std::string> by_seq ABSL_GUARDED_BY(mu);  // seq_id → request id
-  uint64_t progress ABSL_GUARDED_BY(mu) = 0;                  // bumps when next_seq moves
+  struct SeqRecord {
+    std::string request_id;
+    std::string op;            // OpIdentity::name
+    uint64_t fingerprint = 0;  // OpIdentity::fingerprint
+  };
+  std::map<int64_t, SeqRecord> by_seq ABSL_GUARDED_BY(mu);  // seq_id → its first request
 };
 
 // A thread for blocking calls and timers: its jobs run one at a time, each when it falls due.

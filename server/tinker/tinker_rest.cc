@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/sampling/sampler_coordinator.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 
@@ -56,6 +57,23 @@ absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, 
   if (!session.ok()) return session.status();
   if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) return s;
   return Json{{"type", "session_heartbeat"}};
+}
+
+absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, const std::string& session_id) {
+  const training::TenantContext context = ContextOf(tenant);
+  if (!coordinator_.SessionAlive(tenant.id, session_id)) return Json{{"session_id", session_id}};
+  if (sampler_ != nullptr) sampler_->CloseOwnedBy(context, session_id);
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = models_.begin(); it != models_.end();) {
+      auto next = std::next(it);
+      if (it->second->tenant == tenant.id && it->second->session_id == session_id) models_.erase(it);
+      it = next;
+    }
+  }
+  // Releasing the adapters waits for the engine: not on a transport thread.
+  blocking_->Post([this, context, session_id] { (void)coordinator_.EndSession(context, session_id); });
+  return Json{{"session_id", session_id}};
 }
 
 // ---- REST ------------------------------------------------------------------------------------
@@ -167,7 +185,7 @@ absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const 
   absl::MutexLock lock(&mu_);
   std::vector<std::string> runs;
   for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(id);
+    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(m->model_id);
   }
   return Json{{"training_run_ids", runs}, {"sampler_ids", Json::array()}};
 }

@@ -2,7 +2,6 @@
 // SamplerCoordinator (sessions on the base model, on a checkpoint path, or on a live snapshot
 // of a training adapter).
 #include <algorithm>
-#include <any>
 #include <cmath>
 #include <limits>
 
@@ -43,30 +42,38 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
       args.is_sampler = true;
       return coordinator_.SubmitSave(context, adapter, args);
     };
-    Encoder encode = [run_id, name = *name](const std::any&) {
+    Encoder encode = [run_id, name = *name](const FutureValue&) {
       Outcome o;
       o.json = {{"path", absl::StrCat("tinker://", run_id, "/sampler_weights/", name)},
                 {"type", "save_weights_for_sampler"}};
       return o;
     };
-    return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+    return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", FingerprintOf(*name)}, std::move(submit),
+                     std::move(encode));
   }
   if (sampler_ == nullptr) return NoSampler();
   // Unnamed: a live snapshot in the adapter's queue and a sampling session on it.
   absl::StatusOr<int64_t> sampling_seq = GetInt(body, "sampling_session_seq_id", -1);
   if (!sampling_seq.ok()) return sampling_seq.status();
-  Submit submit = [this, context, adapter = (*model)->adapter, seq = *seq]() {
+  // The unnamed form's fingerprint: the (empty) name; the SDK changes sampling_session_seq_id
+  // on each retry of one call, so that is not part of it.
+  const uint64_t fingerprint = FingerprintOf(std::string_view());
+  // The sampling session belongs to the model's session: released when that one finishes.
+  Submit submit = [this, context, adapter = (*model)->adapter, owner = (*model)->session_id, seq = *seq,
+                   fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
-    return sampler_->SubmitSnapshotSession(context, adapter, options);
+    options.fingerprint = fingerprint;
+    return sampler_->SubmitSnapshotSession(context, adapter, options, owner);
   };
-  Encoder encode = [](const std::any& value) {
+  Encoder encode = [](const FutureValue& value) {
+    absl::StatusOr<const sampling::SnapshotSession*> session = ValueAs<sampling::SnapshotSession>(value, "sampling session");
+    if (!session.ok()) return Outcome::Failed(session.status());
     Outcome o;
-    o.json = {{"sampling_session_id", std::any_cast<const sampling::SnapshotSession&>(value).sampling_session_id},
-              {"type", "save_weights_for_sampler"}};
+    o.json = {{"sampling_session_id", (*session)->sampling_session_id}, {"type", "save_weights_for_sampler"}};
     return o;
   };
-  return Sequenced(*model, *seq, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", fingerprint}, std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {
@@ -88,7 +95,9 @@ absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& ten
     auto it = direct_dedupe_.find(key);
     if (it != direct_dedupe_.end()) return it->second;
   }
-  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path));
+  // Owned by the caller's session when it names a live one: released when that one finishes.
+  const std::string owner = coordinator_.SessionAlive(tenant.id, *session) ? *session : "";
+  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path), owner);
   if (!id.ok()) return id.status();
   Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
   if (*seq >= 0) {
@@ -298,16 +307,20 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
   if (!session.ok()) return session.status();
   const training::TenantContext context = ContextOf(tenant);
+  // seq_ids are per sampling client: only a named session dedupes by them (the implicit
+  // session is shared by every session-less caller of the tenant).
+  const bool named_session = !session->empty();
   if (session->empty()) {
-    // Session-less: a session on model_path or the base model.
+    // Session-less: the tenant's one implicit session on model_path (or the base model).
     absl::StatusOr<std::string> path = GetString(body, "model_path", "");
     if (!path.ok()) return path.status();
-    absl::StatusOr<std::string> id = sampler_->CreateSession(context, InternalPath(*path));
+    absl::StatusOr<std::string> id = sampler_->ImplicitSession(context, InternalPath(*path));
     if (!id.ok()) return id.status();
     *session = *id;
   }
   absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", -1);
   if (!seq.ok()) return seq.status();
+  if (!named_session) *seq = -1;
   const std::string key = absl::StrCat("asample\n", tenant.id, "\n", *session, "\n", *seq);
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);
@@ -317,17 +330,24 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
+  // Sampling is charged to the tenant's token rate like training (429 with Retry-After).
+  const int64_t tokens = sampler_->TokensOf({*prompt}, *params);
+  if (rate_limiter_ != nullptr) {
+    if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
+  }
   training::SubmitOptions options;
   absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, *session, {*prompt}, *params, options);
+  if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
   if (!id.ok()) return id.status();  // 429 on overload: only accepted submissions are remembered
   std::shared_ptr<Entry> entry = NewEntry(tenant.id, "");
   for (int64_t i = 0; i < *num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  Attach(entry, *id, [want_prompt_lp, first_scored](const std::any& value) {
-    const sampling::SampleOutput& out = std::any_cast<const sampling::SampleOutput&>(value);
-    if (out.prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-    return EncodeSample(out.prompts[0], want_prompt_lp, first_scored);
+  Attach(entry, *id, [want_prompt_lp, first_scored](const FutureValue& value) {
+    absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
+    if (!out.ok()) return Outcome::Failed(out.status());
+    if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+    return EncodeSample((*out)->prompts[0], want_prompt_lp, first_scored);
   });
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);

@@ -71,7 +71,7 @@ class SimEngine final : public Executor {
     const auto until = SteadyClock::now() + kStepOverhead + kPerToken * tokens;
     while (SteadyClock::now() < until) {
     }
-    return std::vector<FutureResult>(batch.size(), FutureResult(std::any()));
+    return std::vector<FutureResult>(batch.size(), FutureResult(FutureValue()));
   }
   std::function<void(const std::vector<const Op*>&)> observe;
 };

@@ -2,7 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include <any>
 #include <atomic>
 #include <string>
 #include <thread>
@@ -20,17 +19,25 @@ using ::twinkle::testing::FakeClock;
 // Long enough never to fire in a passing run; a hang instead shows up as a failure.
 constexpr absl::Duration kLong = absl::Seconds(30);
 
+// Results in these tests are training results carrying a number.
+FutureValue Num(int v) {
+  training::OpOutput out;
+  out.value = v;
+  return out;
+}
+int NumOf(const FutureValue& v) { return static_cast<int>(std::get<training::OpOutput>(v).value); }
+
 int ValueOf(const absl::StatusOr<FutureResult>& got) {
   EXPECT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(got->ok()) << got->status();
-  return std::any_cast<int>(**got);
+  return NumOf(**got);
 }
 
 TEST(FutureStoreTest, WaitReturnsTheResultOnceCompleted) {
   FutureStore store;
   store.Create(1, "alice");
   EXPECT_EQ(store.pending(), 1);
-  store.Complete(1, std::any(42));
+  store.Complete(1, Num(42));
   EXPECT_EQ(store.pending(), 0);
   EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 42);
   // Collecting does not consume: a second Wait sees the same result.
@@ -61,7 +68,7 @@ TEST(FutureStoreTest, WaitWakesWhenAnotherThreadCompletes) {
   store.Create(3, "alice");
   absl::StatusOr<FutureResult> got = absl::UnknownError("not set");
   std::thread waiter([&] { got = store.Wait(3, "alice", kLong); });
-  store.Complete(3, std::any(5));
+  store.Complete(3, Num(5));
   waiter.join();
   EXPECT_EQ(ValueOf(got), 5);
 }
@@ -69,8 +76,8 @@ TEST(FutureStoreTest, WaitWakesWhenAnotherThreadCompletes) {
 TEST(FutureStoreTest, FirstCompletionWins) {
   FutureStore store;
   store.Create(1, "alice");
-  store.Complete(1, std::any(1));
-  store.Complete(1, std::any(2));
+  store.Complete(1, Num(1));
+  store.Complete(1, Num(2));
   store.Complete(1, absl::InternalError("late"));
   EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 1);
 }
@@ -78,7 +85,7 @@ TEST(FutureStoreTest, FirstCompletionWins) {
 TEST(FutureStoreTest, AnotherTenantsFutureIsNotFoundLikeAnUnknownOne) {
   FutureStore store;
   store.Create(1, "alice");
-  store.Complete(1, std::any(1));
+  store.Complete(1, Num(1));
   EXPECT_EQ(store.Wait(1, "bob", kLong).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store.Wait(99, "alice", kLong).status().code(), absl::StatusCode::kNotFound);
   bool called = false;
@@ -102,15 +109,15 @@ TEST(FutureStoreTest, OnCompleteRunsOnceOnTheCompletingThreadOutsideTheLock) {
                   .OnComplete(1, "alice",
                               [&](const FutureResult& r) {
                                 ++calls;
-                                seen = std::any_cast<int>(*r);
+                                seen = NumOf(*r);
                                 // Re-entering the store would deadlock under its lock.
                                 pending_inside = store.pending();
                                 store.Create(2, "alice");
                               })
                   .ok());
   EXPECT_EQ(calls, 0);
-  store.Complete(1, std::any(9));
-  store.Complete(1, std::any(10));
+  store.Complete(1, Num(9));
+  store.Complete(1, Num(10));
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(seen, 9);
   EXPECT_EQ(pending_inside, 0);
@@ -120,10 +127,10 @@ TEST(FutureStoreTest, OnCompleteRunsOnceOnTheCompletingThreadOutsideTheLock) {
 TEST(FutureStoreTest, OnCompleteOfACompletedFutureRunsAtOnce) {
   FutureStore store;
   store.Create(1, "alice");
-  store.Complete(1, std::any(4));
+  store.Complete(1, Num(4));
   int seen = 0;
   ASSERT_TRUE(store.OnComplete(1, "alice", [&](const FutureResult& r) {
-    seen = std::any_cast<int>(*r);
+    seen = NumOf(*r);
   }).ok());
   EXPECT_EQ(seen, 4);
 }
@@ -136,8 +143,8 @@ TEST(FutureStoreTest, EveryCallbackRunsExactlyOnceUnderConcurrentCompletion) {
     store.Create(i, "t");
     ASSERT_TRUE(store.OnComplete(i, "t", [&calls, i](const FutureResult&) { ++calls[i]; }).ok());
   }
-  std::thread a([&] { for (int i = 0; i < kFutures; ++i) store.Complete(i, std::any(1)); });
-  std::thread b([&] { for (int i = kFutures - 1; i >= 0; --i) store.Complete(i, std::any(2)); });
+  std::thread a([&] { for (int i = 0; i < kFutures; ++i) store.Complete(i, Num(1)); });
+  std::thread b([&] { for (int i = kFutures - 1; i >= 0; --i) store.Complete(i, Num(2)); });
   a.join();
   b.join();
   for (int i = 0; i < kFutures; ++i) EXPECT_EQ(calls[i].load(), 1) << i;
@@ -149,7 +156,7 @@ TEST(FutureStoreTest, CompletedFuturesExpireAfterTheRetentionPendingOnesNever) {
   FutureStore store(absl::Minutes(10), clock);
   store.Create(1, "alice");
   store.Create(2, "alice");
-  store.Complete(1, std::any(1));
+  store.Complete(1, Num(1));
   clock.Advance(absl::Minutes(9));
   EXPECT_EQ(store.Expire(), 0);
   EXPECT_EQ(ValueOf(store.Wait(1, "alice", kLong)), 1);
@@ -161,7 +168,7 @@ TEST(FutureStoreTest, CompletedFuturesExpireAfterTheRetentionPendingOnesNever) {
   EXPECT_EQ(store.Expire(), 0);
   EXPECT_EQ(store.Wait(2, "alice", absl::ZeroDuration()).status().code(),
             absl::StatusCode::kUnavailable);
-  store.Complete(2, std::any(2));
+  store.Complete(2, Num(2));
   EXPECT_EQ(store.Expire(), 0);  // retention counts from completion
   clock.Advance(absl::Minutes(11));
   EXPECT_EQ(store.Expire(), 1);
@@ -178,7 +185,7 @@ TEST(FutureStoreTest, AWaiterHoldsItsResultEvenIfExpiredMeanwhile) {
     got = store.Wait(1, "alice", kLong);
   });
   started.WaitForNotification();
-  store.Complete(1, std::any(3));
+  store.Complete(1, Num(3));
   clock.Advance(absl::Seconds(5));
   store.Expire();
   waiter.join();

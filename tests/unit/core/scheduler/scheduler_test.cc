@@ -25,6 +25,14 @@ constexpr absl::Duration kLong = absl::Seconds(30);
 
 using ::twinkle::testing::FakeClock;
 
+// Results in these tests are training results carrying the op's label as text.
+FutureValue Text(const std::string& label) {
+  training::OpOutput out;
+  out.text = label;
+  return out;
+}
+std::string TextOf(const FutureValue& v) { return std::get<training::OpOutput>(v).text; }
+
 // What the executor saw of one op.
 struct Seen {
   uint64_t id;
@@ -49,7 +57,7 @@ class RecordingExecutor final : public Executor {
       if (fail_.contains(label)) {
         results.push_back(absl::InvalidArgumentError("bad op " + label));
       } else {
-        results.push_back(std::any(label));
+        results.push_back(Text(label));
       }
     }
     {
@@ -167,7 +175,7 @@ struct Harness {
 
 std::string Label(const FutureResult& r) {
   EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? std::any_cast<std::string>(*r) : "";
+  return r.ok() ? TextOf(*r) : "";
 }
 
 TEST(SchedulerTest, OpsOfOneAdapterRunInSubmissionOrder) {
@@ -234,6 +242,44 @@ TEST(SchedulerTest, IdempotencyKeyReturnsTheEarlierIdEvenAfterItCompleted) {
     EXPECT_TRUE(h.Result(h.Submit(more), "t").ok());
   }
   EXPECT_NE(h.Submit(retry), first);
+}
+
+TEST(SchedulerTest, AReplayedKeyOfAnotherOpOrBodyIsRefusedNeverAnsweredWithTheFirstOpsId) {
+  Harness h;
+  h.StartPaused();
+  Op fb = MakeOp("t", "a", OpKind::kForwardBackward, 10, "fb");
+  fb.idempotency_key = "tinker-seq-1";
+  fb.name = "forward_backward";
+  fb.fingerprint = 11;
+  const uint64_t first = h.Submit(fb);
+
+  // The same key on a snapshot of the same adapter: refused, naming the key and both ops.
+  Op snapshot = MakeOp("t", "a", OpKind::kOther, 0, "snap");
+  snapshot.idempotency_key = "tinker-seq-1";
+  snapshot.name = "snapshot";
+  absl::StatusOr<uint64_t> refused = h.sched->Submit(snapshot);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(IsIdempotencyConflict(refused.status()));
+  EXPECT_NE(refused.status().message().find("'tinker-seq-1'"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("forward_backward"), std::string::npos) << refused.status();
+
+  // The same op with another body: refused too.
+  Op other_body = fb;
+  other_body.fingerprint = 12;
+  absl::StatusOr<uint64_t> body = h.sched->Submit(other_body);
+  ASSERT_FALSE(body.ok());
+  EXPECT_TRUE(IsIdempotencyConflict(body.status()));
+  EXPECT_NE(body.status().message().find("different request body"), std::string::npos) << body.status();
+
+  // A true retry (same op, same body) still gets the first id; nothing else was queued.
+  EXPECT_EQ(h.Submit(fb), first);
+  EXPECT_EQ(h.sched->queued("a"), 1);
+  h.sched->Resume();
+  EXPECT_EQ(Label(h.Result(first, "t")), "fb");
+  EXPECT_EQ(h.executor.order_of("a"), std::vector<std::string>{"fb"});
+  // After completion the conflict still holds (the key is remembered, not the queue entry).
+  EXPECT_TRUE(IsIdempotencyConflict(h.sched->Submit(snapshot).status()));
 }
 
 TEST(SchedulerTest, QueueCapRejectsExactlyTheOverflow) {
@@ -734,9 +780,9 @@ class DeferringExecutor final : public Executor {
         sched->Block(op->adapter);
         absl::MutexLock lock(&mu_);
         deferred_ = op->id;
-        results.push_back(std::any(Deferred{}));
+        results.push_back(FutureValue(Deferred{}));
       } else {
-        results.push_back(std::any(label));
+        results.push_back(Text(label));
       }
     }
     return results;
@@ -776,12 +822,12 @@ TEST(SchedulerTest, ADeferredOpHoldsItsAdapterUntilUnblockedWhileOthersRun) {
   EXPECT_EQ(sched.queued("a"), 1);
   ASSERT_EQ(executor.deferred(), save);
   // The executor finishes: completes the future itself and unblocks the adapter.
-  futures.Complete(save, std::any(std::string("saved")));
+  futures.Complete(save, Text("saved"));
   sched.Unblock("a");
   absl::StatusOr<FutureResult> got = futures.Wait(after, "t", kLong);
   ASSERT_TRUE(got.ok() && got->ok());
-  EXPECT_EQ(std::any_cast<std::string>(**got), "a-after");
-  EXPECT_EQ(std::any_cast<std::string>(**futures.Wait(save, "t", kLong)), "saved");
+  EXPECT_EQ(TextOf(**got), "a-after");
+  EXPECT_EQ(TextOf(**futures.Wait(save, "t", kLong)), "saved");
   EXPECT_EQ(executor.order(), (std::vector<std::string>{"defer", "b-op", "a-after"}));
   sched.Stop();
 }

@@ -48,9 +48,9 @@ TEST_F(FutureJournalTest, ResultsOutliveARestartAndUnfinishedOnesReportTheRestar
     OpOutput out;
     out.loss = 2.5;
     out.metrics["loss:sum"] = 7.0;
-    (*journal)->Completed(training_id, "alice", FutureResult(std::any(out)));
+    (*journal)->Completed(training_id, "alice", FutureResult(out));
     // A result the journal has no JSON form for (a sampling output, say).
-    (*journal)->Completed(sampling_id, "alice", FutureResult(std::any(std::string("tokens"))));
+    (*journal)->Completed(sampling_id, "alice", FutureResult(sampling::SampleOutput{}));
     (*journal)->Completed(failed_id, "alice", FutureResult(absl::InvalidArgumentError("bad token")));
     (*journal)->Flush();
   }
@@ -61,7 +61,7 @@ TEST_F(FutureJournalTest, ResultsOutliveARestartAndUnfinishedOnesReportTheRestar
 
   absl::StatusOr<FutureResult> training = (*journal)->Lookup(training_id, "alice");
   ASSERT_TRUE(training.ok() && training->ok()) << training.status();
-  const OpOutput* out = std::any_cast<OpOutput>(&**training);
+  const OpOutput* out = std::get_if<OpOutput>(&**training);
   ASSERT_NE(out, nullptr);
   EXPECT_EQ(out->loss, 2.5);
   EXPECT_EQ(out->metrics.at("loss:sum"), 7.0);
