@@ -31,7 +31,7 @@ inline constexpr char kMethodExportMerged[] = "export_merged";    // adapter fol
 struct CreateAdapterRequest {
   std::string adapter_id;
   int64_t rank = 8;
-  double alpha = 16;
+  double alpha = 32;  // training::kDefaultLoraAlpha; the coordinator always sets it
   double dropout = 0;
   bool use_rslora = false;
   // PEFT target_modules: "all-linear" (every decoder linear, not lm_head, as in PEFT),

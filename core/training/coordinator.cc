@@ -17,19 +17,13 @@
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
 #include "core/training/coordinator_state.h"
+#include "core/storage/names.h"
 #include "core/training/inputs.h"
 
 namespace twinkle::training {
 namespace {
 
 using coordinator_internal::kLog;
-
-bool ValidName(const std::string& name) {
-  if (name.empty() || name.size() > 128) return false;
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
-  });
-}
 
 std::string Hex8(uint64_t v) {
   char buf[17];
@@ -221,10 +215,9 @@ absl::StatusOr<OpOutput> TrainingCoordinator::WaitFor(uint64_t id, const std::st
 
 absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantContext& tenant,
                                                                  const AddAdapterArgs& args) {
-  if (!ValidName(args.name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "adapter_name: '", args.name, "' must be 1-128 characters of letters, digits, '_', '-', '.'"));
-  }
+  // The same rule as checkpoint names (an adapter's name names its run folder): "..", "."
+  // and names starting with '.' are refused along with any character outside [A-Za-z0-9._-].
+  if (absl::Status s = storage::ValidatePathName(args.name, "adapter_name"); !s.ok()) return s;
   const LoraArgs& lora = args.lora;
   if (lora.rank <= 0) return absl::InvalidArgumentError(absl::StrCat("config.r: ", lora.rank, " must be positive"));
   if (lora.rank > options_.max_lora_rank) {

@@ -438,3 +438,41 @@ def test_each_body_bound_holds_at_its_limit_and_refuses_one_past(server: ServerP
     assert past.status_code == 400 and "larger than the 3 elements" in past.text, past.text
     at = requests.post(base + "/forward_backward", data=sparse_body(3), headers=proto_headers, timeout=30)
     assert "larger than" not in at.text, at.text
+
+
+def test_adapter_names_follow_the_checkpoint_name_rule(server: ServerProcess) -> None:
+    import grpc
+    from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+    c = Client(server.grpc_address, KEYS["alice"])
+    try:
+        for bad in ("..", ".", ".hidden", "a/b", "x" * 129, "new\nline"):
+            with pytest.raises(grpc.RpcError) as err:
+                c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=bad))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, err.value)
+            assert "adapter_name" in err.value.details()
+        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="x" * 128))  # at the limit
+    finally:
+        c.close()
+
+
+def test_a_wait_future_asking_for_hours_answers_not_done_within_the_server_bound(
+        launch_server: LaunchServer) -> None:
+    """WaitFuture holds a gRPC callback thread while it waits: timeout_ms is cut to 60 s."""
+    from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+    server = launch_server(auth_overrides(testing={"hooks": True}))
+    c = Client(server.grpc_address, KEYS["alice"])
+    try:
+        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="w"))
+        c.call("PauseScheduler", tpb.Empty())
+        fid = c.call("Step", tpb.AdapterRequest(adapter_name="w", options=tpb.RequestOptions(return_future=True))).future_id
+        start = time.monotonic()
+        reply = c.call("WaitFuture", tpb.WaitFutureRequest(future_id=fid, timeout_ms=3_600_000), timeout=300)
+        took = time.monotonic() - start
+        print(f"WaitFuture(timeout_ms=3600000) on a paused scheduler: done={reply.done} after {took:.1f} s")
+        assert not reply.done
+        assert 55 <= took < 120
+        c.call("ResumeScheduler", tpb.Empty())
+    finally:
+        c.close()
