@@ -99,6 +99,38 @@ absl::StatusOr<training::TokenDatum> BuildDatum(std::vector<int64_t> tokens,
 
 }  // namespace
 
+bool NestedDeeperThan(absl::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<Json> ParseJsonBody(absl::string_view body) {
+  if (body.empty()) return Json::object();
+  if (NestedDeeperThan(body, kMaxJsonDepth)) {
+    return absl::InvalidArgumentError(absl::StrCat("body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+  }
+  Json j = Json::parse(body.begin(), body.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
+  return j;
+}
+
 absl::StatusOr<std::string> GetString(const Json& body, const char* key) {
   const Json* v = Find(body, key);
   if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat(key, ": missing"));
