@@ -23,7 +23,9 @@ if [ "$1" = list ]; then printf '%s\n' "${TARGETS[@]}"; exit 0; fi
 
 build() {
   command -v clang++ >/dev/null || { echo "fuzz: clang++ is missing (scripts/setup.sh installs it)" >&2; exit 1; }
-  export CCACHE_BASEDIR="$ROOT" CCACHE_DIR="${CCACHE_DIR:-${TWINKLE_CACHE:-$HOME/.cache/twinkle}/ccache}"
+  # Relative paths and no working directory in the cache key, so a fresh clone anywhere hits
+  # the cache (with -g, ccache would otherwise hash the build directory into every entry).
+  export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1 CCACHE_DIR="${CCACHE_DIR:-${TWINKLE_CACHE:-$HOME/.cache/twinkle}/ccache}"
   if [ ! -f "$BUILD/build.ninja" ]; then
     $NICE cmake -S tests/fuzz -B "$BUILD" -G Ninja -DCMAKE_CXX_COMPILER=clang++ > "$ROOT/build-fuzz.configure.log" 2>&1 \
       || { cat "$ROOT/build-fuzz.configure.log"; exit 1; }
