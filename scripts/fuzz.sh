@@ -66,14 +66,20 @@ run() {
   fi
 }
 
-build
-failed=0
-if [ "$1" = all ]; then
-  for t in "${TARGETS[@]}"; do run "$t" "$2" || failed=1; done
-else
-  target=$1
-  [[ " ${TARGETS[*]} " == *" $target "* ]] || { echo "fuzz: unknown target '$target' (scripts/fuzz.sh list)" >&2; exit 2; }
-  seconds=$(awk -v m="$2" 'BEGIN { printf "%d", m * 60 }')
-  run "$target" "$seconds" || failed=1
-fi
-exit $failed
+# In a function, so that bash has read the whole script before it runs a long fuzz job: a
+# checkout that changes this file meanwhile cannot derail the rest of the run.
+main() {
+  if [ "$1" != all ] && [[ " ${TARGETS[*]} " != *" $1 "* ]]; then
+    echo "fuzz: unknown target '$1' (scripts/fuzz.sh list)" >&2
+    exit 2
+  fi
+  build
+  local failed=0
+  if [ "$1" = all ]; then
+    for t in "${TARGETS[@]}"; do run "$t" "$2" || failed=1; done
+  else
+    run "$1" "$(awk -v m="$2" 'BEGIN { printf "%d", m * 60 }')" || failed=1
+  fi
+  exit $failed
+}
+main "$@"
