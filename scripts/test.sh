@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: setup (idempotent, quick when nothing changed), the Python SDK's
 # clean-venv install (scripts/check_client_install.sh, offline from setup's wheelhouse), then
-# ctest (GoogleTest units and the link-isolation check), then pytest (end-to-end against the
-# real binaries).
+# ctest (GoogleTest units and the link-isolation check), a short run of every fuzz target
+# (scripts/fuzz.sh; TWINKLE_FUZZ_SECONDS each, default 20), then pytest (end-to-end against
+# the real binaries).
 # Exits non-zero on any failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +22,11 @@ t=$(date +%s)
 echo "== test: ctest"
 ctest --test-dir build --output-on-failure -j 2
 echo "== test: ctest took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
+echo "== test: fuzz (each libFuzzer target ${TWINKLE_FUZZ_SECONDS:-20} s on its seed corpus, ASan+UBSan; long runs: scripts/fuzz.sh)"
+"$ROOT/scripts/fuzz.sh" all "${TWINKLE_FUZZ_SECONDS:-20}"
+echo "== test: fuzz took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
 echo "== test: pytest tests/client (the Python SDK's client-side components)"

@@ -5,6 +5,7 @@
 #include <msgpack.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/ipc/messages.h"
 
 namespace twinkle::ipc {
 namespace {
@@ -79,7 +80,8 @@ absl::StatusOr<Envelope> DecodeEnvelope(absl::string_view head, const DecodeLimi
   Envelope e;
   bool has_version = false, has_type = false;
   try {
-    msgpack::object_handle handle = msgpack::unpack(head.data(), head.size());
+    msgpack::object_handle handle =
+        msgpack::unpack(head.data(), head.size(), nullptr, nullptr, UnpackLimitFor(head.size()));
     const msgpack::object& root = handle.get();
     if (root.type != msgpack::type::MAP) {
       return absl::InvalidArgumentError("ipc: envelope is not a msgpack map");

@@ -122,6 +122,17 @@ struct DebugRequest {
   MSGPACK_DEFINE_MAP(milliseconds, frames);
 };
 
+// Limits for msgpack::unpack of `bytes` input bytes. msgpack-c allocates an array's or a map's
+// elements as soon as it reads the count in its header, so the 5 bytes dd ff ff ff ff would
+// ask for 96 GiB before a single element is read. Every element takes at least one byte (a
+// map entry two), so no count in a well-formed input exceeds its size; nesting is bounded
+// too (the deepest body, a sample_step reply, nests about 8 levels).
+inline constexpr size_t kMaxUnpackDepth = 32;
+inline msgpack::unpack_limit UnpackLimitFor(size_t bytes) {
+  return msgpack::unpack_limit(/*array=*/bytes, /*map=*/bytes / 2, /*str=*/bytes, /*bin=*/bytes, /*ext=*/bytes,
+                               /*depth=*/kMaxUnpackDepth);
+}
+
 template <typename T>
 std::string Pack(const T& value) {
   msgpack::sbuffer buffer;
@@ -133,7 +144,8 @@ std::string Pack(const T& value) {
 template <typename T>
 absl::StatusOr<T> Unpack(const std::string& bytes, absl::string_view what) {
   try {
-    msgpack::object_handle handle = msgpack::unpack(bytes.data(), bytes.size());
+    msgpack::object_handle handle =
+        msgpack::unpack(bytes.data(), bytes.size(), nullptr, nullptr, UnpackLimitFor(bytes.size()));
     return handle.get().as<T>();
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("ipc: malformed ", what, " body: ", e.what()));

@@ -689,7 +689,11 @@ absl::Status CheckEnvironment(const Config& config) {
 std::string RenderConfig(const Config& config, ConfigFormat format) {
   JsonRenderer renderer;
   VisitFields(renderer, const_cast<Config&>(config));  // the renderer only reads
-  if (format == ConfigFormat::kJson) return renderer.out_.dump(2) + "\n";
+  // A path may hold bytes that are not UTF-8 (Linux file names are bytes); JSON output shows
+  // them as U+FFFD instead of throwing out of print-config.
+  if (format == ConfigFormat::kJson) {
+    return renderer.out_.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
+  }
   YAML::Emitter emitter;
   EmitYaml(emitter, renderer.out_);
   return std::string(emitter.c_str()) + "\n";

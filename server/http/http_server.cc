@@ -20,6 +20,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "core/common/log.h"
+#include "server/http/http_request.h"
 #include "server/metrics.h"
 
 namespace twinkle {
@@ -134,7 +135,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     if (ec == http::error::end_of_stream) return Close();
     if (ec) return;
     if (!routes_.header_checks.empty()) {
-      HttpRequest head = RequestLine(parser_->get());
+      HttpRequest head = RequestHead(parser_->get());
       for (const HttpHeaderCheck& check : routes_.header_checks) {
         std::optional<HttpResponse> refusal = check(head);
         if (!refusal) continue;
@@ -146,21 +147,6 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     }
     http::async_read(stream_, buffer_, *parser_,
                      [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
-  }
-
-  // Method, path, query and headers of a request (not its body).
-  static HttpRequest RequestLine(const http::request<http::string_body>& req) {
-    HttpRequest request;
-    request.method = std::string(req.method_string());
-    const std::string target(req.target());
-    const size_t q = target.find('?');
-    request.path = target.substr(0, q);
-    if (q != std::string::npos) request.query = target.substr(q + 1);
-    for (const auto& field : req) {
-      request.headers.emplace(absl::AsciiStrToLower(std::string(field.name_string())),
-                              std::string(field.value()));
-    }
-    return request;
   }
 
   void Close() {
@@ -180,7 +166,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     if (ec == http::error::end_of_stream) return Close();
     if (ec) return;  // timeout, reset, or a TLS error: nothing more can be said on it
     http::request<http::string_body> req = parser_->release();
-    HttpRequest request = RequestLine(req);
+    HttpRequest request = RequestHead(req);
     request.body = std::move(req.body());
     Dispatch(request, req.version(), req.keep_alive());
   }
@@ -370,44 +356,6 @@ void HttpServer::SetLimits(HttpServerLimits limits) { impl_->core->limits = limi
 
 void HttpServer::AddHeaderCheck(HttpHeaderCheck check) {
   impl_->routes.header_checks.push_back(std::move(check));
-}
-
-std::string UrlDecode(absl::string_view text, bool plus_is_space) {
-  auto hex = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-  };
-  std::string out;
-  out.reserve(text.size());
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c == '%' && i + 2 < text.size() && hex(text[i + 1]) >= 0 &&
-        hex(text[i + 2]) >= 0) {
-      out.push_back(static_cast<char>(hex(text[i + 1]) * 16 + hex(text[i + 2])));
-      i += 2;
-    } else if (c == '+' && plus_is_space) {
-      out.push_back(' ');
-    } else {
-      out.push_back(c);
-    }
-  }
-  return out;
-}
-
-std::optional<std::string> HttpRequest::QueryParam(absl::string_view name) const {
-  absl::string_view rest(query);
-  while (!rest.empty()) {
-    const size_t amp = rest.find('&');
-    absl::string_view part = rest.substr(0, amp);
-    rest = amp == absl::string_view::npos ? absl::string_view() : rest.substr(amp + 1);
-    const size_t eq = part.find('=');
-    const std::string key = UrlDecode(part.substr(0, eq), true);
-    if (key != name) continue;
-    return eq == absl::string_view::npos ? std::string() : UrlDecode(part.substr(eq + 1), true);
-  }
-  return std::nullopt;
 }
 
 absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int threads) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/tenancy/rate_limiter.h"
+#include "server/tinker/tinker_json.h"
 
 namespace twinkle::tinker {
 namespace {
@@ -41,45 +42,7 @@ HttpResponse Answer(const absl::StatusOr<Json>& result) {
   return result.ok() ? JsonResponse(*result) : ErrorResponse(result.status());
 }
 
-// JSON nested deeper than this is refused before it is parsed: nlohmann's tree is freed and
-// printed recursively, so a body of 300k '[' would exhaust the stack. Tinker's deepest
-// legitimate body (a datum's loss_fn_inputs in a forward_backward) nests 7 levels.
-constexpr int kMaxJsonDepth = 64;
-
-// Whether `text` opens more than `max_depth` arrays/objects at once (brackets inside strings
-// do not count). Linear, no allocation.
-bool NestedDeeperThan(absl::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > max_depth) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
-
-absl::StatusOr<Json> ParseBody(const HttpRequest& request) {
-  if (request.body.empty()) return Json::object();
-  if (NestedDeeperThan(request.body, kMaxJsonDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
-  }
-  Json j = Json::parse(request.body, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
-  return j;
-}
+absl::StatusOr<Json> ParseBody(const HttpRequest& request) { return ParseJsonBody(request.body); }
 
 int32_t QueryInt(const HttpRequest& request, const char* name, int32_t fallback) {
   std::optional<std::string> v = request.QueryParam(name);

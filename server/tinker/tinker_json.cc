@@ -88,6 +88,11 @@ absl::StatusOr<training::TokenDatum> BuildDatum(std::vector<int64_t> tokens,
     if (v != std::floor(v) || !std::isfinite(v)) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.target_tokens: not integers"));
     }
+    // Converting a double outside int64's range is undefined behaviour, not a big token id.
+    if (!(std::fabs(v) < 0x1p63)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".loss_fn_inputs.target_tokens: ", v, " is not a token id"));
+    }
     d.target_tokens.push_back(static_cast<int64_t>(v));
   }
   inputs.erase(targets);
@@ -98,6 +103,38 @@ absl::StatusOr<training::TokenDatum> BuildDatum(std::vector<int64_t> tokens,
 }
 
 }  // namespace
+
+bool NestedDeeperThan(absl::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<Json> ParseJsonBody(absl::string_view body) {
+  if (body.empty()) return Json::object();
+  if (NestedDeeperThan(body, kMaxJsonDepth)) {
+    return absl::InvalidArgumentError(absl::StrCat("body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+  }
+  Json j = Json::parse(body.begin(), body.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("body: expected a JSON object");
+  return j;
+}
 
 absl::StatusOr<std::string> GetString(const Json& body, const char* key) {
   const Json* v = Find(body, key);
@@ -167,13 +204,19 @@ absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const
     if (!values.ok()) return values.status();
     const std::vector<int64_t> crow = Read<int64_t>(tensor.sparse_csr().crow_indices());
     const std::vector<int64_t> col = Read<int64_t>(tensor.sparse_csr().col_indices());
-    if (static_cast<int64_t>(crow.size()) != rows + 1 || col.size() != values->size() ||
-        (rows >= 0 && !crow.empty() && crow.back() != static_cast<int64_t>(values->size()))) {
+    // rows is compared as a size: rows + 1 overflows int64 when cols is 0 and rows the maximum.
+    if (crow.size() != static_cast<size_t>(rows) + 1 || col.size() != values->size() ||
+        crow.back() != static_cast<int64_t>(values->size())) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": inconsistent CSR indices"));
+    }
+    // Every row's range must lie inside the values before any is read: checking row r against
+    // row r + 1 alone let crow [0, 100, 2] read 100 col_indices of 2.
+    if (crow[0] < 0) return absl::InvalidArgumentError(absl::StrCat(field, ": bad crow_indices"));
+    for (size_t r = 0; r + 1 < crow.size(); ++r) {
+      if (crow[r] > crow[r + 1]) return absl::InvalidArgumentError(absl::StrCat(field, ": bad crow_indices"));
     }
     std::vector<double> dense(static_cast<size_t>(rows * cols), 0.0);
     for (int64_t r = 0; r < rows; ++r) {
-      if (crow[r] < 0 || crow[r] > crow[r + 1]) return absl::InvalidArgumentError(absl::StrCat(field, ": bad crow_indices"));
       for (int64_t k = crow[r]; k < crow[r + 1]; ++k) {
         if (col[k] < 0 || col[k] >= cols) return absl::InvalidArgumentError(absl::StrCat(field, ": bad col_indices"));
         dense[r * cols + col[k]] = (*values)[k];

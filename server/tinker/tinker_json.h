@@ -11,12 +11,26 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/training/types.h"
 #include "tinker/v1/tinker_public.pb.h"
 
 namespace twinkle::tinker {
 
 namespace v1 = ::tinker::v1;  // the generated wire messages
+
+// JSON nested deeper than this is refused before it is parsed: nlohmann's tree is freed and
+// printed recursively, so a body of 300k '[' would exhaust the stack. Tinker's deepest
+// legitimate body (a datum's loss_fn_inputs in a forward_backward) nests 7 levels.
+inline constexpr int kMaxJsonDepth = 64;
+
+// Whether `text` opens more than `max_depth` arrays/objects at once (brackets inside strings
+// do not count). Linear, no allocation.
+bool NestedDeeperThan(absl::string_view text, int max_depth);
+
+// An HTTP request body as every JSON route takes it: empty = {}, otherwise a JSON object
+// nested at most kMaxJsonDepth levels; anything else is InvalidArgument.
+absl::StatusOr<nlohmann::json> ParseJsonBody(absl::string_view body);
 
 // Required string (no default) or optional with a default.
 absl::StatusOr<std::string> GetString(const nlohmann::json& body, const char* key);

@@ -7,6 +7,7 @@
 #include "core/ipc/envelope.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/socket.h"
+#include "core/ipc/training_messages.h"
 
 namespace twinkle::ipc {
 namespace {
@@ -99,6 +100,38 @@ TEST(IpcEnvelopeTest, MistypedBodyIsAnError) {
   absl::StatusOr<HelloBody> r = Unpack<HelloBody>(bad, "hello");
   EXPECT_FALSE(r.ok());
   EXPECT_THAT(r.status().message(), HasSubstr("malformed hello body"));
+}
+
+// Found by tests/fuzz/ipc_envelope_fuzz: msgpack-c allocates the elements an array or map
+// header declares before reading them, so a few bytes asked for ~100 GiB (bad_alloc at best,
+// an abort under ASan). Counts beyond what the input can hold are refused before allocating.
+TEST(IpcEnvelopeTest, DeclaredCountsBeyondTheInputAreRefusedBeforeAllocating) {
+  for (const std::string& bytes : {std::string("\xdd\xff\xff\xff\xff", 5),    // array of 2^32-1
+                                   std::string("\xdf\xff\xff\xff\xff", 5),    // map of 2^32-1
+                                   std::string("\x81\xa3ops\xdd\x00\x01\x00\x00", 10)}) {
+    absl::StatusOr<ForwardRequest> body = Unpack<ForwardRequest>(bytes, "forward");
+    ASSERT_FALSE(body.ok());
+    EXPECT_THAT(body.status().message(), HasSubstr("size overflow"));
+  }
+  absl::StatusOr<Envelope> e = DecodeEnvelope(std::string("\xdf\x7f\xff\xff\xff", 5));
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(e.status().message(), HasSubstr("map size overflow"));
+}
+
+TEST(IpcEnvelopeTest, NestingBeyondTheDepthLimitIsRefused) {
+  const std::string deep = std::string(100, '\x91') + '\x00';  // [[[...[0]...]]]
+  absl::StatusOr<ForwardRequest> body = Unpack<ForwardRequest>(deep, "forward");
+  ASSERT_FALSE(body.ok());
+  EXPECT_THAT(body.status().message(), HasSubstr("depth size overflow"));
+  // A real body of the deepest kind still goes through.
+  SampleStepReply reply;
+  reply.finished.push_back({});
+  reply.finished[0].result.samples.push_back({});
+  reply.finished[0].result.samples[0].top_token_ids = TensorDesc{"int64", {3, 2}, 1};
+  absl::StatusOr<SampleStepReply> back = Unpack<SampleStepReply>(Pack(reply), "sample_step reply");
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_TRUE(back->finished[0].result.samples[0].top_token_ids.has_value());
+  EXPECT_EQ(back->finished[0].result.samples[0].top_token_ids->shape[0], 3);
 }
 
 TEST(IpcEnvelopeTest, MakeRequestCarriesMethodBodyAndBuffers) {

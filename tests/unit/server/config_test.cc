@@ -180,6 +180,17 @@ TEST(ConfigTest, RenderMasksSecretsAndRoundTrips) {
   EXPECT_EQ(RenderConfig(*again, ConfigFormat::kJson), RenderConfig(*plain, ConfigFormat::kJson));
 }
 
+// Found by tests/fuzz/config_yaml_fuzz: a path holding a byte that is not UTF-8 made
+// `print-config --format json` terminate (nlohmann's dump threw type_error 316).
+TEST(ConfigTest, RenderOfAPathThatIsNotUtf8DoesNotThrow) {
+  absl::StatusOr<Config> c = Parse("model:\n  path: m\xff\xfe\n");  // raw bytes ff fe
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::string json;
+  EXPECT_NO_THROW(json = RenderConfig(*c, ConfigFormat::kJson));
+  EXPECT_THAT(json, HasSubstr("\"path\": \"/etc/twinkle/m"));
+  EXPECT_NO_THROW(RenderConfig(*c, ConfigFormat::kYaml));
+}
+
 TEST(ConfigTest, LoopbackHosts) {
   EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
   EXPECT_TRUE(IsLoopbackHost("localhost"));
