@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
+#include "core/engine_client/one_shot.h"
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
@@ -154,6 +155,30 @@ class SupervisorEngineLink final : public training::EngineLink {
   const int32_t rank_;
 };
 
+// Merged exports run as `twinkle-engine export` processes, never in a device worker.
+training::MergedExporter MakeExporter(const Config& c) {
+  const std::string binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
+  const absl::Duration timeout = absl::Seconds(c.engine.call_timeout_s);
+  return [binary, timeout](const training::MergedExportJob& job,
+                           const std::function<bool()>& cancelled) -> absl::StatusOr<training::MergedExportDone> {
+    absl::StatusOr<OneShotResult> run = RunToCompletion(
+        {binary, "export", "--model-dir", job.model_dir, "--adapter-dir", job.adapter_dir, "--parent", job.parent,
+         "--name", job.name},
+        timeout, cancelled);
+    if (!run.ok()) return run.status();
+    const nlohmann::json reply = nlohmann::json::parse(run->stdout_text, nullptr, false);
+    if (reply.is_object() && reply.contains("path") && reply["path"].is_string()) {
+      return training::MergedExportDone{reply["path"].get<std::string>(), reply.value("bytes", int64_t{0})};
+    }
+    if (reply.is_object() && reply.contains("code") && reply["code"].is_number_integer()) {
+      return absl::Status(static_cast<absl::StatusCode>(reply["code"].get<int>()),
+                          reply.value("message", std::string("export failed")));
+    }
+    return absl::InternalError(absl::StrCat("the export process ended with ", run->how_ended,
+                                            " without saying how it went"));
+  };
+}
+
 training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   training::CoordinatorOptions o;
   o.scheduler.max_tokens_per_step = c.scheduler.max_tokens_per_step;
@@ -169,6 +194,8 @@ training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
   o.base_model = c.model.name;
   o.model_dir = c.model.path;
+  o.restore_points = c.engine.adapter_restore_points;
+  o.exporter = MakeExporter(c);
   return o;
 }
 
@@ -184,7 +211,7 @@ const char* StepKindName(sched::OpKind kind) {
 // Runs on every housekeeping tick and on every /metrics scrape, so a scrape is current.
 void SampleGauges(ServingState& state) {
   const training::CoordinatorStats s = state.coordinator->stats();
-  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired);
+  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired, s.restored, s.lost);
   std::vector<std::pair<std::string, int64_t>> depths;
   for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) {
     depths.emplace_back(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));

@@ -58,7 +58,7 @@ Metrics::Metrics(bool tenant_labels)
                     .Register(*registry_)),
       adapter_events_(prometheus::BuildCounter()
                           .Name("twinkle_adapter_events_total")
-                          .Help("Adapter offloads to host memory, reloads, and expiries")
+                          .Help("Adapter offloads to host memory, reloads, expiries, and restores (or losses) after an engine restart")
                           .Register(*registry_)),
       auth_failures_(prometheus::BuildCounter()
                          .Name("twinkle_auth_failures_total")
@@ -186,7 +186,7 @@ void Metrics::SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>&
 }
 
 void Metrics::SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
-                          int64_t expired) {
+                          int64_t expired, int64_t restored, int64_t lost) {
   adapters_.Add({{"state", "all"}}).Set(adapters);
   adapters_.Add({{"state", "resident"}}).Set(resident);
   absl::MutexLock lock(&mu_);
@@ -198,6 +198,8 @@ void Metrics::SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, 
   bump("offload", offloads, offloads_seen_);
   bump("reload", reloads, reloads_seen_);
   bump("expire", expired, expired_seen_);
+  bump("restore", restored, restored_seen_);
+  bump("lose", lost, lost_seen_);
 }
 
 void Metrics::SetSampler(const SamplerGauges& g) {

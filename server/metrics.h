@@ -46,7 +46,7 @@ class Metrics {
   // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.
   void SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths);
   void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
-                   int64_t expired);
+                   int64_t expired, int64_t restored, int64_t lost);
   void RecordAuthFailure();
   // The sampler pool: open sessions, engine snapshots, rows waiting / in the engine's batch,
   // KV cache blocks in use / total, and tokens generated so far (a running total).
@@ -99,6 +99,8 @@ class Metrics {
   int64_t sampler_tokens_seen_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t reloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t restored_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t lost_seen_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Measures one request from construction to destruction.

@@ -5,7 +5,6 @@
 #include <c10/core/GradMode.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/engine/export.h"
 #include "core/engine/loss/loss.h"
 #include "core/engine/sampler/sampler.h"
 #include "core/engine/tensor_io.h"
@@ -93,15 +92,6 @@ void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
   m[ipc::kMethodSample] = [this](const ipc::Message& r) { return sampler_->Sample(r); };
   m[ipc::kMethodSampleStep] = [this](const ipc::Message& r) { return sampler_->SampleStep(r); };
-  m[ipc::kMethodExportMerged] = [this](const ipc::Message& r) -> absl::StatusOr<MethodReply> {
-    absl::StatusOr<AdapterCall<ipc::ExportMergedRequest>> call =
-        ParseAdapterCall<ipc::ExportMergedRequest>(r, ipc::kMethodExportMerged);
-    if (!call.ok()) return call.status();
-    const ipc::ExportMergedRequest& req = call->request;
-    absl::StatusOr<ExportResult> done = ExportMergedModel(*call->adapter, req.model_dir, req.parent_dir, req.name);
-    if (!done.ok()) return done.status();
-    return Reply(ipc::ExportMergedReply{done->path, done->bytes});
-  };
 }
 
 absl::StatusOr<Adapter*> Trainer::FindAdapter(const std::string& id) {

@@ -7,12 +7,66 @@
 #include <malloc.h>
 #endif
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_cat.h"
 #include "core/common/log.h"
+#include "core/engine/export.h"
 #include "core/engine/worker.h"
 #include "twinkle_version.h"
 
+namespace {
+
+// This process's peak resident set (Linux VmHWM; it starts afresh at exec), or -1.
+int64_t PeakRssBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return -1;
+}
+
+// `twinkle-engine export ...`: one merged export in a process of its own, started by the
+// coordinator. One JSON line on stdout says how it went: {"path", "bytes"}, or {"code",
+// "message"} with an absl status code (and exit status 1); both with "peak_rss_bytes".
+int RunExport(int argc, char** argv) {
+  twinkle::engine::ExportRequest request;
+  std::string model_dir, adapter_dir, parent;
+  CLI::App app{"twinkle-engine export: fold a saved LoRA adapter into the base model (started by twinkle-server)"};
+  app.add_option("--model-dir", model_dir, "the base model's HF folder")->required();
+  app.add_option("--adapter-dir", adapter_dir, "a PEFT adapter checkpoint folder")->required();
+  app.add_option("--parent", parent, "folder to write the merged model into")->required();
+  app.add_option("--name", request.name, "the merged model's folder name")->required();
+  CLI11_PARSE(app, argc, argv);
+  request.model_dir = model_dir;
+  request.adapter_dir = adapter_dir;
+  request.parent = parent;
+  const absl::StatusOr<twinkle::engine::ExportResult> done = twinkle::engine::ExportMergedModel(request);
+  nlohmann::json out;
+  if (done.ok()) {
+    out = {{"path", done->path}, {"bytes", done->bytes}};
+  } else {
+    out = {{"code", static_cast<int>(done.status().code())}, {"message", std::string(done.status().message())}};
+  }
+  out["peak_rss_bytes"] = PeakRssBytes();
+  const std::string line = out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+  return done.ok() ? 0 : 1;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  // Before the worker's allocator settings: an export frees each tensor right after writing
+  // it, and glibc's defaults give that memory back at once.
+  if (argc > 1 && std::strcmp(argv[1], "export") == 0) return RunExport(argc - 1, argv + 1);
 #ifdef __GLIBC__
   // A training step allocates and frees the same large activations every time (logits and
   // their gradients are N x vocab). glibc's defaults hand freed memory above ~2x the last

@@ -24,7 +24,7 @@ std::string DescribeWaitStatus(int status) {
 
 }  // namespace
 
-absl::StatusOr<WorkerProcess> WorkerProcess::Spawn(const std::vector<std::string>& argv) {
+absl::StatusOr<WorkerProcess> WorkerProcess::Spawn(const std::vector<std::string>& argv, int stdout_fd) {
   if (argv.empty()) return absl::InvalidArgumentError("empty worker command line");
   if (access(argv[0].c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("engine binary ", argv[0], " is not executable: ",
@@ -49,6 +49,7 @@ absl::StatusOr<WorkerProcess> WorkerProcess::Spawn(const std::vector<std::string
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (stdout_fd >= 0 && dup2(stdout_fd, STDOUT_FILENO) < 0) _exit(127);
     execv(args[0], args.data());
     _exit(127);
   }

@@ -15,7 +15,8 @@ class WorkerProcess {
  public:
   // Starts `argv[0]` with `argv`. The child gets SIGKILL if this process dies (Linux
   // PR_SET_PDEATHSIG), so a crashed coordinator never leaves workers holding a device.
-  static absl::StatusOr<WorkerProcess> Spawn(const std::vector<std::string>& argv);
+  // `stdout_fd` >= 0 becomes the child's stdout (the caller keeps and closes its copy).
+  static absl::StatusOr<WorkerProcess> Spawn(const std::vector<std::string>& argv, int stdout_fd = -1);
 
   WorkerProcess() = default;
   pid_t pid() const { return pid_; }

@@ -26,7 +26,6 @@ inline constexpr char kMethodSetAdapterState[] = "set_adapter_state";
 // Twinkle-native optimizer control (Twinkle's set_optimizer / clip_grad_norm / step).
 inline constexpr char kMethodSetOptimizer[] = "set_optimizer";    // fresh optimizer, grads kept
 inline constexpr char kMethodClipGradNorm[] = "clip_grad_norm";   // scales grads in place
-inline constexpr char kMethodExportMerged[] = "export_merged";    // adapter folded into a full HF model
 
 struct CreateAdapterRequest {
   std::string adapter_id;
@@ -164,20 +163,6 @@ struct SetAdapterStateRequest {
                      micro_batches_since_step, reset_optimizer);
 };
 
-// Writes <parent_dir>/<name>/ atomically: the base model from model_dir with the adapter
-// merged in (float32), config.json and tokenizer files.
-struct ExportMergedRequest {
-  std::string adapter_id;
-  std::string model_dir;
-  std::string parent_dir;
-  std::string name;
-  MSGPACK_DEFINE_MAP(adapter_id, model_dir, parent_dir, name);
-};
-struct ExportMergedReply {
-  std::string path;
-  int64_t bytes = 0;
-  MSGPACK_DEFINE_MAP(path, bytes);
-};
 
 // sample: generation with a KV cache. Rows may name different adapters ("" = base model);
 // they decode together, each with its own LoRA terms and its own seeded generator, so a row's

@@ -4,9 +4,11 @@
 
 #include <array>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -40,6 +42,29 @@ absl::Status WriteOneFile(FileSystem& fs, const fs::path& path, absl::string_vie
   if (absl::Status s = (*file)->Append(bytes); !s.ok()) return s;
   if (absl::Status s = (*file)->Sync(); !s.ok()) return s;
   return (*file)->Close();
+}
+
+// Writes a streamed file, hashing it as it goes. Returns its size and SHA-256.
+absl::StatusOr<std::pair<uint64_t, std::string>> WriteStreamedFile(FileSystem& fs, const fs::path& path,
+                                                                   const FileContent& content) {
+  absl::StatusOr<std::unique_ptr<WritableFile>> file = fs.OpenForWrite(path);
+  if (!file.ok()) return file.status();
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> sha(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
+  if (sha == nullptr || EVP_DigestInit_ex(sha.get(), EVP_sha256(), nullptr) != 1) std::abort();
+  uint64_t size = 0;
+  const AppendFn append = [&](absl::string_view piece) -> absl::Status {
+    if (EVP_DigestUpdate(sha.get(), piece.data(), piece.size()) != 1) std::abort();
+    size += piece.size();
+    return (*file)->Append(piece);
+  };
+  if (absl::Status s = content.stream(append); !s.ok()) return s;
+  if (absl::Status s = (*file)->Sync(); !s.ok()) return s;
+  if (absl::Status s = (*file)->Close(); !s.ok()) return s;
+  std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
+  unsigned int digest_size = 0;
+  if (EVP_DigestFinal_ex(sha.get(), digest.data(), &digest_size) != 1 || digest_size != 32) std::abort();
+  return std::make_pair(size, absl::BytesToHexString(absl::string_view(
+                                  reinterpret_cast<const char*>(digest.data()), digest_size)));
 }
 
 absl::Status ValidateFileName(const std::string& name) {
@@ -98,6 +123,12 @@ absl::StatusOr<fs::path> WriteCheckpointDir(FileSystem& fs, const fs::path& pare
   nlohmann::json meta = metadata.is_object() ? metadata : nlohmann::json::object();
   nlohmann::json listing = nlohmann::json::object();
   for (const FileContent& f : files) {
+    if (f.stream) {
+      absl::StatusOr<std::pair<uint64_t, std::string>> written = WriteStreamedFile(fs, tmp / f.name, f);
+      if (!written.ok()) return fail(written.status());
+      listing[f.name] = {{"size", written->first}, {"sha256", written->second}};
+      continue;
+    }
     if (absl::Status s = WriteOneFile(fs, tmp / f.name, f.bytes); !s.ok()) return fail(s);
     listing[f.name] = {{"size", f.bytes.size()}, {"sha256", Sha256Hex(f.bytes)}};
   }

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,9 +30,17 @@ namespace twinkle::storage {
 
 inline constexpr char kMetadataFile[] = "checkpoint_metadata.json";
 
+// Hands a streamed file's bytes to the writer, piece by piece, in order.
+using AppendFn = std::function<absl::Status(absl::string_view piece)>;
+
 struct FileContent {
   std::string name;   // a plain file name, no directories
   std::string bytes;
+  // When set, the file's content comes from here instead of `bytes`: it is called once with
+  // an AppendFn and must append every byte of the file through it (a file larger than memory,
+  // such as a merged model's weights, is written without ever being held whole). An error it
+  // returns (or one from the AppendFn, which it must pass on) fails the write like an I/O error.
+  std::function<absl::Status(const AppendFn& append)> stream;
 };
 
 // Writes `files` (+ checkpoint_metadata.json with `metadata` merged into its top level and a

@@ -7,6 +7,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace twinkle::storage {
 namespace {
@@ -97,12 +98,13 @@ std::string QuoteName(const std::string& name) { return absl::StrCat("'", absl::
 
 }  // namespace
 
-absl::StatusOr<std::string> SerializeSafetensors(const std::map<std::string, TensorBytes>& tensors,
-                                                 const std::map<std::string, std::string>& metadata) {
+absl::StatusOr<SafetensorsLayout> PlanSafetensors(const std::map<std::string, TensorSpec>& tensors,
+                                                  const std::map<std::string, std::string>& metadata) {
   struct Entry {
     const std::string* name;
-    const TensorBytes* tensor;
+    const TensorSpec* tensor;
     const DtypeInfo* dtype;
+    uint64_t nbytes;
   };
   std::vector<Entry> entries;
   entries.reserve(tensors.size());
@@ -130,12 +132,7 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::map<std::string, Ten
       }
       numel *= static_cast<uint64_t>(dim);
     }
-    if (numel * d->size != t.bytes.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", QuoteName(name), ": ", t.bytes.size(),
-                                                     " bytes, but ", t.dtype, " with ", numel,
-                                                     " elements needs ", numel * d->size));
-    }
-    entries.push_back({&name, &t, d});
+    entries.push_back({&name, &t, d, numel * d->size});
   }
   for (const auto& [k, v] : metadata) {
     if (!IsValidUtf8(k) || !IsValidUtf8(v)) {
@@ -162,6 +159,7 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::map<std::string, Ten
     header.push_back('}');
     first = false;
   }
+  SafetensorsLayout layout;
   uint64_t offset = 0;
   for (const Entry& e : entries) {
     if (!first) header.push_back(',');
@@ -172,19 +170,40 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::map<std::string, Ten
       if (i > 0) header.push_back(',');
       absl::StrAppend(&header, e.tensor->shape[i]);
     }
-    uint64_t end = offset + e.tensor->bytes.size();
+    const uint64_t end = offset + e.nbytes;
     absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", end, "]}");
+    layout.order.push_back({*e.name, e.nbytes});
     offset = end;
   }
   header.push_back('}');
   header.append((8 - header.size() % 8) % 8, ' ');
 
+  const uint64_t n = header.size();
+  layout.prefix.reserve(8 + n);
+  for (int i = 0; i < 8; ++i) layout.prefix.push_back(static_cast<char>((n >> (8 * i)) & 0xFF));
+  layout.prefix += header;
+  layout.file_size = layout.prefix.size() + offset;
+  return layout;
+}
+
+absl::StatusOr<std::string> SerializeSafetensors(const std::map<std::string, TensorBytes>& tensors,
+                                                 const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.emplace(name, TensorSpec{t.dtype, t.shape});
+  absl::StatusOr<SafetensorsLayout> layout = PlanSafetensors(specs, metadata);
+  if (!layout.ok()) return layout.status();
   std::string out;
-  out.reserve(8 + header.size() + offset);
-  uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xFF));
-  out += header;
-  for (const Entry& e : entries) out += e.tensor->bytes;
+  out.reserve(layout->file_size);
+  out += layout->prefix;
+  for (const SafetensorsLayout::Slot& slot : layout->order) {
+    const TensorBytes& t = tensors.at(slot.name);
+    if (t.bytes.size() != slot.nbytes) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", QuoteName(slot.name), ": ", t.bytes.size(),
+                                                     " bytes, but ", t.dtype, " with shape [",
+                                                     absl::StrJoin(t.shape, ","), "] needs ", slot.nbytes));
+    }
+    out += t.bytes;
+  }
   return out;
 }
 

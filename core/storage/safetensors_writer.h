@@ -29,6 +29,28 @@ struct TensorBytes {
   std::string bytes;            // row-major, little-endian; size must match dtype × shape
 };
 
+struct TensorSpec {
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+// Where each tensor goes in a file of the format above, for writers that stream the tensor
+// bytes instead of holding them: write `prefix` (length + header), then each tensor of
+// `order` with exactly `nbytes` bytes, in that order.
+struct SafetensorsLayout {
+  struct Slot {
+    std::string name;
+    uint64_t nbytes = 0;
+  };
+  std::string prefix;
+  std::vector<Slot> order;
+  uint64_t file_size = 0;
+};
+
+// InvalidArgument as SerializeSafetensors (byte sizes aside).
+absl::StatusOr<SafetensorsLayout> PlanSafetensors(const std::map<std::string, TensorSpec>& tensors,
+                                                  const std::map<std::string, std::string>& metadata = {});
+
 // InvalidArgument naming the tensor when its byte size does not match dtype and shape, its
 // dtype is unknown, a dimension is negative, or a name is "__metadata__" or not valid UTF-8.
 absl::StatusOr<std::string> SerializeSafetensors(

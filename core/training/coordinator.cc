@@ -65,32 +65,15 @@ TrainingCoordinator::TrainingCoordinator(CoordinatorOptions options, EngineLink&
 TrainingCoordinator::~TrainingCoordinator() { Stop(); }
 
 void TrainingCoordinator::Start() {
-  io_thread_ = std::thread([this] { IoLoop(); });
+  io_jobs_.Start();
+  export_jobs_.Start();
   scheduler_->Start();
 }
 
 void TrainingCoordinator::Stop() {
   scheduler_->Stop();
-  {
-    absl::MutexLock lock(&io_mu_);
-    io_stop_ = true;
-  }
-  if (io_thread_.joinable()) io_thread_.join();  // finishes the writes already started
-}
-
-void TrainingCoordinator::IoLoop() {
-  while (true) {
-    std::function<void()> job;
-    {
-      absl::MutexLock lock(&io_mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(io_mu_) { return io_stop_ || !io_jobs_.empty(); };
-      io_mu_.Await(absl::Condition(&ready));
-      if (io_jobs_.empty()) return;
-      job = std::move(io_jobs_.front());
-      io_jobs_.pop_front();
-    }
-    job();
-  }
+  io_jobs_.Stop();      // finishes the writes already started
+  export_jobs_.Stop();  // exports still running are cancelled (their child killed)
 }
 
 CoordinatorStats TrainingCoordinator::stats() const {
@@ -339,6 +322,7 @@ void TrainingCoordinator::Release(const std::shared_ptr<Adapter>& adapter, const
     }
     adapter->resident = false;
     adapter->host_state.reset();
+    adapter->restore_point.reset();
     return OpOutput{};
   }};
   absl::StatusOr<uint64_t> id = scheduler_->Submit(std::move(op));

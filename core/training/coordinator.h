@@ -13,7 +13,10 @@
 // Residency: at most `max_loras` adapters live on the device. Before a step runs, the
 // adapters it needs are made resident; the least recently used others are offloaded to host
 // memory (their complete state: weights, gradients, optimizer state, counters) and reloaded
-// on demand, bit-identically.
+// on demand, bit-identically. An engine restart sets resident adapters back to their last
+// restore point (the state after their last optimizer step or other state change), so a
+// worker crash costs each tenant at most the gradients accumulated since (reported, never
+// silently dropped).
 
 #include <cstdint>
 #include <deque>
@@ -36,9 +39,26 @@
 #include "core/ipc/training_messages.h"
 #include "core/training/checkpoints.h"
 #include "core/training/engine_link.h"
+#include "core/training/job_thread.h"
 #include "core/training/types.h"
 
 namespace twinkle::training {
+
+// One merged export: a saved adapter folded into the base model (see core/engine/export.h).
+struct MergedExportJob {
+  std::string model_dir;    // the base model
+  std::string adapter_dir;  // the checkpoint's folder
+  std::string parent;       // where the merged model's folder goes
+  std::string name;
+};
+struct MergedExportDone {
+  std::string path;
+  int64_t bytes = 0;
+};
+// Runs one export to completion (the server: a `twinkle-engine export` process); gives up
+// with Cancelled once `cancelled` returns true.
+using MergedExporter = std::function<absl::StatusOr<MergedExportDone>(const MergedExportJob& job,
+                                                                      const std::function<bool()>& cancelled)>;
 
 struct CoordinatorOptions {
   sched::SchedulerOptions scheduler;
@@ -52,6 +72,11 @@ struct CoordinatorOptions {
   std::string model_dir;                              // the base model's HF folder (exports)
   registry::Registry* registry = nullptr;             // runs are recorded when set
   CheckpointStore* checkpoints = nullptr;             // save/load need it
+  // Keep a host copy of each resident adapter's state after every state change, so an engine
+  // restart restores it (see Adapter::restore_point). Costs one get_adapter_state per
+  // optimizer step and host memory for one state per resident adapter.
+  bool restore_points = true;
+  MergedExporter exporter;  // SubmitExport needs it
 };
 
 struct CoordinatorStats {
@@ -60,6 +85,8 @@ struct CoordinatorStats {
   int64_t offloads = 0;
   int64_t reloads = 0;
   int64_t expired = 0;
+  int64_t restored = 0;  // adapters set back to their restore point after an engine restart
+  int64_t lost = 0;      // adapters an engine restart left without state (no restore point)
 };
 
 class TrainingCoordinator {
@@ -197,6 +224,11 @@ class TrainingCoordinator {
   absl::Status EnsureResident(Adapter& adapter, const std::vector<const Adapter*>& pinned);
   absl::Status Offload(Adapter& adapter);
   absl::Status CreateOnEngine(Adapter& adapter);
+  // After a state change: takes the adapter's restore point (when enabled). A failure leaves
+  // none, so a later restart reports the adapter lost rather than restoring stale state.
+  void TakeRestorePoint(Adapter& adapter);
+  // Before an optimizer step: ABORTED (once) when a restart lost gradients it would apply.
+  absl::Status CheckNoLostGradients(Adapter& adapter);
   absl::StatusOr<ipc::Message> CallEngine(const char* method, std::string body,
                                           std::vector<std::string> buffers = {});
   void SyncGeneration();
@@ -221,12 +253,10 @@ class TrainingCoordinator {
   uint64_t use_tick_ = 0;
   uint64_t current_op_ = 0;  // the id of the op being executed (for Deferred completions)
 
-  // Checkpoint writes, one at a time, off the scheduler thread.
-  void IoLoop();
-  absl::Mutex io_mu_;
-  std::deque<std::function<void()>> io_jobs_ ABSL_GUARDED_BY(io_mu_);
-  bool io_stop_ ABSL_GUARDED_BY(io_mu_) = false;
-  std::thread io_thread_;
+  // Off the scheduler thread, one at a time each: checkpoint writes, and merged exports
+  // (long, so on a thread of their own that saves never wait behind).
+  JobThread io_jobs_;
+  JobThread export_jobs_;
 };
 
 }  // namespace twinkle::training

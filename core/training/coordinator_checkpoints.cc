@@ -79,10 +79,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
       futures_.Complete(op, std::move(result));
       scheduler_->Unblock(a->key);
     };
-    {
-      absl::MutexLock lock(&io_mu_);
-      io_jobs_.push_back(std::move(job));
-    }
+    io_jobs_.Post(std::move(job));
     return FutureValue(sched::Deferred{});
   }, {});
 }
@@ -135,6 +132,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
       return absl::Status(r.status().code(), absl::StrCat("the checkpoint does not fit adapter '", a->name,
                                                           "': ", r.status().message()));
     }
+    a->lost_backwards = 0;  // the loaded state replaces whatever a restart left
+    TakeRestorePoint(*a);
     OpOutput out;
     if (mode == LoadMode::kResume) {
       a->backward_count = trainer->cur_step;
@@ -166,7 +165,9 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitLoad(const TenantContext& te
 absl::StatusOr<uint64_t> TrainingCoordinator::SubmitExport(const TenantContext& tenant,
                                                            const std::string& checkpoint_path,
                                                            const std::string& export_name) {
-  if (options_.checkpoints == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (options_.checkpoints == nullptr || !options_.exporter) {
+    return absl::UnimplementedError("merged export is not configured");
+  }
   if (absl::Status s = storage::ValidatePathName(export_name, "name"); !s.ok()) return s;
   if (checkpoint_path.find("://") == std::string::npos) {
     return absl::InvalidArgumentError("checkpoint_path: expected twinkle://<run_id>/weights/<name>");
@@ -174,45 +175,46 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitExport(const TenantContext& 
   absl::StatusOr<registry::CheckpointRecord> record =
       options_.checkpoints->Resolve(tenant.id, checkpoint_path, "");
   if (!record.ok()) return record.status();
-  absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, false);
-  if (!loaded.ok()) return loaded.status();
+  // Verified here (sizes and SHA-256 of the adapter files), before anything is queued.
+  if (absl::StatusOr<LoadedCheckpoint> loaded = options_.checkpoints->Load(*record, false); !loaded.ok()) {
+    return loaded.status();
+  }
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
-  auto data = std::make_shared<LoadedCheckpoint>(*std::move(loaded));
-  // A transient engine adapter on a queue of its own ('#' never appears in adapter names).
+  MergedExportJob job{options_.model_dir, record->path,
+                      (std::filesystem::path(options_.checkpoints->TenantRoot(tenant.id)) / "exports").string(),
+                      export_name};
+  // The export never touches the device: it runs as a process of its own, from the export
+  // thread. Its queue ('#' never appears in adapter names) stays blocked meanwhile, so a
+  // tenant has one export running at a time and the next one waits in its queue.
   const std::string key = absl::StrCat(tenant.id, "/#export");
-  const std::string parent = (std::filesystem::path(options_.checkpoints->TenantRoot(tenant.id)) / "exports").string();
   sched::Op op;
   op.tenant = tenant.id;
   op.adapter = key;
   op.kind = sched::OpKind::kOther;
   op.name = "export";
-  op.payload = ControlPayload{[this, data, key, parent, export_name]() -> FutureResult {
-    ipc::CreateAdapterRequest create;
-    create.adapter_id = key;
-    create.rank = data->lora.rank;
-    create.alpha = data->lora.alpha;
-    create.use_rslora = data->lora.use_rslora;
-    create.targets = data->lora.targets;
-    absl::StatusOr<ipc::Message> created = CallEngine(ipc::kMethodCreateAdapter, ipc::Pack(create));
-    if (!created.ok()) return created.status();
-    ipc::SetAdapterStateRequest set;
-    set.adapter_id = key;
-    set.weights = data->weights;
-    absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(set), data->buffers);
-    absl::StatusOr<ipc::ExportMergedReply> reply = absl::InternalError("not exported");
-    if (!r.ok()) reply = r.status();
-    if (r.ok()) {
-      r = CallEngine(ipc::kMethodExportMerged,
-                     ipc::Pack(ipc::ExportMergedRequest{key, options_.model_dir, parent, export_name}));
-      reply = r.ok() ? ipc::Unpack<ipc::ExportMergedReply>(r->envelope.body, "export_merged reply")
-                     : absl::StatusOr<ipc::ExportMergedReply>(r.status());
-    }
-    (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key}));
-    if (!reply.ok()) return reply.status();
-    OpOutput out;
-    out.checkpoint_dir = reply->path;
-    out.value = static_cast<double>(reply->bytes);
-    return out;
+  op.payload = ControlPayload{[this, job, key, tenant_id = tenant.id]() -> FutureResult {
+    const uint64_t op_id = current_op_;
+    scheduler_->Block(key);
+    export_jobs_.Post([this, job, key, op_id, tenant_id]() {
+      const absl::Time started = absl::Now();
+      absl::StatusOr<MergedExportDone> done = options_.exporter(job, [this] { return export_jobs_.stopping(); });
+      FutureResult result = absl::InternalError("unset");
+      if (done.ok()) {
+        OpOutput out;
+        out.checkpoint_dir = done->path;
+        out.value = static_cast<double>(done->bytes);
+        result = FutureValue(std::move(out));
+        LogInfo(kLog, absl::StrCat("tenant ", tenant_id, ": merged export ", job.name, " written (", done->bytes,
+                                   " bytes in ", absl::FormatDuration(absl::Now() - started), ")"));
+      } else {
+        result = done.status();
+        LogWarning(kLog, absl::StrCat("tenant ", tenant_id, ": merged export ", job.name,
+                                      " failed: ", done.status().message()));
+      }
+      futures_.Complete(op_id, std::move(result));
+      scheduler_->Unblock(key);
+    });
+    return FutureValue(sched::Deferred{});
   }};
   return scheduler_->Submit(std::move(op));
 }

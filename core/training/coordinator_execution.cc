@@ -26,17 +26,59 @@ void TrainingCoordinator::SyncGeneration() {
   const uint64_t gen = engine_.generation();
   if (gen == generation_) return;
   generation_ = gen;
-  // A new engine process holds no adapters: resident ones lost their state with the old one.
+  // A new engine process holds no adapters. Resident ones go back to their restore point
+  // (reloaded on next use like an offloaded adapter); without one their state is lost.
   absl::MutexLock lock(&mu_);
   for (const auto& [key, a] : adapters_) {
-    if (a->resident) {
-      a->resident = false;
+    if (!a->resident) continue;
+    a->resident = false;
+    --stats_.resident;
+    if (a->restore_point) {
+      a->host_state = std::move(a->restore_point);
+      a->lost_backwards += a->backwards_since_restore_point;
+      a->backwards_since_restore_point = 0;
+      ++stats_.restored;
+      LogWarning(kLog, absl::StrCat("tenant ", a->tenant, ": adapter ", a->name,
+                                    " restored to optimizer step ", a->optimizer_steps,
+                                    " after an engine restart",
+                                    a->lost_backwards > 0 ? absl::StrCat("; gradients of ", a->lost_backwards,
+                                                                         " backward(s) lost")
+                                                          : std::string()));
+    } else {
       a->lost = true;
-      --stats_.resident;
+      ++stats_.lost;
       LogError(kLog, absl::StrCat("tenant ", a->tenant, ": adapter ", a->name,
                                   " lost its device state in an engine restart"));
     }
   }
+}
+
+void TrainingCoordinator::TakeRestorePoint(Adapter& a) {
+  if (!options_.restore_points) return;
+  a.restore_point.reset();
+  a.backwards_since_restore_point = 0;
+  absl::StatusOr<ipc::Message> state = CallEngine(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{a.key}));
+  if (!state.ok()) {
+    LogWarning(kLog, absl::StrCat("tenant ", a.tenant, ": adapter ", a.name,
+                                  ": no restore point (", state.status().message(), ")"));
+    return;
+  }
+  a.restore_point = std::make_shared<const ipc::Message>(*std::move(state));
+}
+
+absl::Status TrainingCoordinator::CheckNoLostGradients(Adapter& a) {
+  if (a.lost_backwards == 0) return absl::OkStatus();
+  const int64_t lost = a.lost_backwards;
+  a.lost_backwards = 0;
+  // What the backwards since the restart left would otherwise join the next window's.
+  absl::StatusOr<ipc::Message> zeroed = CallEngine(ipc::kMethodZeroGrad, ipc::Pack(ipc::AdapterRequest{a.key}));
+  if (!zeroed.ok()) return zeroed.status();
+  TakeRestorePoint(a);
+  return absl::AbortedError(absl::StrCat("adapter '", a.name, "': the gradients of ", lost,
+                                         " forward_backward call(s) since optimizer step ", a.optimizer_steps,
+                                         " were lost when the engine worker restarted (the adapter was restored "
+                                         "to that step; this step's gradients are cleared): run the "
+                                         "step's forward_backward calls again, then the optimizer step"));
 }
 
 absl::Status TrainingCoordinator::CreateOnEngine(Adapter& a) {
@@ -63,7 +105,9 @@ absl::Status TrainingCoordinator::Offload(Adapter& a) {
   if (!state.ok()) return state.status();
   absl::StatusOr<ipc::Message> removed = CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{a.key}));
   if (!removed.ok()) return removed.status();
-  a.host_state = *std::move(state);
+  a.host_state = std::make_shared<const ipc::Message>(*std::move(state));
+  a.restore_point.reset();  // the host state is newer, and complete
+  a.backwards_since_restore_point = 0;
   a.resident = false;
   absl::MutexLock lock(&mu_);
   ++stats_.offloads;
@@ -117,9 +161,14 @@ absl::Status TrainingCoordinator::EnsureResident(Adapter& a, const std::vector<c
       (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{a.key}));
       return set.status();
     }
+    // What was just set is the adapter's state: it is also its restore point.
+    if (options_.restore_points) a.restore_point = a.host_state;
+    a.backwards_since_restore_point = 0;
     a.host_state.reset();
     absl::MutexLock lock(&mu_);
     ++stats_.reloads;
+  } else {
+    TakeRestorePoint(a);  // fresh: its initial weights
   }
   a.created_on_engine = true;
   a.resident = true;
@@ -165,6 +214,9 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
     return r.status();
   };
   absl::Status s;
+  if (control == Control::kStep || control == Control::kClipGradAndStep) {
+    if (absl::Status lost = CheckNoLostGradients(a); !lost.ok()) return lost;
+  }
   switch (control) {
     case Control::kClipGradNorm:
       s = clip();
@@ -187,6 +239,9 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
       break;
   }
   if (!s.ok()) return s;
+  if (control == Control::kStep || control == Control::kZeroGrad || control == Control::kClipGradAndStep) {
+    TakeRestorePoint(a);
+  }
   return out;
 }
 
@@ -288,7 +343,10 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
       a.last_forward = *packed_of[i];
       a.last_loss = out.loss;
     }
-    if (backward) ++a.backward_count;
+    if (backward) {
+      ++a.backward_count;
+      ++a.backwards_since_restore_point;
+    }
     results[i] = std::move(out);
   }
   return results;
@@ -314,6 +372,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitOptimStep(const TenantContex
   return SubmitControlOp(tenant, a, "optim_step", [this, a, hyper]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
+    if (absl::Status s = CheckNoLostGradients(*a); !s.ok()) return s;
     ipc::OptimStepRequest req;
     req.adapter_id = a->key;
     req.hyper = hyper;
@@ -325,6 +384,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitOptimStep(const TenantContex
     ++a->optimizer_steps;
     a->last_grad_norm = reply->grad_norm;
     a->last_lr = reply->learning_rate;
+    TakeRestorePoint(*a);
     OpOutput out;
     out.value = reply->learning_rate;
     out.metrics = {{"grad_norm:mean", reply->grad_norm}, {"learning_rate:mean", reply->learning_rate}};

@@ -60,10 +60,20 @@ struct TrainingCoordinator::Adapter {
   bool created_on_engine = false;
   int64_t num_parameters = 0;
   bool resident = false;
-  bool lost = false;           // the engine restarted while it was resident
+  bool lost = false;           // the engine restarted while it was resident, with no restore point
   uint64_t generation = 0;
   uint64_t last_use = 0;
-  std::optional<ipc::Message> host_state;  // offloaded: get_adapter_state's reply
+  // Offloaded: get_adapter_state's reply, set back on the device by EnsureResident.
+  std::shared_ptr<const ipc::Message> host_state;
+  // Resident (with CoordinatorOptions::restore_points): the adapter's complete state as of
+  // its last state change other than a backward (creation, optimizer step, zero_grad,
+  // set_optimizer, load, reload). An engine restart sets it back from here instead of losing
+  // the adapter; the backwards run since are counted, because their gradients are lost.
+  std::shared_ptr<const ipc::Message> restore_point;
+  int64_t backwards_since_restore_point = 0;
+  // Backwards whose gradients an engine restart lost: the next optimizer step refuses to
+  // run on what is left (ABORTED, once) rather than step on partial gradients.
+  int64_t lost_backwards = 0;
 
   std::optional<PackedOp> last_forward;
   std::optional<double> last_loss;

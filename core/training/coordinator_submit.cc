@@ -278,6 +278,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSetOptimizer(const TenantCon
     a->optimizer_cls = kind;
     a->hyper = hyper;
     a->optimizer_steps = 0;
+    TakeRestorePoint(*a);  // a fresh optimizer: the old restore point's moments no longer apply
     return OpOutput{};
   }, {});
 }

@@ -58,6 +58,9 @@ struct EngineSection {
   // is restarted and the caller gets a retryable error.
   double call_timeout_s = 1800;
   double call_timeout_per_mib_s = 120;
+  // Keep a host copy of each resident adapter's state after every optimizer step (and other
+  // state changes), so a worker restart restores its tenants' adapters instead of losing them.
+  bool adapter_restore_points = true;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

@@ -18,10 +18,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import requests
 import torch
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
 from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb
 
+from e2e_support import prom
 from e2e_support.server import ServerProcess
 from e2e_support.training import KEYS, Client, auth_overrides, batch, state_dict
 
@@ -196,8 +198,69 @@ def test_resume_after_kill_equals_uninterrupted_training(launch_server: LaunchSe
             assert worst <= 1e-6 and loss_diff <= 1e-6
 
 
-def test_engine_crash_reports_lost_state_then_resume_works(launch_server: LaunchServer, tiny_model: Path) -> None:
-    server = launch_server()
+def retry_while_restarting(fn: Callable[[], Any], seconds: float = 60) -> Any:
+    """Calls fn until the engine worker is back: UNAVAILABLE is the retryable restart error."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_engine_crash_restores_every_tenants_adapters(launch_server: LaunchServer, tiny_model: Path) -> None:
+    """kill -9 of the engine worker while two tenants train: each adapter comes back at its last
+    optimizer step (training then equals an uninterrupted run), and gradients accumulated
+    since that step are reported lost at the next step instead of being dropped silently."""
+    server = launch_server(auth_overrides(engine={"restart_backoff_initial_ms": 200}))
+    alice, bob = Client(server.grpc_address, KEYS["alice"]), Client(server.grpc_address, KEYS["bob"])
+    n_vocab = vocab(tiny_model)
+    # The uninterrupted references, trained first on the same server.
+    add(alice, "a-ref", seed=7)
+    add(bob, "b-ref", seed=11)
+    ref_losses = [train_step(alice, "a-ref", data_for(s, n_vocab)) for s in range(6)]
+    for s in range(3):
+        train_step(bob, "b-ref", data_for(100 + s, n_vocab))
+    want_a, want_b = state_dict(alice, "a-ref"), state_dict(bob, "b-ref")
+    alice.call("RemoveAdapter", tpb.AdapterRequest(adapter_name="a-ref"))
+    bob.call("RemoveAdapter", tpb.AdapterRequest(adapter_name="b-ref"))
+
+    add(alice, "a", seed=7)
+    add(bob, "b", seed=11)
+    losses = [train_step(alice, "a", data_for(s, n_vocab)) for s in range(3)]
+    for s in range(2):
+        train_step(bob, "b", data_for(100 + s, n_vocab))
+    # Bob's third step is half done: its forward_backward ran, its optimizer step has not.
+    bob.call("ForwardBackward", tpb.ForwardRequest(adapter_name="b", inputs=data_for(102, n_vocab)))
+
+    server.engine_workers()[0].kill()
+    losses += [retry_while_restarting(lambda s=s: train_step(alice, "a", data_for(s, n_vocab))) for s in range(3, 6)]
+    got_a = state_dict(alice, "a")
+    worst_a = max(float(np.max(np.abs(got_a[k] - want_a[k]))) for k in want_a)
+    loss_diff = max(abs(x - y) for x, y in zip(losses, ref_losses))
+    print(f"alice after the restart vs uninterrupted: max |dw| = {worst_a:.3e}, max |dloss| = {loss_diff:.3e}")
+    assert worst_a <= 1e-6 and loss_diff <= 1e-6
+
+    lost = expect_code(grpc.StatusCode.ABORTED, lambda: retry_while_restarting(
+        lambda: bob.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name="b", max_grad_norm=1.0))))
+    print(f"bob's step after the restart: {lost.details()}")
+    assert "gradients of 1 forward_backward call(s) since optimizer step 2 were lost" in lost.details()
+    train_step(bob, "b", data_for(102, n_vocab))  # the step again, whole
+    got_b = state_dict(bob, "b")
+    worst_b = max(float(np.max(np.abs(got_b[k] - want_b[k]))) for k in want_b)
+    print(f"bob after redoing the step vs uninterrupted: max |dw| = {worst_b:.3e}")
+    assert worst_b <= 1e-6
+
+    samples = prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+    assert prom.value(samples, "twinkle_adapter_events_total", event="restore") == 2
+    assert prom.value(samples, "twinkle_worker_restarts_total", pool="training", rank="0") == 1
+
+
+def test_engine_crash_without_restore_points_reports_lost_state_then_resume_works(
+        launch_server: LaunchServer, tiny_model: Path) -> None:
+    server = launch_server({"engine": {"adapter_restore_points": False}})
     c = Client(server.grpc_address, None)
     n_vocab = vocab(tiny_model)
     add(c, "w")

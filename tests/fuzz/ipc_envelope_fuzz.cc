@@ -81,7 +81,7 @@ void DecodeBody(const ipc::Message& m, uint8_t pick) {
       Check(req.optimizer, buffers);
     }
   }
-  if (method == ipc::kMethodExportMerged || pick == 8) Decode<ipc::ExportMergedRequest>(m, "export_merged");
+  if (pick == 8) Decode<ipc::OptimStepReply>(m, "optim_step reply");
   if (method == ipc::kMethodSample || pick == 9) Decode<ipc::SampleRequest>(m, "sample");
   if (method == ipc::kMethodSampleStep || pick == 10) Decode<ipc::SampleStepRequest>(m, "sample_step");
   if (method == ipc::kMethodDebugSleep || method == ipc::kMethodDebugReplyFrames || pick == 11) {

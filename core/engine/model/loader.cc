@@ -6,6 +6,9 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <bit>
 #include <cstring>
 #include <exception>
@@ -353,4 +356,51 @@ absl::StatusOr<LoadedModel> LoadModel(const std::filesystem::path& dir, c10::Sca
   }
 }
 
+absl::StatusOr<MappedWeights> MappedWeights::Open(const std::filesystem::path& dir) {
+  OpenedCheckpoint ckpt;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(dir / kSingleFile, ec)) {
+    if (absl::Status s = OpenSingle(dir / kSingleFile, &ckpt); !s.ok()) return s;
+  } else if (std::filesystem::is_regular_file(dir / kIndexFile, ec)) {
+    if (absl::Status s = OpenSharded(dir, dir / kIndexFile, &ckpt); !s.ok()) return s;
+  } else {
+    return absl::NotFoundError(
+        absl::StrCat(dir.string(), ": neither ", kSingleFile, " nor ", kIndexFile, " found"));
+  }
+  MappedWeights out;
+  out.files_ = std::move(ckpt.files);
+  for (const auto& [name, source] : ckpt.weights) out.tensors_[name] = {source.file, source.info};
+  return out;
+}
+
+void MappedWeights::Release(const std::string& name) const {
+  const auto& [file, info] = tensors_.at(name);
+  const absl::Span<const uint8_t> bytes = file->Data(*info);
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  // Whole pages inside the tensor only: its neighbours' pages stay.
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(bytes.data()) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size()) / page * page;
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+std::vector<std::string> MappedWeights::names() const {
+  std::vector<std::string> out;
+  out.reserve(tensors_.size());
+  for (const auto& [name, source] : tensors_) out.push_back(name);
+  return out;
+}
+
+const TensorInfo* MappedWeights::Find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : it->second.second;
+}
+
+at::Tensor MappedWeights::View(const std::string& name) const {
+  const auto& [file, info] = tensors_.at(name);
+  const absl::Span<const uint8_t> bytes = file->Data(*info);
+  return at::from_blob(const_cast<uint8_t*>(bytes.data()), info->shape,
+                       at::TensorOptions().dtype(ToScalarType(info->dtype)));
+}
+
 }  // namespace twinkle::engine
+

@@ -11,10 +11,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/engine/model/hf_config.h"
+#include "core/engine/model/safetensors.h"
 
 namespace twinkle::engine {
 
@@ -32,5 +35,27 @@ struct LoadedModel {
 // config.json or weights file is NotFound.
 absl::StatusOr<LoadedModel> LoadModel(const std::filesystem::path& dir, c10::ScalarType dtype,
                                       c10::Device device);
+
+// The weights of an HF model directory as stored, memory-mapped (model.safetensors, or the
+// shards of model.safetensors.index.json, validated as LoadModel validates them) and not
+// checked against the config: every tensor the checkpoint holds, vision towers and all.
+// What merged export streams from, one tensor at a time.
+class MappedWeights {
+ public:
+  static absl::StatusOr<MappedWeights> Open(const std::filesystem::path& dir);
+
+  std::vector<std::string> names() const;  // sorted
+  // nullptr when the checkpoint has no such tensor.
+  const TensorInfo* Find(const std::string& name) const;
+  // The tensor in its stored dtype, viewing the mapping: valid while *this lives.
+  at::Tensor View(const std::string& name) const;
+  // Drops the tensor's pages from this process (a later View reads them again from the
+  // file), so streaming through a checkpoint does not accumulate it in memory.
+  void Release(const std::string& name) const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> tensors_;
+};
 
 }  // namespace twinkle::engine

@@ -85,6 +85,39 @@ TEST(WriteCheckpointDirTest, RoundTrip) {
   EXPECT_TRUE(VerifyCheckpointDir(fs, *empty).ok());
 }
 
+TEST(WriteCheckpointDirTest, StreamedFilesAreWrittenPieceByPieceAndHashedTheSame) {
+  TempDir tmp;
+  FileSystem& fs = RealFileSystem();
+  const std::string whole = Files("streamed")[0].bytes;
+  FileContent streamed;
+  streamed.name = "model.safetensors";
+  int pieces = 0;
+  streamed.stream = [&](const AppendFn& append) -> absl::Status {
+    for (size_t at = 0; at < whole.size(); at += 4096, ++pieces) {
+      if (absl::Status s = append(absl::string_view(whole).substr(at, 4096)); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+  auto dir = WriteCheckpointDir(fs, tmp.path(), "merged", {streamed, {"config.json", "{}", {}}});
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  EXPECT_EQ(pieces, static_cast<int>((whole.size() + 4095) / 4096));
+  EXPECT_EQ(Slurp(*dir / "model.safetensors"), whole);
+  auto meta = VerifyCheckpointDir(fs, *dir);
+  ASSERT_TRUE(meta.ok()) << meta.status();
+  EXPECT_EQ((*meta)["files"]["model.safetensors"]["size"], whole.size());
+  EXPECT_EQ((*meta)["files"]["model.safetensors"]["sha256"], Sha256Hex(whole));
+
+  // A stream that fails part-way fails the write and leaves nothing.
+  streamed.stream = [&](const AppendFn& append) -> absl::Status {
+    if (absl::Status s = append(absl::string_view(whole).substr(0, 4096)); !s.ok()) return s;
+    return absl::DataLossError("the base model's shard 2 is truncated");
+  };
+  auto failed = WriteCheckpointDir(fs, tmp.path(), "broken", {streamed});
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(failed.status().message()), HasSubstr("shard 2 is truncated"));
+  EXPECT_THAT(*fs.ListDir(tmp.path()), ElementsAre("merged"));
+}
+
 TEST(WriteCheckpointDirTest, ReplacesExistingAndLeavesNoLeftovers) {
   TempDir tmp;
   FileSystem& fs = RealFileSystem();

@@ -132,6 +132,26 @@ TEST(SerializeSafetensorsTest, Errors) {
       SerializeSafetensors({{"t", {"U8", {int64_t{1} << 40, int64_t{1} << 40}, ""}}}).status()));
 }
 
+TEST(PlanSafetensorsTest, StreamingTheLayoutGivesTheSerialisedBytes) {
+  std::map<std::string, TensorBytes> tensors;
+  tensors["b.weight"] = {"F32", {2, 3}, std::string(24, '\x01')};
+  tensors["a.weight"] = {"BF16", {4}, std::string(8, '\x02')};
+  tensors["c.bias"] = {"F32", {3}, std::string(12, '\x03')};
+  std::map<std::string, TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs[name] = {t.dtype, t.shape};
+  auto layout = PlanSafetensors(specs, {{"format", "pt"}});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::string streamed = layout->prefix;
+  for (const SafetensorsLayout::Slot& slot : layout->order) {
+    EXPECT_EQ(slot.nbytes, tensors.at(slot.name).bytes.size());
+    streamed += tensors.at(slot.name).bytes;
+  }
+  EXPECT_EQ(streamed.size(), layout->file_size);
+  auto whole = SerializeSafetensors(tensors, {{"format", "pt"}});
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(streamed, *whole);
+}
+
 TEST(SafetensorsDtypeTest, Mapping) {
   EXPECT_EQ(*SafetensorsDtype("float32"), "F32");
   EXPECT_EQ(*SafetensorsDtype("bfloat16"), "BF16");
