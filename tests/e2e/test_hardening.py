@@ -542,3 +542,23 @@ def test_the_full_adapter_state_of_an_80_layer_model_is_offloaded_reloaded_and_s
     assert prom.value(samples, "twinkle_adapter_events_total", event="offload") >= 2
     assert prom.value(samples, "twinkle_adapter_events_total", event="reload") >= 1
     assert worker_restarts(server) == [0]
+
+
+def test_image_inputs_are_refused_with_a_clear_error_and_the_other_tenant_is_served(server: ServerProcess) -> None:
+    """Vision is not supported yet (issue 16: text only, even for Qwen3.5's ConditionalGeneration
+    checkpoints): an image chunk in forward_backward or sample is a 400 naming the chunk."""
+    alice, bob = training_client(server, KEYS["alice"]), training_client(server, KEYS["bob"])
+    image = types.ImageChunk(data=b"\x89PNG\r\n\x1a\n" + bytes(64), format="png", expected_tokens=4)
+    datum = types.Datum(model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5, 17]), image]),
+                        loss_fn_inputs={"target_tokens": [17, 42, 9, 77, 31, 8], "weights": [1.0] * 6})
+    with pytest.raises(tinker.BadRequestError) as info:
+        alice.forward_backward([datum], "cross_entropy").result()
+    print(f"forward_backward with an image chunk: {info.value}")
+    assert "chunks[1]" in str(info.value) and "only encoded_text chunks are supported" in str(info.value)
+    sampler = alice.save_weights_and_get_sampling_client(name="img")
+    with pytest.raises(tinker.BadRequestError) as info:
+        sampler.sample(types.ModelInput(chunks=[image]), num_samples=1,
+                       sampling_params=types.SamplingParams(max_tokens=2)).result()
+    assert "only encoded_text chunks are supported" in str(info.value)
+    assert other_tenant_is_served(bob) < OTHER_TENANT_BUDGET_S
+    assert worker_restarts(server) == [0]
