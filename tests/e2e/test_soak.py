@@ -115,9 +115,21 @@ def test_soak_many_tenants_mixing_train_sample_save_load(launch_server: LaunchSe
         t.start()
     time.sleep(WARMUP_S)
     rss_start = rss_of_tree(server.pid)
+    # The RSS of the coordinator and of its engine workers every 10 s, to tell a leak (steady
+    # growth) from a warm-up (growth that levels off).
+    trajectory: list[tuple[float, int, int]] = []
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline + 300:
+        coordinator = psutil.Process(server.pid).memory_info().rss
+        trajectory.append((time.monotonic() - start, coordinator, rss_of_tree(server.pid) - coordinator))
+        for t in threads:
+            t.join(timeout=max(0.0, 10 - (time.monotonic() - start - trajectory[-1][0])))
+            if time.monotonic() - start - trajectory[-1][0] >= 10:
+                break
     for t in threads:
         t.join(timeout=SOAK_S + 300)
     rss_end = rss_of_tree(server.pid)
+    print("\nRSS over time (s: coordinator / engine MiB): " +
+          ", ".join(f"{t:.0f}: {c / 2**20:.0f}/{e / 2**20:.0f}" for t, c, e in trajectory))
     elapsed = time.monotonic() - start
     assert not any(t.is_alive() for t in threads), "a tenant loop did not finish"
 
