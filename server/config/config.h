@@ -58,6 +58,9 @@ struct EngineSection {
   // is restarted and the caller gets a retryable error.
   double call_timeout_s = 1800;
   double call_timeout_per_mib_s = 120;
+  // Data parallelism (two or more devices): how long a rendezvous or a collective waits for
+  // the other ranks.
+  double collective_timeout_s = 300;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may
