@@ -159,3 +159,30 @@ def test_tinker_batch_split_over_two_ranks_equals_one(launch_server: LaunchServe
     assert max(rel) <= 1e-6
     assert worst_lp <= 1e-4
     assert len(totals) == 2 and all(t > 0 for t in totals), totals
+
+
+def test_killed_rank_restarts_the_group_which_trains_again(launch_server: LaunchServer, tiny_model: Path) -> None:
+    """kill -9 of rank 1: the supervisor takes rank 0 down too (a c10d group cannot take back
+    one member), both restart on a new rendezvous, the server serves again, and a new
+    adapter trains on the new group (a forward_backward runs its all-reduce on both ranks)."""
+    import signal
+
+    from e2e_support.waiting import wait_until
+
+    vocab = vocab_size(tiny_model)
+    server = launch_server({"engine": {"devices": ["cpu", "cpu"], "restart_backoff_initial_ms": 100},
+                            "logging": {"level": "debug"}})
+    before = server.engine_workers()
+    assert len(before) == 2
+    before[1].send_signal(signal.SIGKILL)
+    wait_until(lambda: len(server.engine_workers()) == 2 and
+               not ({w.pid for w in server.engine_workers()} & {w.pid for w in before}) or None,
+               120, "both ranks replaced")
+    server.wait_health("SERVING", 120)
+    c = Client(server.grpc_address, None)
+    c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="after", config=tpb.LoraConfig(r=4, seed=1)))
+    c.call("ForwardBackward", tpb.ForwardRequest(adapter_name="after", inputs=batch(3, vocab, sequences=2)))
+    c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name="after", max_grad_norm=1.0))
+    assert any(float(np.abs(v).max()) > 0 for k, v in state_dict(c, "after").items() if "lora_B" in k)
+    c.close()
+    assert "its data-parallel group lost engine rank 1" in server.stderr_text()
