@@ -15,6 +15,7 @@ starts at exactly zero while B is zero).
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -66,8 +67,14 @@ def on_all_errors(engines: list[Engine], method: str, bodies: list[dict[str, Any
     return out
 
 
+# Per rank (scripts/gpu_check.sh: "cuda:0,cuda:1", an NCCL group); default two CPU ranks (Gloo).
+RANK_DEVICES = os.environ.get("TWINKLE_TEST_DEVICES", "cpu,cpu").split(",")
+
+
 def load_group(engines: list[Engine], model_dir: Path) -> None:
-    replies = on_all(engines, "load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
+    bodies = [{"model_dir": str(model_dir), "dtype": "float32", "device": RANK_DEVICES[r % len(RANK_DEVICES)]}
+              for r in range(len(engines))]
+    replies = on_all(engines, "load_model", bodies)
     assert [r["world_size"] for r in replies] == [len(engines)] * len(engines)
 
 

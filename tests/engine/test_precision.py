@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEVICE
 from engine_harness import Engine
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
@@ -104,7 +105,7 @@ def test_low_precision_forward_backward_matches_peft(reference_models: Path, var
     model_dir = reference_models / variant
     datums = batch()
     with Engine() as engine:
-        info = engine.call("load_model", {"model_dir": str(model_dir), "dtype": dtype_name, "device": "cpu"})
+        info = engine.call("load_model", {"model_dir": str(model_dir), "dtype": dtype_name, "device": DEVICE})
         assert info["dtype"] == dtype_name
         engine.call("create_adapter", {"adapter_id": "t", "rank": 4, "alpha": 8.0, "seed": 3})
         weights = lora_weights(engine, seed=4)
@@ -147,7 +148,7 @@ def test_bf16_training_matches_peft_and_keeps_fp32_state(reference_models: Path)
     steps = 5
     data = [batch() for _ in range(steps)]
     with Engine() as engine:
-        engine.call("load_model", {"model_dir": str(model_dir), "dtype": "bfloat16", "device": "cpu"})
+        engine.call("load_model", {"model_dir": str(model_dir), "dtype": "bfloat16", "device": DEVICE})
         engine.call("create_adapter", {"adapter_id": "t", "rank": 4, "alpha": 8.0, "seed": 3})
         start = lora_weights(engine, seed=4)
         engine.call("set_adapter_state", {"adapter_id": "t", "weights": start})
