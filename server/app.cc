@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
 #include "core/engine_client/one_shot.h"
+#include "core/engine_client/data_parallel_link.h"
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
@@ -270,6 +271,8 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.call_timeout = absl::Seconds(c.engine.call_timeout_s);
   o.call_timeout_per_mib = absl::Seconds(c.engine.call_timeout_per_mib_s);
   o.test_hooks = c.testing.hooks;
+  o.data_parallel = c.engine.devices.size() > 1;  // docs/device_pool.md
+  o.collective_timeout = absl::Seconds(c.engine.collective_timeout_s);
   return o;
 }
 
@@ -280,6 +283,7 @@ SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
   o.pool = "sampler";
   o.devices = c.sampler.devices;
   o.kv_cache_blocks = c.sampler.kv_cache_blocks;
+  o.data_parallel = false;  // sampler workers are independent
   return o;
 }
 
@@ -394,7 +398,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sched::SeedFutureIds((*journal)->first_id());
   FutureStore futures(absl::Seconds(config.sessions.future_retention_s));
   futures.SetJournal(journal->get());
-  SupervisorEngineLink engine_link(supervisor);
+  DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()));
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
   coordinator_options.registry = registry->get();
   coordinator_options.checkpoints = &checkpoints;

@@ -54,7 +54,8 @@ absl::StatusOr<MethodReply> DebugReplyFrames(const ipc::Message& request) {
 
 }  // namespace
 
-RequestHandler::RequestHandler(std::string device, bool test_hooks) : device_(std::move(device)) {
+RequestHandler::RequestHandler(std::string device, bool test_hooks, DistributedOptions distributed)
+    : device_(std::move(device)), distributed_(std::move(distributed)) {
   if (test_hooks) {
     methods_[ipc::kMethodDebugSleep] = DebugSleep;
     methods_[ipc::kMethodDebugReplyFrames] = DebugReplyFrames;
@@ -113,9 +114,20 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   reply.hidden_size = config.hidden_size;
   reply.supported_losses = SupportedLossNames();
   reply.max_position_embeddings = config.max_position_embeddings;
+  std::unique_ptr<ProcessGroup> group;
+  if (distributed_.world_size > 1) {
+    if (trainer_ != nullptr) {
+      return absl::FailedPreconditionError(
+          "load_model: this rank already joined its process group; restart the worker to reload");
+    }
+    absl::StatusOr<std::unique_ptr<ProcessGroup>> joined = ProcessGroup::Create(distributed_, *device);
+    if (!joined.ok()) return joined.status();
+    group = *std::move(joined);
+    reply.world_size = group->world_size();
+  }
   auto trainer = std::make_unique<Trainer>(
       std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device,
-      req->max_lora_rank);
+      req->max_lora_rank, std::move(group));
   if (absl::Status s = trainer->InitSampler(*dtype, req->kv_cache_blocks, req->kv_block_size);
       !s.ok()) {
     return s;

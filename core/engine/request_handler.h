@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "core/engine/distributed.h"
 #include "core/ipc/envelope.h"
 
 namespace twinkle::engine {
@@ -22,7 +23,8 @@ using Method = std::function<absl::StatusOr<MethodReply>(const ipc::Message& req
 class RequestHandler {
  public:
   // test_hooks: also answer the debug methods (ipc::kMethodDebugSleep, ...).
-  RequestHandler(std::string device, bool test_hooks);
+  // distributed: world_size > 1 joins the training ranks' process group at load_model.
+  RequestHandler(std::string device, bool test_hooks, DistributedOptions distributed = {});
   ~RequestHandler();
 
   // Runs one request; the reply carries the method's body and tensor frames.
@@ -32,6 +34,7 @@ class RequestHandler {
   absl::StatusOr<MethodReply> LoadModel(const ipc::Message& request);
 
   std::string device_;
+  DistributedOptions distributed_;
   std::map<std::string, Method> methods_;
   std::unique_ptr<Trainer> trainer_;
 };

@@ -4,6 +4,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "core/engine/loss/loss.h"
 #include "core/engine/sampler/sampler.h"
@@ -66,8 +68,35 @@ struct OpRows {
 
 }  // namespace
 
-Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank)
-    : model_(std::move(model)), device_(device), max_lora_rank_(max_lora_rank) {}
+Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank,
+                 std::unique_ptr<ProcessGroup> group)
+    : model_(std::move(model)), device_(device), max_lora_rank_(max_lora_rank), group_(std::move(group)) {}
+
+absl::Status Trainer::ReduceGradients(const std::vector<Adapter*>& adapters,
+                                      std::vector<at::Tensor> earlier) {
+  // One flat buffer, one collective per fused step: the adapters' parameters in request
+  // order, each the gradient this rank's rows gave it (zeros without rows here).
+  std::vector<at::Tensor> parts;
+  for (Adapter* adapter : adapters) {
+    for (const auto& [name, p] : adapter->named_parameters()) {
+      const at::Tensor& g = p.grad();
+      parts.push_back(g.defined() ? g.reshape({-1}) : at::zeros({p.numel()}, p.options()));
+    }
+  }
+  at::Tensor flat = at::cat(parts);
+  if (absl::Status s = group_->AllReduceSum(flat); !s.ok()) return s;
+  int64_t offset = 0;
+  size_t i = 0;
+  for (Adapter* adapter : adapters) {
+    for (const auto& [name, p] : adapter->named_parameters()) {
+      const at::Tensor sum = flat.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      const at::Tensor& before = earlier[i++];
+      const_cast<at::Tensor&>(p).mutable_grad() = before.defined() ? before + sum : sum.clone();
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status Trainer::InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks,
                                   int64_t kv_block_size) {
@@ -153,6 +182,74 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
   absl::StatusOr<ipc::ForwardRequest> req = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, method);
   if (!req.ok()) return req.status();
+  if (req->allreduce_adapters.empty()) return ForwardPass(request, *req, backward, nullptr);
+  if (!backward || group_ == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        method, ": allreduce_adapters needs forward_backward on a rank of a process group"));
+  }
+  // A data-parallel step: every rank runs its share of the rows, then the ranks sum the new
+  // gradients. A rank that fails (a bad input, an unknown adapter) still takes part in the
+  // collectives, so no peer is left waiting: first every rank says whether it failed; if
+  // any did, all drop this step's gradients (as one rank that failed would) and return an
+  // error; otherwise the gradients are summed.
+  std::vector<Adapter*> reduce;
+  absl::Status local;
+  for (const std::string& id : req->allreduce_adapters) {
+    absl::StatusOr<Adapter*> adapter = FindAdapter(id);
+    if (!adapter.ok()) {
+      local = adapter.status();
+      break;
+    }
+    if (std::find(reduce.begin(), reduce.end(), *adapter) != reduce.end()) {
+      local = absl::InvalidArgumentError(absl::StrCat(method, ": adapter '", id, "' is listed twice in allreduce_adapters"));
+      break;
+    }
+    reduce.push_back(*adapter);
+  }
+  // This rank's backward adds to empty gradients; the earlier ones wait aside.
+  std::vector<at::Tensor> earlier;
+  if (local.ok()) {
+    for (Adapter* adapter : reduce) {
+      for (const auto& [name, p] : adapter->named_parameters()) {
+        earlier.push_back(p.grad());
+        const_cast<at::Tensor&>(p).mutable_grad() = at::Tensor();
+      }
+    }
+  }
+  auto restore = [&] {
+    size_t i = 0;
+    for (Adapter* adapter : reduce) {
+      for (const auto& [name, p] : adapter->named_parameters()) {
+        if (i < earlier.size()) const_cast<at::Tensor&>(p).mutable_grad() = earlier[i++];
+      }
+    }
+  };
+  absl::StatusOr<MethodReply> reply =
+      !local.ok() ? absl::StatusOr<MethodReply>(local)
+      : req->ops.empty() ? Reply(ipc::ForwardReply{})  // no rows here: only the collectives
+                         : ForwardPass(request, *req, true, &reduce);
+  at::Tensor failed = at::full({1}, reply.ok() ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
+  if (absl::Status s = group_->AllReduceSum(failed); !s.ok()) {
+    restore();
+    return s;
+  }
+  const float failures = failed.to(at::kCPU).item<float>();
+  if (failures > 0) {
+    restore();
+    if (!reply.ok()) return reply.status();
+    return absl::AbortedError(absl::StrCat(method, ": ", static_cast<int>(failures),
+                                           " other rank(s) failed this data-parallel step; no gradient was kept"));
+  }
+  if (absl::Status s = ReduceGradients(reduce, std::move(earlier)); !s.ok()) return s;
+  // Every rank counts the micro-batch, rows here or not, so the counters stay equal.
+  for (Adapter* adapter : reduce) ++adapter->micro_batches_since_step;
+  return reply;
+}
+
+absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, const ipc::ForwardRequest& fwd,
+                                                 bool backward, const std::vector<Adapter*>* reduce) {
+  const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
+  const ipc::ForwardRequest* req = &fwd;
   if (req->ops.empty()) return absl::InvalidArgumentError(absl::StrCat(method, ": no ops"));
   const int64_t vocab = model_->config().vocab_size;
 
@@ -206,6 +303,11 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
       n += in->numel();
     }
     r.end = n;
+    if (reduce != nullptr && backward && r.adapter != nullptr && !op.loss.name.empty() &&
+        std::find(reduce->begin(), reduce->end(), r.adapter) == reduce->end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          method, ": op ", o, " trains adapter '", op.adapter_id, "', which is not in allreduce_adapters"));
+    }
     rows.push_back(std::move(r));
   }
 
@@ -306,8 +408,11 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   }
   if (backward && total.defined()) {
     total.backward();
-    for (const OpRows& r : rows) {
-      if (r.adapter != nullptr) ++r.adapter->micro_batches_since_step;
+    // Data parallel: Forward counts the micro-batch once the ranks agree.
+    if (reduce == nullptr) {
+      for (const OpRows& r : rows) {
+        if (r.adapter != nullptr) ++r.adapter->micro_batches_since_step;
+      }
     }
   }
   return Reply(body, std::move(reply));

@@ -16,17 +16,22 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "core/engine/distributed.h"
 #include "core/engine/lora/adapter.h"
 #include "core/engine/model/decoder.h"
 #include "core/engine/request_handler.h"
 #include "core/engine/sampler/sampler.h"
+#include "core/ipc/training_messages.h"
 
 namespace twinkle::engine {
 
 class Trainer {
  public:
-  // max_lora_rank: create_adapter refuses larger ranks (0 = no limit).
-  Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank = 0);
+  // max_lora_rank: create_adapter refuses larger ranks (0 = no limit). group: this rank's
+  // data-parallel process group (null = a single rank): forward_backward then sums the
+  // gradients of its request's allreduce_adapters over the ranks (docs/device_pool.md).
+  Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank = 0,
+          std::unique_ptr<ProcessGroup> group = nullptr);
 
   // Allocates the sampler's KV cache (0 = defaults); before RegisterMethods.
   absl::Status InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks, int64_t kv_block_size);
@@ -39,6 +44,10 @@ class Trainer {
   absl::StatusOr<MethodReply> CreateAdapter(const ipc::Message& request);
   absl::StatusOr<MethodReply> RemoveAdapter(const ipc::Message& request);
   absl::StatusOr<MethodReply> Forward(const ipc::Message& request, bool backward);
+  // One forward (and backward) over this rank's ops. reduce (data parallel): the adapters
+  // the step sums over the ranks; the caller then counts the micro-batch.
+  absl::StatusOr<MethodReply> ForwardPass(const ipc::Message& request, const ipc::ForwardRequest& req,
+                                          bool backward, const std::vector<Adapter*>* reduce);
   absl::StatusOr<MethodReply> OptimStep(const ipc::Message& request);
   absl::StatusOr<MethodReply> ZeroGrad(const ipc::Message& request);
   absl::StatusOr<MethodReply> SetOptimizer(const ipc::Message& request);
@@ -47,6 +56,13 @@ class Trainer {
   absl::StatusOr<MethodReply> SetAdapterState(const ipc::Message& request);
 
   absl::StatusOr<Adapter*> FindAdapter(const std::string& id);
+  // Data parallelism: after this rank's backward, `adapters`' gradients hold what this
+  // rank's rows added (their earlier gradients moved to `earlier`, one per parameter in
+  // named_parameters order, undefined when there were none). Sums the new gradients over the
+  // ranks in one all-reduce and adds back the earlier ones, so every rank ends with the
+  // gradient of the whole fused batch, accumulated as on one rank.
+  absl::Status ReduceGradients(const std::vector<Adapter*>& adapters,
+                               std::vector<at::Tensor> earlier);
 
   // A method body that names an adapter, decoded, with the adapter it names (NotFound else).
   template <typename Request>
@@ -61,6 +77,7 @@ class Trainer {
   std::unique_ptr<DecoderModel> model_;
   c10::Device device_;
   int64_t max_lora_rank_ = 0;
+  std::unique_ptr<ProcessGroup> group_;
   std::map<std::string, std::unique_ptr<Adapter>> adapters_;
   // After adapters_: destroyed first, while the adapters its requests point to still exist.
   std::unique_ptr<Sampler> sampler_;

@@ -26,8 +26,9 @@ constexpr char kWakeEndpoint[] = "inproc://twinkle-engine-wake";
 // `done` plus a one-byte wake-up on the inproc socket.
 class ComputeThread {
  public:
-  ComputeThread(zmq::context_t& context, std::string device, bool test_hooks)
-      : handler_(std::move(device), test_hooks), wake_(context, zmq::socket_type::push) {
+  ComputeThread(zmq::context_t& context, std::string device, bool test_hooks,
+                const DistributedOptions& distributed)
+      : handler_(std::move(device), test_hooks, distributed), wake_(context, zmq::socket_type::push) {
     wake_.connect(kWakeEndpoint);
     thread_ = std::thread([this] { Loop(); });
   }
@@ -136,7 +137,9 @@ absl::Status RunWorker(const WorkerOptions& options) {
                                                  options.device});
   if (absl::Status s = ipc::SendMessage(dealer, hello); !s.ok()) return s;
 
-  ComputeThread compute(context, options.device, options.test_hooks);
+  DistributedOptions distributed = options.distributed;
+  distributed.rank = options.rank;
+  ComputeThread compute(context, options.device, options.test_hooks, distributed);
   const pid_t parent = getppid();
   const absl::Duration interval = absl::Milliseconds(options.heartbeat_interval_ms);
   absl::Time next_heartbeat = absl::Now();

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "core/engine/distributed.h"
 
 namespace twinkle::engine {
 
@@ -19,6 +20,9 @@ struct WorkerOptions {
   int heartbeat_interval_ms = 200;
   std::string pool;       // "" = a training worker, "sampler" = a dedicated one (log lines only)
   bool test_hooks = false;  // answer the debug methods (tests only; see ipc::kMethodDebugSleep)
+  // Data parallelism (docs/device_pool.md): world_size > 1 joins the training ranks' c10d
+  // process group when the model loads. rank is options.rank.
+  DistributedOptions distributed;
 };
 
 // "engine rank R", or "<pool> engine rank R": the worker's name in its log lines, the same

@@ -3,6 +3,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <chrono>
+#include <cstdio>
+
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -89,8 +92,31 @@ int main(int argc, char** argv) {
       ->default_val(200);
   app.add_option("--log-level", log_level, "debug|info|warning|error")->default_val("info");
   app.add_option("--pool", options.pool, "the worker's pool, for its log lines: empty (training) or sampler");
+  app.add_option("--world-size", options.distributed.world_size,
+                 "training ranks in the data-parallel process group (1 = none)")
+      ->check(CLI::Range(1, 4096))
+      ->default_val(1);
+  app.add_option("--dist-host", options.distributed.store_host,
+                 "address of rank 0's c10d TCPStore (rendezvous)")
+      ->default_val("127.0.0.1");
+  app.add_option("--dist-port", options.distributed.store_port, "port of rank 0's c10d TCPStore")
+      ->check(CLI::Range(1, 65535));
+  int64_t dist_timeout_s = 300;
+  app.add_option("--dist-timeout-s", dist_timeout_s,
+                 "how long a rendezvous or a collective waits for the other ranks")
+      ->check(CLI::Range(1, 86400))
+      ->default_val(300);
   app.add_flag("--test-hooks", options.test_hooks, "answer the debug methods (tests only)");
   CLI11_PARSE(app, argc, argv);
+  options.distributed.timeout = std::chrono::seconds(dist_timeout_s);
+  if (options.distributed.world_size > 1 && options.distributed.store_port == 0) {
+    std::fprintf(stderr, "--world-size %d needs --dist-port\n", options.distributed.world_size);
+    return 2;
+  }
+  if (options.rank >= options.distributed.world_size && options.distributed.world_size > 1) {
+    std::fprintf(stderr, "--rank %d is outside --world-size %d\n", options.rank, options.distributed.world_size);
+    return 2;
+  }
 
   twinkle::LogLevel level;
   if (twinkle::ParseLogLevel(log_level, &level)) twinkle::SetLogLevel(level);

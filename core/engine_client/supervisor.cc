@@ -1,8 +1,11 @@
 #include "core/engine_client/supervisor.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +24,24 @@ namespace twinkle {
 namespace {
 
 constexpr char kLog[] = "supervisor";
+
+// A TCP port free on the loopback interface now: the kernel picks one for a socket bound to
+// port 0, which is closed again for rank 0's TCPStore to bind (the store retries a port
+// that was taken meanwhile as an error, and the group then restarts on another).
+absl::StatusOr<int32_t> FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::UnavailableError("cannot open a socket for a rendezvous port");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  if (!ok) return absl::UnavailableError("cannot find a free loopback port for the rendezvous");
+  return static_cast<int32_t>(ntohs(addr.sin_port));
+}
 // How often the loop wakes when nothing arrives, to check exits and heartbeat deadlines.
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
@@ -207,6 +228,11 @@ absl::Status Supervisor::Launch(Listener listener) {
   {
     absl::MutexLock lock(&mu_);
     listener_ = std::move(listener);
+    if (data_parallel()) {
+      absl::StatusOr<int32_t> port = FreeLoopbackPort();
+      if (!port.ok()) return port.status();
+      dist_port_ = *port;
+    }
     const absl::Time now = clock_.Now();
     for (size_t i = 0; i < options_.devices.size(); ++i) {
       auto w = std::make_unique<Worker>();
@@ -250,6 +276,14 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
     argv.push_back(options_.pool);
   }
   if (options_.test_hooks) argv.push_back("--test-hooks");
+  if (data_parallel()) {
+    for (std::string arg : {std::string("--world-size"), absl::StrCat(options_.devices.size()),
+                            std::string("--dist-port"), absl::StrCat(dist_port_),
+                            std::string("--dist-timeout-s"),
+                            absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(options_.collective_timeout)))}) {
+      argv.push_back(std::move(arg));
+    }
+  }
   absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   w.spawned_at = now;
   w.last_seen = now;
@@ -281,6 +315,21 @@ void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& 
                               absl::FormatDuration(w.backoff)));
   w.backoff = std::min(w.backoff * 2, options_.backoff_max);
   if (was_ready) NotifyLocked();
+  if (data_parallel() && !stopping_ && !group_going_down_) {
+    // The other ranks' process group lost a member: none of them can run another collective.
+    // Take them all down and let the group restart together, on a fresh rendezvous port.
+    group_going_down_ = true;
+    for (auto& other : workers_) {
+      if (other.get() == &w || other->state == State::kBackoff || other->state == State::kStopped) continue;
+      WorkerDownLocked(*other, now, absl::StrCat("its data-parallel group lost ", WorkerName(w.rank)));
+    }
+    group_going_down_ = false;
+    if (absl::StatusOr<int32_t> port = FreeLoopbackPort(); port.ok()) {
+      dist_port_ = *port;
+    } else {
+      LogError(kLog, absl::StrCat("no new rendezvous port: ", port.status().message(), "; keeping ", dist_port_));
+    }
+  }
 }
 
 void Supervisor::NotifyLocked() {

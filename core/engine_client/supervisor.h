@@ -51,6 +51,13 @@ struct SupervisorOptions {
   absl::Duration call_timeout = absl::InfiniteDuration();
   absl::Duration call_timeout_per_mib = absl::ZeroDuration();
   bool test_hooks = false;  // passes --test-hooks: the worker then accepts its debug methods
+  // Data parallelism (docs/device_pool.md), with two or more devices: the workers form one
+  // c10d process group (rank 0 serves its TCPStore rendezvous on a free loopback port), so
+  // a rank going down takes the whole group down and every rank restarts (a group cannot
+  // take back one member; each holds a replica of every adapter). Off: independent workers.
+  bool data_parallel = false;
+  // How long a rendezvous or a collective waits for the other ranks.
+  absl::Duration collective_timeout = absl::Minutes(5);
 };
 
 struct WorkerSnapshot {
@@ -168,6 +175,11 @@ class Supervisor {
   absl::Status startup_error_ ABSL_GUARDED_BY(mu_);
   uint64_t next_request_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t engine_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  // Data parallelism: the rendezvous port of the group's current incarnation (a new one
+  // after the group went down), and whether WorkerDownLocked is taking the group down.
+  int32_t dist_port_ ABSL_GUARDED_BY(mu_) = 0;
+  bool group_going_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool data_parallel() const { return options_.data_parallel && options_.devices.size() > 1; }
 
   // Calls from other threads wait here until the loop sends them; the eventfd wakes the
   // loop's poll at once, so a call pays no polling delay.

@@ -58,9 +58,10 @@ struct LoadModelReply {
   int64_t kv_cache_blocks = 0;  // the sampler's KV cache, as allocated
   int64_t kv_block_size = 0;
   int64_t max_position_embeddings = 0;
+  int32_t world_size = 1;  // the data-parallel process group this rank joined (1 = none)
   MSGPACK_DEFINE_MAP(architecture, model_type, parameter_count, dtype, device, num_layers,
                      vocab_size, hidden_size, supported_losses, load_seconds, kv_cache_blocks,
-                     kv_block_size, max_position_embeddings);
+                     kv_block_size, max_position_embeddings, world_size);
 };
 
 // Describes a tensor travelling as a raw frame: frame index into Message::buffers.

@@ -79,7 +79,13 @@ struct TrainOpMsg {
 struct ForwardRequest {  // forward and forward_backward
   std::vector<TrainOpMsg> ops;
   bool return_logits = false;  // tests: the full logits per datum
-  MSGPACK_DEFINE_MAP(ops, return_logits);
+  // Data parallelism (forward_backward on a rank of a process group): every adapter the
+  // whole fused step trains, in the same order on every rank, whether or not this rank got
+  // rows of it. After its backward the rank sums these adapters' new gradients over the
+  // ranks, so each holds the gradient of the whole batch. Empty: no collective; ops may
+  // then not be empty.
+  std::vector<std::string> allreduce_adapters;
+  MSGPACK_DEFINE_MAP(ops, return_logits, allreduce_adapters);
 };
 
 struct OpResultMsg {

@@ -81,6 +81,7 @@ template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("call_timeout_s", c.call_timeout_s, Range(0.05, 604800));
   v.Field("call_timeout_per_mib_s", c.call_timeout_per_mib_s, Range(0, 86400));
   v.Field("adapter_restore_points", c.adapter_restore_points, Spec{});
+  v.Field("collective_timeout_s", c.collective_timeout_s, Range(1, 86400));
 }
 // Also the shape of a tenant's `quotas` (same keys, same ranges).
 template <typename V> void VisitFields(V& v, LimitsSection& c) {

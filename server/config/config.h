@@ -61,6 +61,9 @@ struct EngineSection {
   // Keep a host copy of each resident adapter's state after every optimizer step (and other
   // state changes), so a worker restart restores its tenants' adapters instead of losing them.
   bool adapter_restore_points = true;
+  // Data parallelism (two or more devices): how long a rendezvous or a collective waits for
+  // the other ranks.
+  double collective_timeout_s = 300;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

@@ -7,6 +7,11 @@ Figures (all on this machine, in one run, same thread count):
   mfu                   train_tokens_per_s * 4*P / gemm rate (frozen-base LoRA: ~4 P FLOPs/token)
   fused_vs_sequential   8 tenants x 1 seq x 128 tokens: one fused step vs one tenant at a time
   vs_peft               our single-tenant tokens/s / transformers+PEFT's, same model and batch
+  ranks_speedup         with --ranks N (N > 1): one training step of 8 tenants x 2 x 128 tokens
+                        on N data-parallel engines (one Gloo group, each with threads/N
+                        threads; datums split over the ranks, gradients all-reduced) vs one
+                        engine with all threads. On a machine whose cores are shared the
+                        figure says little; the one that matters is N GPUs (docs/device_pool.md).
 The engine is the real twinkle-engine process driven over its IPC (tests/engine/engine_harness.py).
 """
 
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import tempfile
 import time
@@ -93,6 +100,58 @@ def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, object]
     return {"adapter_id": adapter, "datums": datums, "loss": {"name": "cross_entropy"}}
 
 
+def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int) -> tuple[float, float]:
+    """Seconds of one 8-tenant training step on one engine, and on `ranks` engines of one
+    process group (datum d of every op on rank d % ranks), each with threads // ranks threads."""
+    tenants = [op(f"t{i}", batch(2 * ranks, 128, seed=20 + i)) for i in range(8)]
+    adapters = [o["adapter_id"] for o in tenants]
+
+    def create(engines: list[Engine]) -> None:
+        # Every rank must be asked before any answers: load_model joins the process group.
+        ids = [e.submit("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
+               for e in engines]
+        for e, i in zip(engines, ids):
+            e.result(i)
+        for i, a in enumerate(adapters):
+            for e in engines:
+                e.call("create_adapter", {"adapter_id": a, "rank": RANK, "alpha": ALPHA, "seed": i})
+
+    def step(engines: list[Engine]) -> None:
+        parts = [{"ops": [{**o, "datums": o["datums"][r::ranks]} for o in tenants], "allreduce_adapters": adapters}
+                 for r in range(len(engines))] if len(engines) > 1 else [{"ops": tenants}]
+        ids = [e.submit("forward_backward", b) for e, b in zip(engines, parts)]
+        for e, i in zip(engines, ids):
+            e.result(i)
+        for a in adapters:
+            ids = [e.submit("optim_step", {"adapter_id": a, "hyper": HYPER}) for e in engines]
+            for e, i in zip(engines, ids):
+                e.result(i)
+
+    with Engine() as one:
+        create([one])
+        t_one = timed(lambda: step([one]), 1, repeats)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads // ranks))
+    try:
+        engines = [Engine(rank=r, extra_args=["--world-size", str(ranks), "--dist-port", str(port)])
+                   for r in range(ranks)]
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    try:
+        create(engines)
+        t_many = timed(lambda: step(engines), 1, repeats)
+    finally:
+        for e in engines:
+            e.close()
+    return t_one, t_many
+
+
 def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int, targets: list[str]) -> float:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0))
@@ -115,10 +174,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=14, help="14 layers = ~48M parameters")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="N > 1: also time a training step on N data-parallel CPU engines")
     parser.add_argument("--family", choices=["qwen3", "qwen3_5"], default="qwen3",
                         help="qwen3_5: the hybrid Gated DeltaNet model (transformers' torch fallbacks "
                              "on the PEFT side, as on a machine without fla/causal_conv1d)")
     args = parser.parse_args()
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
     targets = TARGETS + (DELTANET if args.family == "qwen3_5" else [])
     threads = torch.get_num_threads()
 
@@ -138,6 +201,9 @@ def main() -> int:
             t_fused = timed(lambda: engine_train_step(engine, tenants), 1, args.repeats)
             t_seq = timed(lambda: [engine_train_step(engine, [o]) for o in tenants], 1, args.repeats)
         peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats, targets)
+        t_one = t_many = 0.0
+        if args.ranks > 1:
+            t_one, t_many = ranks_speedup(model_dir, args.ranks, threads, args.repeats)
 
     mfu = train_tps * 4 * params / (gflops * 1e9)
     result = {
@@ -151,6 +217,9 @@ def main() -> int:
         "threads": threads,
         "family": args.family,
     }
+    if args.ranks > 1:
+        result["ranks"] = args.ranks
+        result["ranks_speedup"] = round(t_one / t_many, 3)
     rows = [
         ("model parameters", f"{params / 1e6:.1f} M ({args.family}, {args.layers} layers, LoRA r={RANK} all-linear)"),
         ("threads", str(threads)),
@@ -163,6 +232,12 @@ def main() -> int:
         ("8 tenants 1x128: one at a time", f"{t_seq * 1000:.0f} ms"),
         ("fused vs sequential", f"{t_seq / t_fused:.2f}x  (goal >= 2.0x)"),
     ]
+    if args.ranks > 1:
+        rows += [
+            (f"8 tenants 2x{args.ranks}x128 step, 1 engine", f"{t_one * 1000:.0f} ms ({threads} threads)"),
+            (f"same step, {args.ranks} data-parallel ranks", f"{t_many * 1000:.0f} ms ({max(1, threads // args.ranks)} threads each)"),
+            (f"{args.ranks} ranks vs 1 rank", f"{t_one / t_many:.2f}x"),
+        ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

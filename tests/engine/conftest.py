@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,5 +33,10 @@ def engine() -> Iterator[Engine]:
         yield e
 
 
+# The engine's device (scripts/gpu_check.sh runs the parity tests with cuda:0); the
+# references stay on CPU.
+DEVICE = os.environ.get("TWINKLE_TEST_DEVICE", "cpu")
+
+
 def load(engine: Engine, model_dir: Path) -> dict[str, object]:
-    return engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
+    return engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": DEVICE})

@@ -90,7 +90,8 @@ def _decode_body(value: Any, frames: list[bytes]) -> Any:
 class Engine:
     """One twinkle-engine worker. Use as a context manager."""
 
-    def __init__(self, device: str = "cpu", binary: Path | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(self, device: str = "cpu", binary: Path | None = None, timeout_s: float = 120.0,
+                 extra_args: list[str] | None = None, rank: int = 0) -> None:
         self.binary = binary or Path(os.environ.get("TWINKLE_ENGINE_BIN", repo_root() / "build/bin/twinkle-engine"))
         if not self.binary.exists():
             raise FileNotFoundError(f"{self.binary} not found: run ./scripts/setup.sh")
@@ -101,11 +102,11 @@ class Engine:
         self._sock.setsockopt(zmq.LINGER, 0)
         endpoint = f"ipc://{self._dir.name}/engine.sock"
         self._sock.bind(endpoint)
-        self._identity = b"rank-0-gen-1"
+        self._identity = f"rank-{rank}-gen-1".encode()
         self._next_id = 1
         self.proc = subprocess.Popen(
-            [str(self.binary), "--rank", "0", "--endpoint", endpoint, "--identity",
-             self._identity.decode(), "--device", device, "--heartbeat-ms", "1000"],
+            [str(self.binary), "--rank", str(rank), "--endpoint", endpoint, "--identity",
+             self._identity.decode(), "--device", device, "--heartbeat-ms", "1000", *(extra_args or [])],
             stdout=subprocess.DEVNULL,
         )
         hello = self._receive(lambda t: t == HELLO)
@@ -135,11 +136,21 @@ class Engine:
 
     def call(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """Runs `method` on the engine; returns the reply body with tensors decoded."""
+        return self.result(self.submit(method, body))
+
+    def submit(self, method: str, body: dict[str, Any] | None = None) -> int:
+        """Sends `method` without waiting (several engines of one process group must each get
+        their share of a collective before any can answer); result() collects the reply."""
         frames: list[bytes] = []
         packed = msgpack.packb(_encode_body(body or {}, frames), use_bin_type=True)
         request_id = self._next_id
         self._next_id += 1
+        self._pending_method = method
         self._send({"t": REQUEST, "id": request_id, "m": method, "b": packed}, frames)
+        return request_id
+
+    def result(self, request_id: int) -> dict[str, Any]:
+        method = self._pending_method
         reply = self._receive(lambda t: t == REPLY)
         assert reply["id"] == request_id
         if reply["c"] != 0:

@@ -77,6 +77,17 @@ TEST(ConfigTest, OutOfRangeIsNamed) {
               HasSubstr("limits.max_lora_rank: 0 is out of range"));
 }
 
+TEST(ConfigTest, CollectiveTimeoutIsReadAndBounded) {
+  absl::StatusOr<Config> c = Parse("model:\n  path: m\nengine:\n  devices: [cpu, cpu]\n  collective_timeout_s: 30\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->engine.collective_timeout_s, 30);
+  EXPECT_EQ(Parse("model:\n  path: m\n")->engine.collective_timeout_s, 300);
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  collective_timeout_s: 0.5\n"),
+              HasSubstr("engine.collective_timeout_s: 0.5 is out of range [1, 86400]"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  collective_timeout_s: 86401\n"),
+              HasSubstr("engine.collective_timeout_s: 86401 is out of range"));
+}
+
 TEST(ConfigTest, EnumValueIsChecked) {
   EXPECT_THAT(ErrorOf("model:\n  path: m\n  dtype: float8\n"),
               HasSubstr("test.yaml:3: model.dtype: 'float8' is not one of: float32, bfloat16, float16"));

@@ -7,7 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <thread>
+#include <vector>
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -126,6 +129,54 @@ TEST(SupervisorTest, DebugMethodsNeedTestHooks) {
   ASSERT_TRUE(supervisor.Start(nullptr).ok());
   absl::StatusOr<ipc::Message> r = supervisor.CallAndWait(0, Debug(ipc::kMethodDebugSleep, 0));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
+  supervisor.Stop(absl::Seconds(5));
+}
+
+// Waits until `done` holds (bounded: the test fails otherwise).
+template <typename F>
+void AwaitTrue(F done) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(90);
+  while (!done() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(done());
+}
+
+// Data parallelism (docs/device_pool.md): two CPU ranks form one Gloo group at load, and a
+// rank's death takes the group down; both restart, join a new group and serve again.
+TEST(SupervisorTest, DataParallelGroupRestartsTogether) {
+  SupervisorOptions o = TestOptions(absl::Seconds(60));
+  o.devices = {"cpu", "cpu"};
+  o.data_parallel = true;
+  o.collective_timeout = absl::Seconds(60);
+  Supervisor supervisor(o);
+  ASSERT_TRUE(supervisor.Start(nullptr).ok());
+  const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
+  ASSERT_EQ(before.size(), 2u);
+  const uint64_t generation = supervisor.engine_generation(0);
+  ASSERT_EQ(kill(static_cast<pid_t>(before[1].pid), SIGKILL), 0);
+  AwaitTrue([&] {
+    const std::vector<WorkerSnapshot> now = supervisor.Snapshot();
+    return now[0].restarts >= 1 && now[1].restarts >= 1 && supervisor.AllReady();
+  });
+  const std::vector<WorkerSnapshot> after = supervisor.Snapshot();
+  EXPECT_NE(after[0].pid, before[0].pid) << "rank 0 must leave the broken group too";
+  EXPECT_NE(after[1].pid, before[1].pid);
+  EXPECT_NE(supervisor.engine_generation(0), generation);
+  EXPECT_TRUE(supervisor.CallAndWait(0, Debug(ipc::kMethodDebugSleep, 0)).ok());
+  EXPECT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0)).ok());
+  supervisor.Stop(absl::Seconds(5));
+}
+
+// Without data parallelism (the sampler pool, or data_parallel off) workers stay independent.
+TEST(SupervisorTest, IndependentWorkersRestartAlone) {
+  SupervisorOptions o = TestOptions(absl::Seconds(60));
+  o.devices = {"cpu", "cpu"};
+  Supervisor supervisor(o);
+  ASSERT_TRUE(supervisor.Start(nullptr).ok());
+  const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
+  ASSERT_EQ(kill(static_cast<pid_t>(before[1].pid), SIGKILL), 0);
+  AwaitTrue([&] { return supervisor.Snapshot()[1].restarts == 1 && supervisor.AllReady(); });
+  EXPECT_EQ(supervisor.Snapshot()[0].pid, before[0].pid);
+  EXPECT_EQ(supervisor.Snapshot()[0].restarts, 0);
   supervisor.Stop(absl::Seconds(5));
 }
 
