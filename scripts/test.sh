@@ -3,7 +3,7 @@
 # clean-venv install (scripts/check_client_install.sh, offline from setup's wheelhouse), then
 # ctest (GoogleTest units and the link-isolation check), a short run of every fuzz target
 # (scripts/fuzz.sh; TWINKLE_FUZZ_SECONDS each, default 20), then pytest (end-to-end against
-# the real binaries).
+# the real binaries, and tests/deploy: manifests, Prometheus rules and dashboard, logs).
 # Exits non-zero on any failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +37,11 @@ t=$(date +%s)
 echo "== test: pytest tests/e2e (the server as a whole)"
 "$ROOT/.venv/bin/python" -m pytest tests/e2e -q "$@"
 echo "== test: pytest tests/e2e took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
+echo "== test: pytest tests/deploy (k8s manifests, dashboard + alert rules on a real Prometheus, JSON logs, image plan; building and running the image: TWINKLE_IMAGE_TEST=1)"
+"$ROOT/.venv/bin/python" -m pytest tests/deploy -q "$@"
+echo "== test: pytest tests/deploy took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
 echo "== test: pytest tests/engine (numerics vs transformers, PEFT, torch.optim)"

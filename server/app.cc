@@ -218,6 +218,7 @@ void SampleGauges(ServingState& state) {
     depths.emplace_back(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
   }
   state.metrics.SetQueueDepths(depths);
+  state.metrics.SetDraining(state.draining.load());
   const sampling::SamplerStats z = state.sampler->stats();
   state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
                             z.tokens_generated});
@@ -260,6 +261,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.model_dir = c.model.path;
   o.dtype = c.model.dtype;
   o.log_level = c.logging.level;
+  o.log_format = c.logging.format;
   o.max_lora_rank = c.limits.max_lora_rank;
   o.kv_cache_blocks = DedicatedSampler(c) ? 1 : c.sampler.kv_cache_blocks;
   o.kv_block_size = c.sampler.kv_block_size;
@@ -406,7 +408,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   coordinator.scheduler().SetStepListener([&metrics](const sched::StepStats& step) {
     std::vector<std::pair<std::string, double>> waits;
     for (const auto& [tenant, wait] : step.waits) waits.emplace_back(tenant, absl::ToDoubleSeconds(wait));
-    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, waits);
+    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, absl::ToDoubleSeconds(step.duration), waits);
   });
   sampling::SamplerOptions sampler_options;
   sampler_options.base_model = config.model.name;
@@ -517,6 +519,14 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   });
   AddHttpRoutes(http, state, grpc_address, tls);
   tinker::AddTinkerRoutes(http, tinker_api, state);
+  // The access log's tenant: the registry's lookup, which (unlike Authenticate*) counts no
+  // failure; the handlers still authenticate the request themselves.
+  http.SetLogTenant([&state](const HttpRequest& r) {
+    absl::StatusOr<std::string> key = ExtractApiKey([&r](absl::string_view name) { return r.Header(std::string(name)); });
+    absl::StatusOr<const tenancy::Tenant*> t =
+        key.ok() ? state.authenticator->registry().Authenticate(*key) : absl::StatusOr<const tenancy::Tenant*>(key.status());
+    return t.ok() ? (*t)->id : std::string();
+  });
   absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);
   if (!http_port.ok()) {
     grpc_server->Shutdown();

@@ -64,5 +64,7 @@ int main(int argc, char** argv) {
   }
   twinkle::LogLevel level;
   if (twinkle::ParseLogLevel(config->logging.level, &level)) twinkle::SetLogLevel(level);
+  twinkle::LogFormat log_format;
+  if (twinkle::ParseLogFormat(config->logging.format, &log_format)) twinkle::SetLogFormat(log_format);
   return twinkle::RunServer(*config, twinkle::LaunchOptions{port_file});
 }

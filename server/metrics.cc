@@ -40,6 +40,10 @@ Metrics::Metrics(bool tenant_labels)
                        .Name("twinkle_fused_step_tokens")
                        .Help("Tokens (rows) in one forward/forward_backward engine step")
                        .Register(*registry_)),
+      step_duration_(prometheus::BuildHistogram()
+                         .Name("twinkle_step_duration_seconds")
+                         .Help("Time one scheduler step took in the engine, by kind")
+                         .Register(*registry_)),
       tokens_(prometheus::BuildCounter()
                   .Name("twinkle_tokens_total")
                   .Help("Tokens run through the engine, by kind (forward, forward_backward)")
@@ -64,6 +68,11 @@ Metrics::Metrics(bool tenant_labels)
                          .Name("twinkle_auth_failures_total")
                          .Help("Requests refused for a missing, malformed or unknown API key")
                          .Register(*registry_)),
+      draining_(prometheus::BuildGauge()
+                    .Name("twinkle_draining")
+                    .Help("1 while the server drains after SIGTERM: readiness fails, new calls are refused")
+                    .Register(*registry_)
+                    .Add({})),
       sampler_sessions_(prometheus::BuildGauge()
                             .Name("twinkle_sampler_sessions")
                             .Help("Open sampling sessions")
@@ -161,9 +170,12 @@ std::string Metrics::TenantLabel(const std::string& tenant) {
   return "other";
 }
 
-void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t tokens,
+void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t tokens, double duration_s,
                          const std::vector<std::pair<std::string, double>>& tenant_waits_s) {
   steps_.Add({{"kind", kind}}).Increment();
+  static const prometheus::Histogram::BucketBoundaries kDurations = {0.001, 0.005, 0.01, 0.05, 0.1, 0.25,
+                                                                     0.5,   1,     2.5,  5,    10,  30, 120};
+  step_duration_.Add({{"kind", kind}}, kDurations).Observe(duration_s);
   if (kind != "other") {
     static const prometheus::Histogram::BucketBoundaries kAdapters = {1, 2, 3, 4, 6, 8, 12, 16, 32, 64};
     static const prometheus::Histogram::BucketBoundaries kTokens = {64, 256, 1024, 4096, 16384, 65536};
@@ -217,6 +229,8 @@ void Metrics::SetSampler(const SamplerGauges& g) {
 }
 
 void Metrics::RecordAuthFailure() { auth_failures_.Add({}).Increment(); }
+
+void Metrics::SetDraining(bool draining) { draining_.Set(draining ? 1 : 0); }
 
 std::string Metrics::Render() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());

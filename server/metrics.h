@@ -38,8 +38,8 @@ class Metrics {
   void UpdateWorkers(const std::string& pool, const std::vector<WorkerSnapshot>& workers);
 
   // One scheduler step: its kind ("forward", "forward_backward", "other"), the adapters and
-  // tokens it held, its tenants' queue waits.
-  void RecordStep(const std::string& kind, int32_t adapters, int64_t tokens,
+  // tokens it held, how long the engine took, its tenants' queue waits.
+  void RecordStep(const std::string& kind, int32_t adapters, int64_t tokens, double duration_s,
                   const std::vector<std::pair<std::string, double>>& tenant_waits_s);
 
   // Gauges sampled by the housekeeping loop.
@@ -48,6 +48,8 @@ class Metrics {
   void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
                    int64_t expired, int64_t restored, int64_t lost);
   void RecordAuthFailure();
+  // 1 from SIGTERM until exit: readiness fails and new calls are refused (server.drain_timeout_s).
+  void SetDraining(bool draining);
   // The sampler pool: open sessions, engine snapshots, rows waiting / in the engine's batch,
   // KV cache blocks in use / total, and tokens generated so far (a running total).
   struct SamplerGauges {
@@ -69,12 +71,14 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Family<prometheus::Histogram>& step_adapters_;
   prometheus::Family<prometheus::Histogram>& step_tokens_;
+  prometheus::Family<prometheus::Histogram>& step_duration_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Histogram>& queue_wait_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& adapters_;
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;
+  prometheus::Gauge& draining_;
   prometheus::Gauge& sampler_sessions_;
   prometheus::Gauge& sampler_snapshots_;
   prometheus::Family<prometheus::Gauge>& sampler_requests_;

@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
 #endif
   twinkle::engine::WorkerOptions options;
   std::string log_level = "info";
+  std::string log_format = "text";
   CLI::App app{"twinkle-engine: the LibTorch worker of twinkle-server (started by it, not by hand)"};
   app.set_version_flag("--version", std::string(twinkle::kTwinkleVersion));
   app.add_option("--rank", options.rank, "rank of this worker in the device pool")->required();
@@ -91,6 +92,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(10, 60000))
       ->default_val(200);
   app.add_option("--log-level", log_level, "debug|info|warning|error")->default_val("info");
+  app.add_option("--log-format", log_format, "text|json")->default_val("text");
   app.add_option("--pool", options.pool, "the worker's pool, for its log lines: empty (training) or sampler");
   app.add_option("--world-size", options.distributed.world_size,
                  "training ranks in the data-parallel process group (1 = none)")
@@ -120,6 +122,8 @@ int main(int argc, char** argv) {
 
   twinkle::LogLevel level;
   if (twinkle::ParseLogLevel(log_level, &level)) twinkle::SetLogLevel(level);
+  twinkle::LogFormat format;
+  if (twinkle::ParseLogFormat(log_format, &format)) twinkle::SetLogFormat(format);
 
   const absl::Status status = twinkle::engine::RunWorker(options);
   if (!status.ok()) {

@@ -270,7 +270,7 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
       options_.engine_binary, "--rank", absl::StrCat(w.rank), "--endpoint", endpoint_,
       "--identity", w.identity, "--device", w.device, "--heartbeat-ms",
       absl::StrCat(absl::ToInt64Milliseconds(options_.heartbeat_interval)), "--log-level",
-      options_.log_level};
+      options_.log_level, "--log-format", options_.log_format};
   if (!options_.pool.empty()) {
     argv.push_back("--pool");
     argv.push_back(options_.pool);

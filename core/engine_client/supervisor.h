@@ -35,6 +35,7 @@ struct SupervisorOptions {
   std::string model_dir;
   std::string dtype;
   std::string log_level = "info";
+  std::string log_format = "text";  // text | json (logging.format)
   int64_t max_lora_rank = 0;          // passed to the workers, which refuse larger adapters
   int64_t kv_cache_blocks = 0;        // sampler KV cache blocks per worker (0 = engine default 2048)
   int64_t kv_block_size = 0;          // tokens per KV block (0 = engine default 16)

@@ -134,6 +134,7 @@ template <typename V> void VisitFields(V& v, TestingSection& c) {
 }
 template <typename V> void VisitFields(V& v, LoggingSection& c) {
   v.Field("level", c.level, OneOf({"debug", "info", "warning", "error"}));
+  v.Field("format", c.format, OneOf({"text", "json"}));
 }
 // `limits` comes before `auth`: a tenant's quotas start from the limits already read.
 template <typename V> void VisitFields(V& v, Config& c) {

@@ -136,6 +136,7 @@ struct TestingSection {
 
 struct LoggingSection {
   std::string level = "info";  // debug | info | warning | error
+  std::string format = "text";  // text | json (one JSON object per line; the engine workers too)
 };
 
 struct Config {

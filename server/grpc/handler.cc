@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/common/log.h"
 #include "core/tenancy/rate_limiter.h"
 #include "server/status_map.h"
 
@@ -30,8 +31,37 @@ absl::Time ClientDeadline(const grpc::CallbackServerContext& context) {
   return absl::FromChrono(deadline);
 }
 
-void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
-                const absl::Status& status) {
+namespace {
+
+// The call's request id: the client's `x-request-id` metadata when it is a valid id, else a
+// fresh one.
+std::string RequestIdOf(const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("x-request-id");
+  if (it != metadata.end()) {
+    const absl::string_view id(it->second.data(), it->second.size());
+    if (IsValidRequestId(id)) return std::string(id);
+  }
+  return NewRequestId();
+}
+
+// What the access log records of a call besides its status.
+struct CallLog {
+  std::string request_id;
+  std::string tenant;  // empty when the call was not admitted
+  const char* method = "";
+  absl::Time start;
+};
+
+// Finishes `reactor` with `status`; every call's trailers carry its `x-request-id`, and the
+// access log gets one line with the same id.
+void FinishCallLogged(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                      const absl::Status& status, const CallLog& log) {
+  context->AddTrailingMetadata("x-request-id", log.request_id);
+  const std::string outcome = absl::StatusCodeToString(status.code());
+  LogRequest(LogLevel::kInfo, "grpc",
+             {log.request_id, log.tenant, log.method, outcome,
+              log.start == absl::InfinitePast() ? -1.0 : absl::ToDoubleSeconds(absl::Now() - log.start)});
   if (status.ok()) {
     reactor->Finish(grpc::Status::OK);
     return;
@@ -40,6 +70,14 @@ void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* 
     context->AddTrailingMetadata("retry-after", absl::StrCat(*wait));
   }
   reactor->Finish(ToGrpcStatus(status));
+}
+
+}  // namespace
+
+void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                const absl::Status& status) {
+  // Callers outside HandleNow/HandleQueued*: neither the method nor the start is known here.
+  FinishCallLogged(context, reactor, status, CallLog{RequestIdOf(*context), "", "", absl::InfinitePast()});
 }
 
 namespace {
@@ -71,11 +109,13 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
                                     const char* method,
                                     const std::function<absl::Status(const tenancy::Tenant&)>& body) {
   RequestTimer timer(state.metrics, method);
+  CallLog log{RequestIdOf(*context), "", method, absl::Now()};
   absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  if (tenant.ok()) log.tenant = (*tenant)->id;
   const absl::Status status = tenant.ok() ? body(**tenant) : tenant.status();
   timer.set_code(CodeName(status.code()));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  FinishCall(context, reactor, status);
+  FinishCallLogged(context, reactor, status, log);
   return reactor;
 }
 
@@ -84,12 +124,14 @@ grpc::ServerUnaryReactor* HandleQueuedAny(
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
     std::function<void(uint64_t)> set_future_id, std::function<absl::Status(const FutureValue&)> fill) {
   auto timer = std::make_shared<RequestTimer>(state.metrics, method);
+  auto log = std::make_shared<CallLog>(CallLog{RequestIdOf(*context), "", method, absl::Now()});
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [context, reactor, timer](const absl::Status& status) {
+  auto finish = [context, reactor, timer, log](const absl::Status& status) {
     timer->set_code(CodeName(status.code()));
-    FinishCall(context, reactor, status);
+    FinishCallLogged(context, reactor, status, *log);
   };
   absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  if (tenant.ok()) log->tenant = (*tenant)->id;
   absl::StatusOr<uint64_t> id = tenant.ok() ? submit(**tenant) : absl::StatusOr<uint64_t>(tenant.status());
   if (!id.ok()) {
     finish(id.status());

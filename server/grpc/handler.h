@@ -25,7 +25,10 @@ training::TenantContext ToTenantContext(const tenancy::Tenant& tenant);
 // The client's deadline as an absl::Time (InfiniteFuture when it set none).
 absl::Time ClientDeadline(const grpc::CallbackServerContext& context);
 
-// Finishes `reactor` with `status`, adding `retry-after` when the status carries a wait.
+// Finishes `reactor` with `status`, adding `retry-after` when the status carries a wait, and
+// `x-request-id` (the client's own when valid, else a fresh one) to every call's trailers;
+// logs the call's access line with the same id. HandleNow/HandleQueued* finish this way too,
+// with the method, tenant and duration in the line.
 void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                 const absl::Status& status);
 

@@ -21,6 +21,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/common/log.h"
 #include "server/http/http_request.h"
 #include "server/metrics.h"
@@ -70,7 +71,20 @@ struct Routes {
   };
   std::vector<Prefix> prefixes;  // longest prefix first
   std::vector<HttpHeaderCheck> header_checks;
+  std::function<std::string(const HttpRequest&)> tenant_of;  // for the access log; may be empty
 };
+
+// The request's id: its `x-request-id` header when that is a valid id, else a fresh one.
+std::string RequestIdOf(const HttpRequest& request) {
+  const std::string* id = request.Header("x-request-id");
+  return id != nullptr && IsValidRequestId(*id) ? *id : NewRequestId();
+}
+
+// Probes and scrapes come every few seconds: their access lines are debug, the rest info.
+LogLevel AccessLogLevel(const std::string& label) {
+  return label == "GET /healthz" || label == "GET /readyz" || label == "GET /metrics" ? LogLevel::kDebug
+                                                                                        : LogLevel::kInfo;
+}
 
 // One connection: (TLS handshake,) read a request, answer it, repeat while keep-alive.
 template <bool kTls>
@@ -136,7 +150,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     HttpResponse busy{503, "application/json",
                       R"({"error":"too many connections","detail":"too many connections (server.max_http_connections); retry"})",
                       {{"Retry-After", "1"}}};
-    MakeResponder("HTTP refused", 11, /*keep_alive=*/false)(std::move(busy));
+    MakeResponder("HTTP refused", NewRequestId(), "", 11, /*keep_alive=*/false)(std::move(busy));
   }
 
   void Read() {
@@ -158,8 +172,8 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
         std::optional<HttpResponse> refusal = check(head);
         if (!refusal) continue;
         // Not keep-alive: the unread body would otherwise be taken for the next request.
-        MakeResponder(absl::StrCat(head.method, " ", head.path), parser_->get().version(),
-                      /*keep_alive=*/false)(*std::move(refusal));
+        MakeResponder(absl::StrCat(head.method, " ", head.path), RequestIdOf(head), "",
+                      parser_->get().version(), /*keep_alive=*/false)(*std::move(refusal));
         return;
       }
     }
@@ -191,14 +205,22 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   }
 
   // The responder a handler gets: the first call writes the response on this session's
-  // strand, whatever thread it comes from; later calls are ignored.
-  HttpResponder MakeResponder(std::string label, unsigned version, bool keep_alive) {
-    auto timer = std::make_shared<RequestTimer>(metrics_, std::move(label));
+  // strand, whatever thread it comes from, with the request's id in `X-Request-Id`, and logs
+  // the access line; later calls are ignored.
+  HttpResponder MakeResponder(std::string label, std::string request_id, std::string tenant, unsigned version,
+                              bool keep_alive) {
+    auto timer = std::make_shared<RequestTimer>(metrics_, label);
     auto done = std::make_shared<std::atomic<bool>>(false);
-    return [self = this->shared_from_this(), timer, done, version, keep_alive](HttpResponse response) {
+    return [self = this->shared_from_this(), timer, done, version, keep_alive, label = std::move(label),
+            request_id = std::move(request_id), tenant = std::move(tenant),
+            start = absl::Now()](HttpResponse response) {
       if (done->exchange(true)) return;
       if (self->core_->stopped.load()) return;  // the I/O threads are gone; nobody would write it
-      timer->set_code(absl::StrCat(response.status));
+      const std::string status = absl::StrCat(response.status);
+      timer->set_code(status);
+      LogRequest(AccessLogLevel(label), "http",
+                 {request_id, tenant, label, status, absl::ToDoubleSeconds(absl::Now() - start)});
+      response.headers.emplace_back("X-Request-Id", request_id);
       asio::post(self->stream_.get_executor(), [self, response = std::move(response), version, keep_alive]() mutable {
         self->Write(std::move(response), version, keep_alive);
       });
@@ -232,9 +254,12 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
 
   void Dispatch(HttpRequest& request, unsigned version, bool keep_alive) {
     const std::pair<std::string, std::string> key{request.method, request.path};
+    std::string request_id = RequestIdOf(request);
+    std::string tenant = routes_.tenant_of ? routes_.tenant_of(request) : std::string();
     auto it = routes_.exact.find(key);
     if (it != routes_.exact.end()) {
-      HttpResponder respond = MakeResponder(absl::StrCat(request.method, " ", request.path), version, keep_alive);
+      HttpResponder respond = MakeResponder(absl::StrCat(request.method, " ", request.path), std::move(request_id),
+                                            std::move(tenant), version, keep_alive);
       Run(it->second, std::move(request), std::move(respond), routes_.inline_exact.contains(key));
       return;
     }
@@ -247,15 +272,16 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
         continue;
       }
       request.path_tail = UrlDecode(absl::string_view(request.path).substr(p.prefix.size()), false);
-      Run(p.handler, std::move(request), MakeResponder(absl::StrCat(request.method, " ", p.prefix, "*"), version, keep_alive),
-          /*on_io_thread=*/false);
+      HttpResponder respond = MakeResponder(absl::StrCat(request.method, " ", p.prefix, "*"), std::move(request_id),
+                                            std::move(tenant), version, keep_alive);
+      Run(p.handler, std::move(request), std::move(respond), /*on_io_thread=*/false);
       return;
     }
     const int status = path_known ? 405 : 404;
     const nlohmann::json body = {{"error", path_known ? "method not allowed" : "not found"},
                                  {"detail", path_known ? "method not allowed" : "not found"},
                                  {"path", request.path.substr(0, 200)}};
-    MakeResponder("HTTP other", version, keep_alive)(
+    MakeResponder("HTTP other", std::move(request_id), std::move(tenant), version, keep_alive)(
         {status, "application/json", body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)});
   }
 
@@ -373,6 +399,10 @@ void HttpServer::RoutePrefix(const std::string& method, const std::string& prefi
 }
 
 void HttpServer::SetLimits(HttpServerLimits limits) { impl_->core->limits = limits; }
+
+void HttpServer::SetLogTenant(std::function<std::string(const HttpRequest&)> tenant_of) {
+  impl_->routes.tenant_of = std::move(tenant_of);
+}
 
 void HttpServer::AddHeaderCheck(HttpHeaderCheck check) {
   impl_->routes.header_checks.push_back(std::move(check));

@@ -96,6 +96,12 @@ class HttpServer {
   // Adds a header check (before Start); checks run in the order added, the first response wins.
   void AddHeaderCheck(HttpHeaderCheck check);
   void SetLimits(HttpServerLimits limits);  // before Start
+  // Every response carries `X-Request-Id` (the request's own when it is a valid id, else a
+  // fresh one) and the access log gets one line with the same id, the route, status and
+  // duration (probes and /metrics at debug level, the rest at info). `tenant_of`, when set
+  // (before Start), names the caller's tenant for that line ("" when unknown); it runs on the
+  // I/O thread, so it must be quick and must not count failures.
+  void SetLogTenant(std::function<std::string(const HttpRequest&)> tenant_of);
 
   // Binds host:port (0 = any free port), starts `threads` I/O threads, returns the port.
   // With TLS, first loads the certificate, key and client CA (InvalidArgument naming the
