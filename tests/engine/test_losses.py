@@ -77,7 +77,7 @@ def tinker_term(name: str, config: dict[str, Any], lp: torch.Tensor, x: dict[str
         return -torch.minimum(s_t * a, torch.clamp(s_t, lo, hi) * a) * w
     if name == "stable_reinforce":
         # docs/losses.md: truncated importance weight on REINFORCE, plus a k3 KL to the sampler.
-        w = w * x.get("mask", torch.ones_like(lp))
+        w = w * x.get("stability_mask", torch.ones_like(lp))
         cap = config.get("clip_high_threshold", 2.0)
         term = -(torch.clamp(torch.exp(lp.detach() - q), max=cap) * a * lp)
         kl = config.get("kl_coeff", 0.0)
@@ -154,6 +154,8 @@ def make_datums(case: dict[str, Any], dtype: torch.dtype, seed: int) -> list[dic
             elif key in ("mask", "mask_weights"):  # 0/1
                 x["mask" if key == "mask" else "weights"] = (
                     torch.rand(n, generator=g) < 0.7).to(torch.float64)
+            elif key == "stability_mask":  # 0/1
+                x[key] = (torch.rand(n, generator=g) < 0.7).to(torch.float64)
             elif key == "sequence_ratio_mask":  # 0/1, some datums all zero
                 x[key] = (torch.rand(n, generator=g) < (0.7 if i % 4 else 0.0)).to(torch.float64)
             elif key == "clip_low_threshold":  # per token, on every other datum only
@@ -193,7 +195,7 @@ CASES: dict[str, dict[str, Any]] = {
                                     "spread": 1e-3, "lengths": GSPO_LENGTHS},
     "stable_reinforce": {"name": "stable_reinforce", "inputs": RL, "spread": 1.0},
     "stable_reinforce_kl_mask": {"name": "stable_reinforce", "config": {"kl_coeff": 0.1, "clip_high_threshold": 1.5},
-                                 "inputs": RL + ["mask", "weights"], "spread": 1.0},
+                                 "inputs": RL + ["stability_mask", "weights"], "spread": 1.0},
     "twinkle_ce_mean": {"name": "twinkle:cross_entropy", "inputs": ["mask"]},
     "twinkle_ce_sum": {"name": "twinkle:cross_entropy", "config": {"reduction": "sum"},
                        "inputs": ["mask", "mask_weights"]},
@@ -301,7 +303,7 @@ def test_stable_reinforce_metrics(loss_engine: Engine) -> None:
     kl = truncated = count = 0.0
     for d in datums:
         lp, x = d["logprobs"], d["inputs"]
-        counted = (x["weights"] * x["mask"]) != 0
+        counted = (x["weights"] * x["stability_mask"]) != 0
         diff = x["logprobs"] - lp
         kl += float(((torch.exp(diff) - diff - 1) * counted).sum())
         truncated += float(((torch.exp(lp - x["logprobs"]) > 1.5) & counted).sum())
@@ -322,8 +324,8 @@ def test_new_tinker_loss_config_errors(loss_engine: Engine) -> None:
     expect_error(loss_engine, {"loss": {"name": "stable_reinforce", "config": {"kl_coef": 0.1}},
                                "datums": one_datum(**rl)}, "unknown config key 'kl_coef'", "'kl_coeff'")
     expect_error(loss_engine, {"loss": {"name": "stable_reinforce"},
-                               "datums": one_datum(**rl, mask=torch.tensor([0.5, 1.0], dtype=torch.float64))},
-                 "'mask' must be 0 or 1")
+                               "datums": one_datum(**rl, stability_mask=torch.tensor([0.5, 1.0], dtype=torch.float64))},
+                 "'stability_mask' must be 0 or 1")
 
 
 def test_num_tokens_counts_nonzero_weights(loss_engine: Engine) -> None:

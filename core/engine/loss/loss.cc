@@ -63,13 +63,13 @@ const std::vector<LossDef>& Registry() {
         // Tinker's StableReinforce; the public documentation leaves the formula open, this
         // one is docs/losses.md's choice. "logprobs" are the recorded sampler log-probs (the
         // Tinker layer fills them from the sequences its datums' provenance names) and
-        // "mask" marks the positions that have one (0/1).
+        // "stability_mask" marks the positions that have one (0/1).
         {"stable_reinforce",
          Kind::kStableReinforce,
          {{"kl_coeff", 0.0}, {"clip_high_threshold", 2.0}},
          {},
          {"logprobs", "advantages"},
-         {"weights", "mask"}},
+         {"weights", "stability_mask"}},
         {"twinkle:cross_entropy",
          Kind::kTwinkleCe,
          {},
@@ -235,7 +235,7 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
       // Twinkle's losses normalise by the number of unmasked tokens, which is only defined
       // for 0/1 masks; real-valued weights belong to the Tinker losses.
       if ((twinkle && (name == "mask" || name == "weights")) ||
-          (def.kind == Kind::kStableReinforce && name == "mask")) {
+          name == "stability_mask") {
         checks.AddHost(absl::StrCat(where, ": input '", name, "' must be 0 or 1 per token"), t,
                        ValueChecks::Check::kZeroOrOne);
       }

@@ -8,6 +8,17 @@
 #include "core/engine/loss/loss_internal.h"
 
 namespace twinkle::engine::loss_internal {
+namespace {
+
+// stable_reinforce: weights times stability_mask (the positions with a recorded sampler
+// log-prob); either may be absent.
+at::Tensor StableReinforceMask(const PreparedDatum& d) {
+  at::Tensor mask = d.Mask();
+  if (const at::Tensor* s = d.Get("stability_mask")) mask = mask.defined() ? mask * *s : *s;
+  return mask;
+}
+
+}  // namespace
 
 absl::StatusOr<LossResult> TinkerLoss(const LossDef& def, const LossSpec& spec,
                                       const Prepared& datums) {
@@ -75,7 +86,7 @@ absl::StatusOr<LossResult> TinkerLoss(const LossDef& def, const LossSpec& spec,
         term = -(at::clamp_max(ratio, cap) * *adv * lp);
         const double kl = ConfigValue(spec, def, "kl_coeff");
         if (kl > 0) term = term + kl * k3;
-        const at::Tensor m = d.Mask();
+        const at::Tensor m = StableReinforceMask(d);
         const at::Tensor counted = m.defined() ? (m != 0).to(lp.scalar_type()) : at::ones_like(lp_d);
         kl_sums.push_back((k3.detach() * counted).sum());
         truncated_sums.push_back(((ratio > cap).to(lp.scalar_type()) * counted).sum());
@@ -85,7 +96,7 @@ absl::StatusOr<LossResult> TinkerLoss(const LossDef& def, const LossSpec& spec,
         return absl::InternalError(absl::StrCat("loss '", def.name, "' is not a Tinker loss"));
     }
     // Tinker weights are real-valued and multiply each token's term.
-    masks[i] = d.Mask();
+    masks[i] = def.kind == Kind::kStableReinforce ? StableReinforceMask(d) : d.Mask();
     terms[i] = masks[i].defined() ? term * masks[i] : term;
     lengths[i] = lp.size(0);
     // Soft targets [T, K]: a position counts when any of its K weights is nonzero.
