@@ -426,7 +426,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, c
     // provenance names (docs/losses.md); other losses ignore provenance.
     // An unresolvable provenance fails the op's future (its seq_id is used), like a bad loss.
     if (args.loss->name == "stable_reinforce" && bad.ok()) {
-      bad = stability_.Resolve(tenant.id, r.data(i), absl::StrCat("data[", i, "]"), *d, absl::Now());
+      bad = stability_->Resolve(tenant.id, r.data(i), absl::StrCat("data[", i, "]"), *d, absl::Now());
     }
     args.datums.push_back(*std::move(d));
   }

@@ -230,7 +230,9 @@ class TinkerApi {
   sampling::SamplerCoordinator* sampler_;
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
-  StabilityStore stability_;          // record_stability_info samples, for stable_reinforce
+  // record_stability_info samples, for stable_reinforce; shared with the sample encoders,
+  // which may run on a sampler thread after this object is gone (shutdown).
+  const std::shared_ptr<StabilityStore> stability_ = std::make_shared<StabilityStore>();
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);

@@ -474,7 +474,8 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
   if (*record) recorded_prompt = std::make_shared<const std::vector<int64_t>>(*prompt);
   Attach(entry, *id,
-         [this, want_prompt_lp, first_scored, recorded_prompt, target = *target, alt_k = *alt_k, tenant_id = tenant.id,
+         [store = stability_, want_prompt_lp, first_scored, recorded_prompt, target = *target, alt_k = *alt_k,
+          tenant_id = tenant.id,
           sequence_ids = entry->sample_sequence_ids](const FutureValue& value) {
            absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
            if (!out.ok()) return Outcome::Failed(out.status());
@@ -483,7 +484,7 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
            if (recorded_prompt != nullptr) {
              const absl::Time now = absl::Now();
              for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
-               stability_.Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens,
+               store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens,
                                  p.sequences[i].logprobs, now);
              }
            }
