@@ -53,6 +53,8 @@ absl::StatusOr<std::vector<Span>> SpansOf(const google::protobuf::RepeatedPtrFie
 }  // namespace
 
 void StabilityStore::DropExpiredLocked(Tenant& t, absl::Time now) {
+  if (now - t.last_sweep < absl::Minutes(1)) return;
+  t.last_sweep = now;
   for (auto it = t.records.begin(); it != t.records.end();) {
     if (it->second.expires <= now) {
       t.tokens -= it->second.cost;
@@ -120,6 +122,11 @@ absl::Status StabilityStore::Resolve(const std::string& tenant, const v1::Datum&
     for (size_t i = 0; i < spans.size(); ++i) {
       const Span& s = spans[i];
       auto it = t.records.find(s.sequence_id);
+      if (it != t.records.end() && it->second.expires <= now) {  // expired since the last sweep
+        t.tokens -= it->second.cost;
+        t.records.erase(it);
+        it = t.records.end();
+      }
       if (it == t.records.end()) {
         return absl::InvalidArgumentError(absl::StrCat(
             where, "[", i, "]: sequence_id '", s.sequence_id,

@@ -64,7 +64,10 @@ class StabilityStore {
   struct Tenant {
     absl::flat_hash_map<std::string, Record_> records;
     int64_t tokens = 0;
+    absl::Time last_sweep = absl::InfinitePast();
   };
+  // Drops the tenant's expired records, at most once a minute (a whole pass over them);
+  // between sweeps an expired record is still refused where it is looked up.
   void DropExpiredLocked(Tenant& t, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StabilityStoreOptions options_;
