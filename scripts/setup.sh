@@ -97,6 +97,22 @@ fi
 if [ "$(readlink .wheelhouse 2>/dev/null)" != "$WHEELHOUSE" ]; then ln -sfn "$WHEELHOUSE" .wheelhouse; fi
 phase_done
 
+# ---- 3b. Older tinker SDK releases -----------------------------------------------------------
+phase "older tinker SDKs (tests/e2e/test_tinker_versions.py)"
+# Each release's wheel, unpacked into <cache>/tinker-sdks/<version> (linked as .tinker-sdks),
+# so the test runs it offline from PYTHONPATH on top of the venv (same dependencies as 0.38).
+SDKS="$CACHE/tinker-sdks"
+for v in 0.16.1 0.25.0 0.30.4; do
+  if [ ! -f "$SDKS/$v/.twinkle-complete" ]; then
+    rm -rf "$SDKS/$v" && mkdir -p "$SDKS/wheels" "$SDKS/$v"
+    "$PY" -m pip download -q --no-deps -d "$SDKS/wheels" "tinker==$v"
+    "$PY" -m zipfile -e "$SDKS/wheels/tinker-$v-py3-none-any.whl" "$SDKS/$v"
+    touch "$SDKS/$v/.twinkle-complete"
+  fi
+done
+if [ "$(readlink .tinker-sdks 2>/dev/null)" != "$SDKS" ]; then ln -sfn "$SDKS" .tinker-sdks; fi
+phase_done
+
 # ---- 4. Python client ----------------------------------------------------------------------
 phase "Python client (client/python)"
 client_hash=$( (find client/python proto -type f \( -name '*.py' -o -name '*.toml' -o -name '*.proto' \) \

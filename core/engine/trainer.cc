@@ -282,8 +282,11 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
       if (!op.datums[d].target_tokens.dtype.empty()) {
         absl::StatusOr<at::Tensor> t = ReadTensor(op.datums[d].target_tokens, request);
         if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(where, " target_tokens: ", t.status().message()));
-        if (t->scalar_type() != at::kLong || !t->sizes().equals(in->sizes())) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": target_tokens must be int64 [L] like input_tokens"));
+        // [L], or [L, K] soft targets (K tokens per position; cross_entropy).
+        if (t->scalar_type() != at::kLong || t->dim() < 1 || t->dim() > 2 || t->size(0) != in->size(0) ||
+            (t->dim() == 2 && t->size(1) < 1)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": target_tokens must be int64 [L] or [L, K] like input_tokens"));
         }
         if (!TokensInRange(*t, vocab)) {
           return absl::InvalidArgumentError(absl::StrCat(where, ": target token outside [0, ", vocab, ")"));
@@ -341,8 +344,22 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
 
   std::optional<c10::NoGradGuard> no_grad;
   if (!backward) no_grad.emplace();
+  // Soft targets: when any datum has [L, K] targets, every datum's become [L, K_max] (a
+  // datum's own columns first, then copies of its first column), and each datum gets back
+  // its own K columns ([L] targets: column 0 as [L]).
+  int64_t width = 0;
+  for (const at::Tensor& t : targets) width = std::max<int64_t>(width, t.dim() == 2 ? t.size(1) : 0);
+  std::vector<at::Tensor> padded;
+  if (width > 0) {
+    for (const at::Tensor& t : targets) {
+      const at::Tensor t2 = t.dim() == 2 ? t : t.unsqueeze(1);
+      padded.push_back(t2.size(1) == width
+                           ? t2
+                           : at::cat({t2, t2.narrow(1, 0, 1).expand({t2.size(0), width - t2.size(1)})}, 1));
+    }
+  }
   const at::Tensor input = at::cat(tokens).to(device_);
-  const at::Tensor target = at::cat(targets).to(device_);
+  const at::Tensor target = at::cat(width > 0 ? padded : targets).to(device_);
   const at::Tensor logits = model_->Forward(input, seq_lens, seq_groups, lora);
   // log p(target) = logit[target] - logsumexp(logits): never materialises the [N, vocab]
   // log-softmax in the forward pass.
@@ -350,8 +367,14 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
 
   // Every datum's log-probs as one split: autograd then has one node that concatenates their
   // gradients, where a narrow per datum would add a full-size [N] gradient per datum.
-  const std::vector<at::Tensor> datum_logprobs =
+  std::vector<at::Tensor> datum_logprobs =
       seq_lens.size() == 1 ? std::vector<at::Tensor>{logprobs} : logprobs.split_with_sizes(seq_lens);
+  if (width > 0) {
+    for (size_t i = 0; i < datum_logprobs.size(); ++i) {
+      datum_logprobs[i] = targets[i].dim() == 2 ? datum_logprobs[i].narrow(1, 0, targets[i].size(1))
+                                                : datum_logprobs[i].select(1, 0);
+    }
+  }
   size_t datum_index = 0;
 
   MethodReply reply;

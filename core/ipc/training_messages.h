@@ -175,9 +175,13 @@ struct SetAdapterStateRequest {
 // tokens do not depend on the other rows of the request.
 inline constexpr char kMethodSample[] = "sample";
 
-// The largest top-k width a row may ask for (top_logprobs, prompt_top_logprobs): vLLM's
-// default max_logprobs. Each asked position costs k ids and logprobs in the reply.
-inline constexpr int64_t kMaxTopLogprobs = 20;
+// The largest top-k width a row may ask for (top_logprobs, prompt_top_logprobs): 64, what
+// the Tinker protocol issue asks for (the SDK sets no maximum; vLLM's default max_logprobs is
+// 20). Each asked position costs k ids and logprobs in the reply.
+inline constexpr int64_t kMaxTopLogprobs = 64;
+// The largest K of target_prompt_tokens and prompt_alt_tokens_k (each asked prompt position
+// costs K ids and logprobs in the reply).
+inline constexpr int64_t kMaxPromptTargets = 64;
 
 struct SampleRowMsg {
   std::string adapter_id;          // "" = base model only
@@ -199,9 +203,16 @@ struct SampleRowMsg {
   // the last reply (SampleStepReply.progress), so the coordinator can match stop strings
   // while the row decodes and end a sample early (SampleStepRequest.stop).
   bool report_tokens = false;
+  // Tinker's target_prompt_logprobs: int64 [P - 1, K] token ids, row i scored at prompt
+  // position i + 1 (from prompt[..i]); -1 = no request for that cell. Nil when not asked.
+  std::optional<TensorDesc> target_prompt_tokens;
+  // Tinker's prompt_alt_tokens_k: k > 0 draws (with replacement, at `temperature`, 0 =
+  // argmax; no top-k/top-p) from the distribution at every prompt position after the first,
+  // from a generator of their own seeded by `seed`. At most kMaxPromptTargets.
+  int64_t prompt_alt_tokens_k = 0;
   MSGPACK_DEFINE_MAP(adapter_id, prompt_tokens, max_tokens, temperature, top_p, top_k,
                      stop_token_ids, seed, num_samples, want_prompt_logprobs, top_logprobs,
-                     prompt_top_logprobs, report_tokens);
+                     prompt_top_logprobs, report_tokens, target_prompt_tokens, prompt_alt_tokens_k);
 };
 struct SampleRequest {
   std::vector<SampleRowMsg> rows;
@@ -228,7 +239,15 @@ struct SampleRowResultMsg {
   // prompt[i + 1] from prompt[..i]. Nil otherwise.
   std::optional<TensorDesc> prompt_top_token_ids;  // int64
   std::optional<TensorDesc> prompt_top_logprobs;   // float32
-  MSGPACK_DEFINE_MAP(samples, prompt_logprobs, prompt_top_token_ids, prompt_top_logprobs);
+  // float32 [P - 1, K] when target_prompt_tokens was given: log p(id) at each asked cell, 0
+  // where the id was -1. Nil otherwise.
+  std::optional<TensorDesc> target_prompt_logprobs;
+  // [P - 1, prompt_alt_tokens_k] when asked: the draws (int64) and the model's log-prob of
+  // each (float32, unwarped like every other logprob). Nil otherwise.
+  std::optional<TensorDesc> prompt_alt_token_ids;
+  std::optional<TensorDesc> prompt_alt_logprobs;
+  MSGPACK_DEFINE_MAP(samples, prompt_logprobs, prompt_top_token_ids, prompt_top_logprobs,
+                     target_prompt_logprobs, prompt_alt_token_ids, prompt_alt_logprobs);
 };
 struct SampleReply {
   std::vector<SampleRowResultMsg> rows;

@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 1> kMigrations = {
+constexpr std::array<const char*, 2> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (
@@ -84,6 +84,10 @@ CREATE TABLE counters (
   value INTEGER NOT NULL
 ) WITHOUT ROWID;
 INSERT INTO counters(name, value) VALUES ('max_future_id', 0);
+)sql",
+    // v1 → v2: Tinker's run user_metadata (a JSON object; '' = none).
+    R"sql(
+ALTER TABLE runs ADD COLUMN user_metadata_json TEXT NOT NULL DEFAULT '';
 )sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,

@@ -4,7 +4,7 @@
 //
 //   sessions     id, tenant, created, last_heartbeat
 //   runs         run_id, tenant, adapter_name, base_model, lora config (JSON), created,
-//                last_request, last_step
+//                last_request, last_step, user metadata (JSON, v2)
 //   checkpoints  tenant, run_id, checkpoint_id ("weights/<name>" | "sampler_weights/<name>"),
 //                kind ("training" | "sampler"), path, size_bytes, created
 //                (a checkpoint belongs to one of its tenant's runs: foreign key)
@@ -55,6 +55,9 @@ struct RunRecord {
   absl::Time created;
   absl::Time last_request;
   int64_t last_step = 0;
+  // Tinker's create_model user_metadata as a JSON object ("" = none). Not written by PutRun
+  // (which keeps it): SetRunUserMetadata sets it.
+  std::string user_metadata_json;
 };
 
 struct CheckpointRecord {
@@ -93,7 +96,7 @@ struct Page {
 
 class Registry {
  public:
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
 
   // Opens (creating when absent) the database file and migrates it. NotFound naming the
   // path when its parent directory does not exist; FailedPrecondition when the file is not a
@@ -116,6 +119,8 @@ class Registry {
   // Sets last_request = now and last_step; NotFound for an unknown or another tenant's run.
   absl::Status TouchRun(const std::string& tenant, const std::string& run_id, absl::Time now, int64_t last_step);
   absl::StatusOr<RunRecord> GetRun(const std::string& tenant, const std::string& run_id);
+  // Sets the run's user_metadata_json; NotFound for an unknown or another tenant's run.
+  absl::Status SetRunUserMetadata(const std::string& tenant, const std::string& run_id, const std::string& json);
   // Newest first (created descending, then run_id descending); `total` (may be null) receives
   // the tenant's run count, read in the same transaction as the page.
   absl::StatusOr<std::vector<RunRecord>> ListRuns(const std::string& tenant, Page page, int32_t* total);

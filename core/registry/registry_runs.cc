@@ -31,7 +31,8 @@ absl::Status CheckpointNotFound(const std::string& run_id, const std::string& ch
 }
 
 constexpr char kRunColumns[] =
-    "run_id, tenant, adapter_name, base_model, lora_config_json, created_us, last_request_us, last_step";
+    "run_id, tenant, adapter_name, base_model, lora_config_json, created_us, last_request_us, last_step, "
+    "user_metadata_json";
 RunRecord ReadRun(const Stmt& st) {
   RunRecord r;
   r.run_id = st.Text(0);
@@ -42,6 +43,7 @@ RunRecord ReadRun(const Stmt& st) {
   r.created = FromMicros(st.Int(5));
   r.last_request = FromMicros(st.Int(6));
   r.last_step = st.Int(7);
+  r.user_metadata_json = st.Text(8);
   return r;
 }
 
@@ -104,6 +106,16 @@ absl::Status Registry::TouchRun(const std::string& tenant, const std::string& ru
   Stmt st(db_, path_, "UPDATE runs SET last_request_us = ?, last_step = ? WHERE run_id = ? AND tenant = ?");
   st.Bind(Micros(now)).Bind(last_step).Bind(run_id).Bind(tenant);
   if (absl::Status s = st.Run("touch run"); !s.ok()) return s;
+  if (sqlite3_changes64(db_) == 0) return RunNotFound(run_id);
+  return absl::OkStatus();
+}
+
+absl::Status Registry::SetRunUserMetadata(const std::string& tenant, const std::string& run_id,
+                                          const std::string& json) {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "UPDATE runs SET user_metadata_json = ? WHERE run_id = ? AND tenant = ?");
+  st.Bind(json).Bind(run_id).Bind(tenant);
+  if (absl::Status s = st.Run("set run user metadata"); !s.ok()) return s;
   if (sqlite3_changes64(db_) == 0) return RunNotFound(run_id);
   return absl::OkStatus();
 }

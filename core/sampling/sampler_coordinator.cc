@@ -517,6 +517,31 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
     return absl::InvalidArgumentError(
         absl::StrCat("prompt_top_logprobs: ", params.prompt_top_logprobs, " must be in [0, ", max_top, "]"));
   }
+  if (params.prompt_alt_tokens_k < 0 || params.prompt_alt_tokens_k > ipc::kMaxPromptTargets) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_alt_tokens_k: ", params.prompt_alt_tokens_k,
+                                                   " must be in [0, ", ipc::kMaxPromptTargets, "]"));
+  }
+  if (params.target_prompt_width != 0 || !params.target_prompt_tokens.empty()) {
+    const int64_t width = params.target_prompt_width;
+    if (prompts.size() != 1) {
+      return absl::InvalidArgumentError("target_prompt_logprobs: applies to a request with one prompt");
+    }
+    const int64_t rows = static_cast<int64_t>(prompts[0].size()) - 1;
+    if (width < 1 || width > ipc::kMaxPromptTargets ||
+        static_cast<int64_t>(params.target_prompt_tokens.size()) != rows * width) {
+      return absl::InvalidArgumentError(absl::StrCat("target_prompt_logprobs: expected shape [", rows,
+                                                     ", K] (len(prompt) - 1 rows) with 1 <= K <= ",
+                                                     ipc::kMaxPromptTargets, ", got ", params.target_prompt_tokens.size(),
+                                                     " ids of width ", width));
+    }
+    for (size_t i = 0; i < params.target_prompt_tokens.size(); ++i) {
+      const int64_t id = params.target_prompt_tokens[i];
+      if (id < -1 || (vocab > 0 && id >= vocab)) {
+        return absl::InvalidArgumentError(absl::StrCat("target_prompt_logprobs[", i / width, ", ", i % width,
+                                                       "]: token id ", id, " is neither -1 nor in [0, ", vocab, ")"));
+      }
+    }
+  }
   const int64_t max_positions = model_.max_position_embeddings();
   int64_t total_tokens = 0;
   for (size_t p = 0; p < prompts.size(); ++p) {

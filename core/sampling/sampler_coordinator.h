@@ -77,6 +77,13 @@ struct SamplingParams {
   // prompt position, in [0, min(vocab, ipc::kMaxTopLogprobs)]; 0 = off.
   int64_t top_logprobs = 0;
   int64_t prompt_top_logprobs = 0;
+  // Tinker's target_prompt_logprobs (one-prompt requests only): [P - 1, target_prompt_width]
+  // token ids row-major, row i scored at prompt position i + 1; -1 asks nothing. Width 0 = off.
+  std::vector<int64_t> target_prompt_tokens;
+  int64_t target_prompt_width = 0;
+  // Tinker's prompt_alt_tokens_k: k draws at every prompt position after the first, at
+  // `temperature`, seeded by `seed`; 0 = off, at most ipc::kMaxPromptTargets.
+  int64_t prompt_alt_tokens_k = 0;
 };
 
 struct SamplingSessionInfo {

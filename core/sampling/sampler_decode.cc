@@ -126,6 +126,33 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
     aligned.token_ids.insert(aligned.token_ids.end(), top->token_ids.begin(), top->token_ids.end());
     aligned.logprobs.insert(aligned.logprobs.end(), top->logprobs.begin(), top->logprobs.end());
   }
+  if (request.params.target_prompt_width > 0) {
+    absl::StatusOr<std::vector<float>> lp =
+        result.target_prompt_logprobs
+            ? ipc::ReadVectorFrame<float>(*result.target_prompt_logprobs, buffers, "sample_step reply")
+            : absl::InternalError("sample_step reply: no target_prompt_logprobs");
+    if (!lp.ok()) {
+      Finish(request, lp.status());
+      return;
+    }
+    out.target_prompt_logprobs = *std::move(lp);
+  }
+  if (request.params.prompt_alt_tokens_k > 0) {
+    if (!result.prompt_alt_token_ids || !result.prompt_alt_logprobs) {
+      Finish(request, absl::InternalError("sample_step reply: no prompt_alt_tokens"));
+      return;
+    }
+    absl::StatusOr<std::vector<int64_t>> ids =
+        ipc::ReadVectorFrame<int64_t>(*result.prompt_alt_token_ids, buffers, "sample_step reply");
+    absl::StatusOr<std::vector<float>> lps =
+        ipc::ReadVectorFrame<float>(*result.prompt_alt_logprobs, buffers, "sample_step reply");
+    if (!ids.ok() || !lps.ok()) {
+      Finish(request, ids.ok() ? lps.status() : ids.status());
+      return;
+    }
+    out.prompt_alt_token_ids = *std::move(ids);
+    out.prompt_alt_logprobs = *std::move(lps);
+  }
   bool done = false;
   {
     absl::MutexLock lock(&mu_);
@@ -250,6 +277,12 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       r.want_prompt_logprobs = request.params.prompt_logprobs;
       r.top_logprobs = request.params.top_logprobs;
       r.prompt_top_logprobs = request.params.prompt_top_logprobs;
+      if (const int64_t width = request.params.target_prompt_width; width > 0) {
+        r.target_prompt_tokens = ipc::AppendVectorFrame(request.params.target_prompt_tokens, buffers);
+        r.target_prompt_tokens->shape = {static_cast<int64_t>(request.params.target_prompt_tokens.size()) / width,
+                                         width};
+      }
+      r.prompt_alt_tokens_k = request.params.prompt_alt_tokens_k;
       // Stop strings are matched on the decoded text as tokens arrive (the progress loop below);
       // the final result is cut again in Collect, so the early stop only saves decoding.
       r.report_tokens = !request.params.stop_strings.empty() && token_text_.has_value();

@@ -33,6 +33,12 @@ struct PromptOutput {
   // [P] positions when asked, aligned like prompt_logprobs: position i is the distribution
   // that predicts prompt[i] from prompt[:i]; position 0 has none (ids -1, logprobs NaN).
   TopLogprobs prompt_top_logprobs;
+  // [P - 1, width] when target_prompt_tokens were given: the log-prob of each asked id (row i
+  // at prompt position i + 1), 0 where the id was -1.
+  std::vector<float> target_prompt_logprobs;
+  // [P - 1, k] when prompt_alt_tokens_k was given: the draws and the model's log-prob of each.
+  std::vector<int64_t> prompt_alt_token_ids;
+  std::vector<float> prompt_alt_logprobs;
 };
 
 // The future value of SubmitSample: one PromptOutput per prompt, in order.

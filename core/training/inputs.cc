@@ -1,5 +1,6 @@
 #include "core/training/inputs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -58,10 +59,11 @@ absl::StatusOr<PackedOp> PackDatums(const ForwardArgs& args, int64_t vocab_size,
         }
       }
     }
-    if (static_cast<int64_t>(d.target_tokens.size()) != len) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ".loss_fn_inputs.target_tokens: length ",
-                                                     d.target_tokens.size(), " differs from the model_input length ",
-                                                     len));
+    const int64_t width = d.target_width;  // soft targets: [len, width]
+    if (width < 0 || static_cast<int64_t>(d.target_tokens.size()) != len * std::max<int64_t>(width, 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".loss_fn_inputs.target_tokens: length ", d.target_tokens.size(),
+                       " differs from the model_input length ", len, width > 0 ? absl::StrCat(" times ", width) : ""));
     }
     op.tokens += len;
     if (op.tokens > max_tokens) {
@@ -71,14 +73,17 @@ absl::StatusOr<PackedOp> PackDatums(const ForwardArgs& args, int64_t vocab_size,
     ipc::DatumMsg datum;
     datum.input_tokens = ipc::AppendVectorFrame(d.input_tokens, op.buffers);
     datum.target_tokens = ipc::AppendVectorFrame(d.target_tokens, op.buffers);
+    if (width > 0) datum.target_tokens.shape = {len, width};
     for (const auto& [name, values] : d.inputs) {
       const std::string field = absl::StrCat(where, ".loss_fn_inputs.", name);
-      if (static_cast<int64_t>(values.size()) != len) {
+      const bool per_target = width > 0 && static_cast<int64_t>(values.size()) == len * width;
+      if (static_cast<int64_t>(values.size()) != len && !per_target) {
         return absl::InvalidArgumentError(absl::StrCat(field, ": length ", values.size(),
                                                        " differs from the model_input length ", len));
       }
       if (absl::Status st = CheckFinite(values, field); !st.ok()) return st;
       datum.inputs[name] = ipc::AppendVectorFrame(values, op.buffers);
+      if (per_target) datum.inputs[name].shape = {len, width};
     }
     op.trained_tokens += len;
     op.msg.datums.push_back(std::move(datum));

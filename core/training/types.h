@@ -59,6 +59,9 @@ struct Feature {
 struct TokenDatum {
   std::vector<int64_t> input_tokens;   // [N]
   std::vector<int64_t> target_tokens;  // [N]: position i predicts target_tokens[i]
+  // K > 0: soft targets, target_tokens (and any input of N·K values) are [N, K] row-major,
+  // K tokens per position (Tinker's top-k distillation; cross_entropy). 0: [N].
+  int64_t target_width = 0;
   // weights, logprobs, advantages, clip_low_threshold, clip_high_threshold: [N] each.
   std::map<std::string, std::vector<float>> inputs;
 };

@@ -70,7 +70,7 @@ struct EngineSection {
 // lower any of them, never raise one).
 struct LimitsSection {
   int32_t max_adapters = 64;               // per tenant; also the server's resident maximum
-  int32_t max_lora_rank = 64;
+  int32_t max_lora_rank = 128;  // the cookbook recipes ask for up to 128 (on-policy distillation)
   int64_t max_tokens_per_request = 32768;
   int32_t max_pending_ops = 256;           // queued (and Tinker-buffered) ops per tenant
   int64_t max_buffered_tokens = 262144;    // tokens of Tinker ops buffered ahead of seq gaps

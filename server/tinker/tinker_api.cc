@@ -57,14 +57,17 @@ Switches SwitchesOf(const std::vector<std::string>& targets) {
 
 const std::vector<std::string>& TinkerLosses() {
   static const auto* names =
-      new std::vector<std::string>{"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"};
+      new std::vector<std::string>{"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                                   "stable_reinforce"};
   return *names;
 }
 
 
 // The forward_backward result: one ArrayRecord for all datums (logprobs and the per-token
 // loss as float32 BatchedTensors) and the metrics, as protobuf and as ≤0.24 JSON.
-Outcome EncodeForwardBackward(const OpOutput& out) {
+// `width` > 0: every datum had [N, width] soft targets, so its outputs are [N, width] too
+// (BatchedTensor.trailing_shape).
+Outcome EncodeForwardBackward(const OpOutput& out, int64_t width) {
   Outcome o;
   v1::ForwardBackwardOutput proto;
   proto.set_loss_fn_output_type("ArrayRecord");
@@ -92,12 +95,16 @@ Outcome EncodeForwardBackward(const OpOutput& out) {
     }
     t.set_data(std::move(data));
     t.set_offsets(std::move(offsets));
+    if (width > 0) t.add_trailing_shape(width);
   }
+  auto shape_of = [width](size_t size) {
+    return width > 0 ? Json{size / static_cast<size_t>(width), width} : Json{size};
+  };
   for (const training::SequenceResult& s : out.sequences) {
     Json d;
-    d["logprobs"] = {{"data", FiniteOrNull(s.logps)}, {"dtype", "float32"}, {"shape", {s.logps.size()}}};
+    d["logprobs"] = {{"data", FiniteOrNull(s.logps)}, {"dtype", "float32"}, {"shape", shape_of(s.logps.size())}};
     if (!s.loss.empty()) {
-      d["elementwise_loss"] = {{"data", FiniteOrNull(s.loss)}, {"dtype", "float32"}, {"shape", {s.loss.size()}}};
+      d["elementwise_loss"] = {{"data", FiniteOrNull(s.loss)}, {"dtype", "float32"}, {"shape", shape_of(s.loss.size())}};
     }
     outputs.push_back(std::move(d));
   }
@@ -200,8 +207,34 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
   absl::StatusOr<std::vector<std::string>> targets = Targets(*attn, *mlp, *unembed);
   if (!targets.ok()) return targets.status();
 
+  // user_metadata: kept with the run and returned by the REST run listings (the cookbook
+  // checks its renderer there on resume).
+  std::string metadata;
+  if (body.contains("user_metadata") && !body["user_metadata"].is_null()) {
+    if (!body["user_metadata"].is_object()) {
+      return absl::InvalidArgumentError("user_metadata: expected an object");
+    }
+    for (const auto& [key, value] : body["user_metadata"].items()) {
+      if (!value.is_string()) {  // the SDK reads it back as TrainingRun.user_metadata: dict[str, str]
+        return absl::InvalidArgumentError(absl::StrCat("user_metadata.", key, ": expected a string"));
+      }
+    }
+    metadata = body["user_metadata"].dump();
+    if (metadata.size() > kMaxUserMetadataBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("user_metadata: ", metadata.size(),
+                                                     " bytes of JSON exceed the limit of ", kMaxUserMetadataBytes));
+    }
+  }
+
   ModelSpec spec{*session, *model_seq, *rank, static_cast<uint64_t>(*seed), *attn, *mlp, *unembed, *targets};
-  return StartModel(tenant, std::move(spec), [](const std::shared_ptr<Model>& model, const std::shared_ptr<Entry>& entry) {
+  return StartModel(tenant, std::move(spec), [this, metadata, tenant_id = tenant.id](
+                                                 const std::shared_ptr<Model>& model, const std::shared_ptr<Entry>& entry) {
+    if (!metadata.empty() && registry_ != nullptr) {
+      if (absl::Status s = registry_->SetRunUserMetadata(tenant_id, RunIdOf(model->model_id), metadata); !s.ok()) {
+        Complete(entry, Outcome::Failed(s));
+        return;
+      }
+    }
     Outcome o;
     o.json = {{"model_id", model->model_id}, {"type", "create_model"}};
     Complete(entry, std::move(o));
@@ -340,19 +373,24 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
                                                     int64_t seq_id, training::ForwardArgs args, bool forward_only,
-                                                    uint64_t fingerprint) {
+                                                    uint64_t fingerprint, absl::Status bad_input) {
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, model_id);
   if (!model.ok()) return model.status();
   const training::TenantContext context = ContextOf(tenant);
   // A bad loss name or config fails the future (category user), like any bad input that is
   // found once the op is queued.
-  absl::Status bad;
+  absl::Status bad = std::move(bad_input);
   if (std::find(TinkerLosses().begin(), TinkerLosses().end(), args.loss->name) == TinkerLosses().end()) {
     bad = absl::InvalidArgumentError(absl::StrCat("loss_fn: unknown loss '", args.loss->name, "' (supported: ",
                                                   absl::StrJoin(TinkerLosses(), ", "), ")"));
   }
   int64_t tokens = 0;
   for (const training::TokenDatum& d : args.datums) tokens += static_cast<int64_t>(d.input_tokens.size());
+  // Soft targets: the outputs' trailing width when all datums share one (else flat).
+  int64_t width = args.datums.empty() ? 0 : args.datums[0].target_width;
+  for (const training::TokenDatum& d : args.datums) {
+    if (d.target_width != width) width = 0;
+  }
   auto shared_args = std::make_shared<training::ForwardArgs>(std::move(args));
   // Its tokens are charged to the tenant's rate by Sequenced, before it is queued or buffered.
   Submit submit = [this, context, adapter = (*model)->adapter, shared_args, forward_only, bad, seq_id,
@@ -367,9 +405,9 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
         false, options);
     return id;
   };
-  Encoder encode = [](const FutureValue& value) {
+  Encoder encode = [width](const FutureValue& value) {
     absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "forward_backward result");
-    return out.ok() ? EncodeForwardBackward(**out) : Outcome::Failed(out.status());
+    return out.ok() ? EncodeForwardBackward(**out, width) : Outcome::Failed(out.status());
   };
   return Sequenced(tenant, *model, seq_id, {forward_only ? "forward" : "forward_backward", fingerprint, tokens},
                    std::move(submit), std::move(encode));
@@ -380,13 +418,21 @@ absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, c
   absl::StatusOr<training::LossOverride> loss = LossFromProto(r);
   if (!loss.ok()) return loss.status();
   args.loss = *std::move(loss);
+  absl::Status bad;
   for (int i = 0; i < r.data_size(); ++i) {
     absl::StatusOr<training::TokenDatum> d = DatumFromProto(r.data(i), absl::StrCat("data[", i, "]"));
     if (!d.ok()) return d.status();
+    // StableReinforce takes its sampler log-probs from the recorded sequences the datum's
+    // provenance names (docs/losses.md); other losses ignore provenance.
+    // An unresolvable provenance fails the op's future (its seq_id is used), like a bad loss.
+    if (args.loss->name == "stable_reinforce" && bad.ok()) {
+      bad = stability_->Resolve(tenant.id, r.data(i), absl::StrCat("data[", i, "]"), *d, absl::Now());
+    }
     args.datums.push_back(*std::move(d));
   }
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
-  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only(), FingerprintOf(r));
+  return ForwardBackwardArgs(tenant, r.model_id(), r.seq_id(), std::move(args), r.forward_only(), FingerprintOf(r),
+                             bad);
 }
 
 absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body,
@@ -413,7 +459,13 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenan
   if (args.datums.empty()) return absl::InvalidArgumentError("data: empty batch (no datums)");
   const bool fwd_only = forward_only || GetBool(body, "forward_only", false).value_or(false) ||
                         GetBool(input, "forward_only", false).value_or(false);
-  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only, FingerprintOf(body.dump()));
+  absl::Status bad;
+  if (args.loss->name == "stable_reinforce") {
+    bad = absl::InvalidArgumentError(
+        "loss_fn: stable_reinforce needs datums with provenance, which only the protobuf forward_backward of "
+        "newer SDKs carries");
+  }
+  return ForwardBackwardArgs(tenant, *model_id, *seq, std::move(args), fwd_only, FingerprintOf(body.dump()), bad);
 }
 
 // ---- optim_step, save, load -----------------------------------------------------------------

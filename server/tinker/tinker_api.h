@@ -47,6 +47,7 @@
 #include "core/tenancy/tenant.h"
 #include "core/training/checkpoints.h"
 #include "core/training/coordinator.h"
+#include "server/tinker/stability_store.h"
 #include "tinker/v1/tinker_public.pb.h"
 
 namespace twinkle::sampling {
@@ -88,6 +89,9 @@ struct Poll {
   std::string queue_state = "active";
 };
 
+// The largest create_model user_metadata, as serialised JSON (docs/config.md).
+inline constexpr size_t kMaxUserMetadataBytes = 16 * 1024;
+
 struct TinkerOptions {
   std::string base_model;          // the served model's name (config model.name)
   std::string model_dir;           // its HF directory: get_info's tokenizer_id
@@ -95,7 +99,7 @@ struct TinkerOptions {
   // known once the engine has loaded it.
   std::function<std::string()> architecture;
   std::function<int64_t()> max_context_length;
-  int32_t max_lora_rank = 64;
+  int32_t max_lora_rank = 128;
   absl::Duration long_poll = absl::Seconds(25);
   absl::Duration seq_gap_timeout = absl::Seconds(30);
   absl::Duration retention = absl::Hours(24);  // completed futures stay fetchable this long
@@ -214,7 +218,7 @@ class TinkerApi {
   void ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model->mu);
   absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
                                            int64_t seq_id, training::ForwardArgs args, bool forward_only,
-                                           uint64_t fingerprint);
+                                           uint64_t fingerprint, absl::Status bad_input = absl::OkStatus());
   void Housekeep();
 
   const TinkerOptions options_;
@@ -226,6 +230,9 @@ class TinkerApi {
   sampling::SamplerCoordinator* sampler_;
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
+  // record_stability_info samples, for stable_reinforce; shared with the sample encoders,
+  // which may run on a sampler thread after this object is gone (shutdown).
+  const std::shared_ptr<StabilityStore> stability_ = std::make_shared<StabilityStore>();
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace twinkle::tinker {
 namespace {
@@ -75,14 +76,48 @@ absl::StatusOr<std::vector<double>> Decode(const std::string& bytes, v1::DType d
 
 constexpr size_t kMaxDenseElements = size_t{1} << 26;
 
+// Shapes as declared by the tensors (absent or empty: 1-D).
+using Shapes = std::map<std::string, std::vector<int64_t>>;
+
 absl::StatusOr<training::TokenDatum> BuildDatum(std::vector<int64_t> tokens,
                                                 std::map<std::string, std::vector<double>> inputs,
-                                                const std::string& field) {
+                                                const Shapes& shapes, const std::string& field) {
   training::TokenDatum d;
   d.input_tokens = std::move(tokens);
   auto targets = inputs.find("target_tokens");
   if (targets == inputs.end()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.target_tokens: missing"));
+  }
+  // Soft targets (the cookbook's top-k distillation): target_tokens [N, K], and inputs of the
+  // same shape (weights); 1-D inputs stay per position.
+  const int64_t n = static_cast<int64_t>(d.input_tokens.size());
+  for (const auto& [name, shape] : shapes) {
+    if (shape.size() > 2 || (shape.size() == 2 && shape[0] != n)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ": shape [",
+                                                     absl::StrJoin(shape, ", "), "] is neither [", n, "] nor [", n,
+                                                     ", K] (one row per model_input token)"));
+    }
+  }
+  if (auto ts = shapes.find("target_tokens"); ts != shapes.end() && ts->second.size() == 2) {
+    const int64_t k = ts->second[1];
+    if (k < 1 || k > kMaxTargetWidth) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.target_tokens: K = ", k,
+                                                     " targets per position must be in [1, ", kMaxTargetWidth, "]"));
+    }
+    d.target_width = k;
+    for (const auto& [name, shape] : shapes) {
+      if (shape.size() == 2 && shape[1] != k) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ": shape [", shape[0], ", ",
+                                                       shape[1], "] differs from target_tokens' [", n, ", ", k, "]"));
+      }
+    }
+  } else {
+    for (const auto& [name, shape] : shapes) {
+      if (shape.size() == 2) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name,
+                                                       ": 2-D, but target_tokens is 1-D (soft targets need both [N, K])"));
+      }
+    }
   }
   for (double v : targets->second) {
     if (v != std::floor(v) || !std::isfinite(v)) {
@@ -198,7 +233,7 @@ absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const
     if (rows < 0 || cols < 0 || elements > static_cast<double>(std::min(max_elements, kMaxDenseElements))) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": sparse tensor of shape [", rows, ", ", cols, "] is larger than the ", max_elements,
-          " elements a loss_fn_input may hold (one per model_input token)"));
+          " elements a loss_fn_input may hold (kMaxTargetWidth per model_input token)"));
     }
     absl::StatusOr<std::vector<double>> values = Decode(tensor.sparse_csr().values(), tensor.dtype(), field);
     if (!values.ok()) return values.status();
@@ -251,13 +286,15 @@ absl::StatusOr<training::TokenDatum> DatumFromProto(const v1::Datum& datum, cons
     for (int32_t t : Read<int32_t>(bytes)) tokens.push_back(t);
   }
   std::map<std::string, std::vector<double>> inputs;
+  Shapes shapes;
   for (const auto& [name, tensor] : datum.loss_fn_inputs()) {
     absl::StatusOr<std::vector<double>> values =
-        TensorValues(tensor, absl::StrCat(field, ".loss_fn_inputs.", name), tokens.size());
+        TensorValues(tensor, absl::StrCat(field, ".loss_fn_inputs.", name), tokens.size() * kMaxTargetWidth);
     if (!values.ok()) return values.status();
     inputs[name] = *std::move(values);
+    shapes[name] = std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end());
   }
-  return BuildDatum(std::move(tokens), std::move(inputs), field);
+  return BuildDatum(std::move(tokens), std::move(inputs), shapes, field);
 }
 
 absl::StatusOr<std::vector<int64_t>> TokensFromModelInput(const Json& model_input, const std::string& field) {
@@ -287,9 +324,18 @@ absl::StatusOr<training::TokenDatum> DatumFromJson(const Json& datum, const std:
   absl::StatusOr<std::vector<int64_t>> tokens = TokensFromModelInput(*mi, absl::StrCat(field, ".model_input"));
   if (!tokens.ok()) return tokens.status();
   std::map<std::string, std::vector<double>> inputs;
+  Shapes shapes;
   const Json* lfi = Find(datum, "loss_fn_inputs");
   if (lfi != nullptr && lfi->is_object()) {
     for (const auto& [name, value] : lfi->items()) {
+      if (const Json* shape = Find(value, "shape"); shape != nullptr && shape->is_array()) {
+        for (const Json& v : *shape) {
+          if (!v.is_number_integer()) {
+            return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ".shape: not integers"));
+          }
+          shapes[name].push_back(v.get<int64_t>());
+        }
+      }
       const Json* data = value.is_array() ? &value : Find(value, "data");
       if (data == nullptr || !data->is_array()) {
         return absl::InvalidArgumentError(absl::StrCat(field, ".loss_fn_inputs.", name, ": expected TensorData"));
@@ -302,7 +348,7 @@ absl::StatusOr<training::TokenDatum> DatumFromJson(const Json& datum, const std:
       inputs[name] = std::move(values);
     }
   }
-  return BuildDatum(*std::move(tokens), std::move(inputs), field);
+  return BuildDatum(*std::move(tokens), std::move(inputs), shapes, field);
 }
 
 namespace {

@@ -24,6 +24,10 @@ namespace v1 = ::tinker::v1;  // the generated wire messages
 // legitimate body (a datum's loss_fn_inputs in a forward_backward) nests 7 levels.
 inline constexpr int kMaxJsonDepth = 64;
 
+// The most targets per position a datum's 2-D (soft) target_tokens [N, K] may carry
+// (docs/config.md); the cookbook's top-k distillation sends K = 20.
+inline constexpr int64_t kMaxTargetWidth = 64;
+
 // Whether `text` opens more than `max_depth` arrays/objects at once (brackets inside strings
 // do not count). Linear, no allocation.
 bool NestedDeeperThan(absl::string_view text, int max_depth);
@@ -48,7 +52,8 @@ absl::StatusOr<std::vector<double>> TensorValues(const v1::Tensor& tensor, const
                                                  size_t max_elements);
 
 // A datum: model_input tokens (encoded_text chunks only) and loss_fn_inputs;
-// target_tokens becomes the targets, every other input a float per position.
+// target_tokens becomes the targets, every other input a float per position. target_tokens
+// of shape [N, K] (K <= kMaxTargetWidth) are soft targets: inputs may then be [N, K] too.
 absl::StatusOr<training::TokenDatum> DatumFromProto(const v1::Datum& datum, const std::string& field);
 absl::StatusOr<training::TokenDatum> DatumFromJson(const nlohmann::json& datum, const std::string& field);
 

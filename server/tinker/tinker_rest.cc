@@ -123,6 +123,10 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, co
               {"last_checkpoint", nullptr},
               {"last_sampler_checkpoint", nullptr},
               {"user_metadata", nullptr}};
+  if (!r->user_metadata_json.empty()) {
+    Json metadata = Json::parse(r->user_metadata_json, nullptr, false);
+    if (metadata.is_object()) run["user_metadata"] = std::move(metadata);
+  }
   absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
   if (cks.ok()) {
     for (const registry::CheckpointRecord& c : *cks) {  // oldest first: the last one wins

@@ -3,6 +3,7 @@
 // of a training adapter).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/match.h"
@@ -126,6 +127,108 @@ absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const 
 
 namespace {
 
+// target_prompt_logprobs as the request gave it: the ids [rows, width] (dense; a sparse CSR
+// request's unlisted cells are -1) and, for a CSR request, its indices, so that the reply
+// comes back in the same layout.
+struct TargetLayout {
+  int64_t rows = 0, width = 0;
+  bool sparse = false;
+  std::vector<int64_t> crow, col;
+};
+
+absl::StatusOr<TargetLayout> ParseTargetPromptTokens(const Json& body, size_t prompt_len,
+                                                     sampling::SamplingParams& params) {
+  TargetLayout layout;
+  if (!body.contains("target_prompt_logprobs") || body["target_prompt_logprobs"].is_null()) return layout;
+  const Json& t = body["target_prompt_logprobs"];
+  const char* kField = "target_prompt_logprobs";
+  const Json* shape = t.is_object() && t.contains("shape") ? &t["shape"] : nullptr;
+  if (!t.is_object() || !t.contains("data") || !t["data"].is_array() || shape == nullptr || !shape->is_array() ||
+      shape->size() != 2 || !(*shape)[0].is_number_integer() || !(*shape)[1].is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(kField, ": expected TensorData with data and a 2-D shape"));
+  }
+  layout.rows = (*shape)[0].get<int64_t>();
+  layout.width = (*shape)[1].get<int64_t>();
+  const int64_t rows = static_cast<int64_t>(prompt_len) - 1;
+  if (layout.rows != rows || layout.width < 1 || layout.width > ipc::kMaxPromptTargets) {
+    return absl::InvalidArgumentError(absl::StrCat(kField, ": shape [", layout.rows, ", ", layout.width,
+                                                   "] must be [", rows, ", K] (len(prompt) - 1 rows) with 1 <= K <= ",
+                                                   ipc::kMaxPromptTargets));
+  }
+  std::vector<int64_t> values;
+  for (const Json& v : t["data"]) {
+    if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat(kField, ".data: not token ids"));
+    values.push_back(v.get<int64_t>());
+  }
+  const size_t cells = static_cast<size_t>(layout.rows * layout.width);
+  std::vector<int64_t> dense;
+  if (t.contains("sparse_crow_indices") && !t["sparse_crow_indices"].is_null()) {
+    layout.sparse = true;
+    for (const char* key : {"sparse_crow_indices", "sparse_col_indices"}) {
+      if (!t.contains(key) || !t[key].is_array()) {
+        return absl::InvalidArgumentError(absl::StrCat(kField, ".", key, ": missing"));
+      }
+      for (const Json& v : t[key]) {
+        if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat(kField, ".", key, ": not integers"));
+        (std::strcmp(key, "sparse_crow_indices") == 0 ? layout.crow : layout.col).push_back(v.get<int64_t>());
+      }
+    }
+    const std::vector<int64_t>& crow = layout.crow;
+    if (crow.size() != static_cast<size_t>(layout.rows) + 1 || crow.front() != 0 ||
+        crow.back() != static_cast<int64_t>(values.size()) || layout.col.size() != values.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(kField, ": inconsistent CSR indices"));
+    }
+    dense.assign(cells, -1);  // unlisted cells request nothing
+    for (int64_t r = 0; r < layout.rows; ++r) {
+      if (crow[r] > crow[r + 1]) return absl::InvalidArgumentError(absl::StrCat(kField, ": bad crow_indices"));
+      for (int64_t j = crow[r]; j < crow[r + 1]; ++j) {
+        if (layout.col[j] < 0 || layout.col[j] >= layout.width) {
+          return absl::InvalidArgumentError(absl::StrCat(kField, ": bad col_indices"));
+        }
+        dense[r * layout.width + layout.col[j]] = values[j];
+      }
+    }
+  } else {
+    if (values.size() != cells) {
+      return absl::InvalidArgumentError(absl::StrCat(kField, ": ", values.size(), " ids for shape [", layout.rows, ", ",
+                                                     layout.width, "]"));
+    }
+    dense = std::move(values);
+  }
+  // The SDK's contract: at least one cell names a token id.
+  if (std::none_of(dense.begin(), dense.end(), [](int64_t id) { return id != -1; })) {
+    return absl::InvalidArgumentError(absl::StrCat(kField, ": names no token id (every cell is -1)"));
+  }
+  params.target_prompt_tokens = std::move(dense);
+  params.target_prompt_width = layout.width;
+  return layout;
+}
+
+// A float32 tensor in the layout the request used (dense [rows, width], or CSR with its
+// indices), as protobuf and as JSON TensorData.
+void EncodeTargetLogprobs(const std::vector<float>& dense, const TargetLayout& layout, v1::Tensor* proto, Json* json) {
+  proto->set_dtype(v1::DTYPE_FLOAT32);
+  proto->add_shape(layout.rows);
+  proto->add_shape(layout.width);
+  *json = {{"dtype", "float32"}, {"shape", {layout.rows, layout.width}}};
+  if (!layout.sparse) {
+    proto->set_dense(std::string(reinterpret_cast<const char*>(dense.data()), dense.size() * sizeof(float)));
+    (*json)["data"] = FiniteOrNull(dense);
+    return;
+  }
+  std::vector<float> values;
+  for (int64_t r = 0; r < layout.rows; ++r) {
+    for (int64_t j = layout.crow[r]; j < layout.crow[r + 1]; ++j) values.push_back(dense[r * layout.width + layout.col[j]]);
+  }
+  v1::SparseCsr* csr = proto->mutable_sparse_csr();
+  csr->set_values(std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float)));
+  csr->set_crow_indices(std::string(reinterpret_cast<const char*>(layout.crow.data()), layout.crow.size() * 8));
+  csr->set_col_indices(std::string(reinterpret_cast<const char*>(layout.col.data()), layout.col.size() * 8));
+  (*json)["data"] = FiniteOrNull(values);
+  (*json)["sparse_crow_indices"] = layout.crow;
+  (*json)["sparse_col_indices"] = layout.col;
+}
+
 // What the SDK reads as an empty top-k cell (tinker.types.topk_logprobs.MASK_LOGPROB).
 constexpr int32_t kMaskTokenId = 0;
 constexpr float kMaskLogprob = -99999.0f;
@@ -160,7 +263,8 @@ void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* 
 
 // SampleResponse for one prompt, as protobuf and as JSON. Prompt positions before
 // `first_scored` (>= 1: position 0 has no context) get no prompt log-probs.
-Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs, size_t first_scored) {
+Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs, size_t first_scored,
+                     const TargetLayout& target, int64_t alt_k) {
   Outcome o;
   v1::SampleResponse proto;
   Json sequences = Json::array();
@@ -187,11 +291,38 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs,
   if (p.prompt_top_logprobs.k > 0) {
     EncodeTop(p.prompt_top_logprobs, proto.mutable_topk_prompt_logprobs(), &topk_prompt_logprobs, first_scored);
   }
+  Json target_prompt_logprobs = nullptr;
+  if (target.width > 0) {
+    EncodeTargetLogprobs(p.target_prompt_logprobs, target, proto.mutable_target_prompt_logprobs(),
+                         &target_prompt_logprobs);
+  }
+  Json prompt_alt_tokens = nullptr;
+  if (alt_k > 0) {
+    const int64_t rows = static_cast<int64_t>(p.prompt_alt_token_ids.size()) / alt_k;
+    v1::PromptAltTokens* alt = proto.mutable_prompt_alt_tokens();
+    v1::Tensor* ids = alt->mutable_tokens();
+    ids->set_dtype(v1::DTYPE_INT64);
+    ids->add_shape(rows);
+    ids->add_shape(alt_k);
+    ids->set_dense(std::string(reinterpret_cast<const char*>(p.prompt_alt_token_ids.data()),
+                               p.prompt_alt_token_ids.size() * sizeof(int64_t)));
+    v1::Tensor* lps = alt->mutable_logprobs();
+    lps->set_dtype(v1::DTYPE_FLOAT32);
+    lps->add_shape(rows);
+    lps->add_shape(alt_k);
+    lps->set_dense(std::string(reinterpret_cast<const char*>(p.prompt_alt_logprobs.data()),
+                               p.prompt_alt_logprobs.size() * sizeof(float)));
+    prompt_alt_tokens = {
+        {"tokens", {{"data", p.prompt_alt_token_ids}, {"dtype", "int64"}, {"shape", {rows, alt_k}}}},
+        {"logprobs", {{"data", FiniteOrNull(p.prompt_alt_logprobs)}, {"dtype", "float32"}, {"shape", {rows, alt_k}}}}};
+  }
   o.proto = proto.SerializeAsString();
   o.json = {{"type", "sample"},
             {"sequences", std::move(sequences)},
             {"prompt_logprobs", std::move(prompt_logprobs)},
-            {"topk_prompt_logprobs", std::move(topk_prompt_logprobs)}};
+            {"topk_prompt_logprobs", std::move(topk_prompt_logprobs)},
+            {"target_prompt_logprobs", std::move(target_prompt_logprobs)},
+            {"prompt_alt_tokens", std::move(prompt_alt_tokens)}};
   return o;
 }
 
@@ -206,24 +337,6 @@ absl::StatusOr<int64_t> TopkWidth(const Json& body, const char* key) {
         absl::StrCat(key, ": ", *k, " must be in [0, ", ipc::kMaxTopLogprobs, "]"));
   }
   return *k;
-}
-
-// Request fields of newer SDKs that this server does not serve: refused when set, never
-// silently dropped (their defaults, which every request carries, pass).
-absl::Status RefuseUnservedSampleFields(const Json& body) {
-  if (body.contains("target_prompt_logprobs") && !body["target_prompt_logprobs"].is_null()) {
-    return absl::InvalidArgumentError("target_prompt_logprobs: not supported by this server");
-  }
-  if (body.contains("prompt_alt_tokens_k") && !body["prompt_alt_tokens_k"].is_null()) {
-    absl::StatusOr<int64_t> k = GetInt(body, "prompt_alt_tokens_k", 0);
-    if (!k.ok()) return k.status();
-    if (*k != 0) return absl::InvalidArgumentError("prompt_alt_tokens_k: not supported by this server (use 0)");
-  }
-  if (body.contains("record_stability_info") && body["record_stability_info"].is_boolean() &&
-      body["record_stability_info"].get<bool>()) {
-    return absl::InvalidArgumentError("record_stability_info: not supported by this server");
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_t num_samples, bool prompt_logprobs) {
@@ -251,6 +364,10 @@ absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_
     if (stop.is_string()) {
       p.stop_strings.push_back(stop.get<std::string>());
     } else if (stop.is_array()) {
+      // The SDK (0.38 SamplingParams.stop): None keeps the implicit EOS stop, [] disables
+      // every stop token including EOS (generation runs to max_tokens); a non-empty list adds
+      // its strings or token ids to EOS.
+      if (stop.empty()) p.ignore_eos = true;
       for (const Json& v : stop) {
         if (v.is_string()) {
           p.stop_strings.push_back(v.get<std::string>());
@@ -281,7 +398,9 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   if (!topk_prompt.ok()) return topk_prompt.status();
   absl::StatusOr<int64_t> topk_sample = TopkWidth(body, "topk_sample_logprobs");
   if (!topk_sample.ok()) return topk_sample.status();
-  if (absl::Status s = RefuseUnservedSampleFields(body); !s.ok()) return s;
+  // record_stability_info: every sequence is kept under its sequence_id for stable_reinforce.
+  absl::StatusOr<bool> record = GetBool(body, "record_stability_info", false);
+  if (!record.ok()) return record.status();
   if (!body.contains("prompt")) return absl::InvalidArgumentError("prompt: missing");
   absl::StatusOr<std::vector<int64_t>> prompt = TokensFromModelInput(body["prompt"], "prompt");
   if (!prompt.ok()) return prompt.status();
@@ -304,6 +423,15 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   if (!params.ok()) return params.status();
   params->prompt_top_logprobs = *topk_prompt;
   params->top_logprobs = *topk_sample;
+  absl::StatusOr<TargetLayout> target = ParseTargetPromptTokens(body, prompt->size(), *params);
+  if (!target.ok()) return target.status();
+  absl::StatusOr<int64_t> alt_k = GetInt(body, "prompt_alt_tokens_k", 0);
+  if (!alt_k.ok()) return alt_k.status();
+  if (*alt_k < 0 || *alt_k > ipc::kMaxPromptTargets) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_alt_tokens_k: ", *alt_k, " must be in [0, ", ipc::kMaxPromptTargets, "]"));
+  }
+  params->prompt_alt_tokens_k = *alt_k;
   absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
   if (!session.ok()) return session.status();
   const training::TenantContext context = ContextOf(tenant);
@@ -343,12 +471,25 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
   for (int64_t i = 0; i < *num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  Attach(entry, *id, [want_prompt_lp, first_scored](const FutureValue& value) {
-    absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
-    if (!out.ok()) return Outcome::Failed(out.status());
-    if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-    return EncodeSample((*out)->prompts[0], want_prompt_lp, first_scored);
-  });
+  std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
+  if (*record) recorded_prompt = std::make_shared<const std::vector<int64_t>>(*prompt);
+  Attach(entry, *id,
+         [store = stability_, want_prompt_lp, first_scored, recorded_prompt, target = *target, alt_k = *alt_k,
+          tenant_id = tenant.id,
+          sequence_ids = entry->sample_sequence_ids](const FutureValue& value) {
+           absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
+           if (!out.ok()) return Outcome::Failed(out.status());
+           if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+           const sampling::PromptOutput& p = (*out)->prompts[0];
+           if (recorded_prompt != nullptr) {
+             const absl::Time now = absl::Now();
+             for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
+               store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens,
+                                 p.sequences[i].logprobs, now);
+             }
+           }
+           return EncodeSample(p, want_prompt_lp, first_scored, target, alt_k);
+         });
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);
     dedupe_[key] = entry->request_id;

@@ -425,7 +425,8 @@ def test_each_body_bound_holds_at_its_limit_and_refuses_one_past(server: ServerP
     past = fb("x" * 257, 2)
     assert past.status_code == 400 and "exceeds the limit of 256" in past.text, past.text
 
-    # A CSR loss_fn_input may hold one element per model_input token: 3 here.
+    # A CSR loss_fn_input may hold kMaxTargetWidth (64) elements per model_input token (soft
+    # targets [N, K]): 3 x 64 here.
     def sparse_body(cols: int) -> bytes:
         sparse = tp.Tensor(dtype=tp.DTYPE_FLOAT32, shape=[1, cols],
                            sparse_csr=tp.SparseCsr(crow_indices=np.asarray([0, 1], np.int64).tobytes(),
@@ -438,9 +439,9 @@ def test_each_body_bound_holds_at_its_limit_and_refuses_one_past(server: ServerP
         return tp.ForwardBackwardRequest(model_id=alice.model_id, data=[datum], loss_fn="cross_entropy").SerializeToString()
 
     proto_headers = {"X-API-Key": KEYS["alice"], "Content-Type": "application/x-protobuf"}
-    past = requests.post(base + "/forward_backward", data=sparse_body(4), headers=proto_headers, timeout=30)
-    assert past.status_code == 400 and "larger than the 3 elements" in past.text, past.text
-    at = requests.post(base + "/forward_backward", data=sparse_body(3), headers=proto_headers, timeout=30)
+    past = requests.post(base + "/forward_backward", data=sparse_body(3 * 64 + 1), headers=proto_headers, timeout=30)
+    assert past.status_code == 400 and "larger than the 192 elements" in past.text, past.text
+    at = requests.post(base + "/forward_backward", data=sparse_body(3 * 64), headers=proto_headers, timeout=30)
     assert "larger than" not in at.text, at.text
 
 

@@ -354,7 +354,7 @@ def test_sessions_are_private_and_bad_input_names_the_field(launch_server: Launc
         ("prompts", {"max_tokens": 2}, []),
         ("prompts[0]", {"max_tokens": 2}, [[]]),
         ("stop_token_ids[0]", {"max_tokens": 2, "stop_token_ids": [n_vocab]}, [[1]]),
-        ("top_logprobs", {"max_tokens": 2, "top_logprobs": 21}, [[1]]),
+        ("top_logprobs", {"max_tokens": 2, "top_logprobs": 65}, [[1]]),
         ("prompt_top_logprobs", {"max_tokens": 2, "prompt_top_logprobs": -1}, [[1]]),
     ]
     for field, params, prompts in cases:

@@ -112,14 +112,14 @@ def test_topk_prompt_and_sample_logprobs_match_transformers(tinker_server: Serve
     assert last.topk_prompt_logprobs[:cut] == [None] * cut
     assert last.topk_prompt_logprobs[cut:] == top[cut:]
 
-    # Too wide, out of range, or not served: a user error naming the field, never ignored.
+    # Too wide or out of range: a user error naming the field, never ignored.
     one = types.SamplingParams(max_tokens=1)
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs"),
+        ({"topk_prompt_logprobs": 65}, "topk_prompt_logprobs"),
         ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(prompt)}, "prompt_logprobs_last_n"),
-        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
-        ({"target_prompt_logprobs": types.TensorData(data=[1] * (len(prompt) - 1), dtype="int64",
-                                                      shape=[len(prompt) - 1, 1])}, "target_prompt_logprobs"),
+        ({"prompt_alt_tokens_k": 65}, "prompt_alt_tokens_k"),
+        ({"target_prompt_logprobs": types.TensorData(data=[1] * len(prompt), dtype="int64",
+                                                      shape=[len(prompt), 1])}, "target_prompt_logprobs"),
     ]
     for kwargs, field in refused:
         with pytest.raises(tinker.BadRequestError, match=field):

@@ -65,6 +65,26 @@ def tinker_term(name: str, config: dict[str, Any], lp: torch.Tensor, x: dict[str
     if name == "dro":
         beta = config.get("beta", 0.05)
         return -(lp * a - 0.5 * beta * (lp - q) ** 2) * w
+    if name == "gspo":
+        # Tinker's GSPO-token page: s = exp(mean over M of log(p/q)), M = sequence_ratio_mask != 0
+        # (docs/losses.md: every token without one, s = 1 when M is empty); value of s with the
+        # gradient of each token's own log-prob.
+        m = x["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in x else torch.ones_like(lp, dtype=torch.bool)
+        log_s = (lp.detach() - q)[m].mean() if bool(m.any()) else torch.zeros((), dtype=lp.dtype)
+        s_t = torch.exp(log_s + lp - lp.detach())
+        lo = config.get("clip_low_threshold", 1 - 3e-4)
+        hi = config.get("clip_high_threshold", 1 + 4e-4)
+        return -torch.minimum(s_t * a, torch.clamp(s_t, lo, hi) * a) * w
+    if name == "stable_reinforce":
+        # docs/losses.md: truncated importance weight on REINFORCE, plus a k3 KL to the sampler.
+        w = w * x.get("stability_mask", torch.ones_like(lp))
+        cap = config.get("clip_high_threshold", 2.0)
+        term = -(torch.clamp(torch.exp(lp.detach() - q), max=cap) * a * lp)
+        kl = config.get("kl_coeff", 0.0)
+        if kl > 0:
+            diff = q - lp
+            term = term + kl * (torch.exp(diff) - diff - 1)
+        return term * w
     raise AssertionError(name)
 
 
@@ -134,6 +154,10 @@ def make_datums(case: dict[str, Any], dtype: torch.dtype, seed: int) -> list[dic
             elif key in ("mask", "mask_weights"):  # 0/1
                 x["mask" if key == "mask" else "weights"] = (
                     torch.rand(n, generator=g) < 0.7).to(torch.float64)
+            elif key == "stability_mask":  # 0/1
+                x[key] = (torch.rand(n, generator=g) < 0.7).to(torch.float64)
+            elif key == "sequence_ratio_mask":  # 0/1, some datums all zero
+                x[key] = (torch.rand(n, generator=g) < (0.7 if i % 4 else 0.0)).to(torch.float64)
             elif key == "clip_low_threshold":  # per token, on every other datum only
                 if i % 2 == 0:
                     x[key] = 0.7 + 0.25 * torch.rand(n, generator=g, dtype=torch.float64)
@@ -163,6 +187,15 @@ CASES: dict[str, dict[str, Any]] = {
                      "inputs": RL + ["weights"]},
     "dro": {"name": "dro", "inputs": RL},
     "dro_beta_weights": {"name": "dro", "config": {"beta": 0.3}, "inputs": RL + ["weights"]},
+    # Tinker's GSPO: wide thresholds with a wide spread, and its own (paper) defaults with a
+    # spread to match, so that sequence ratios fall on both sides of the thresholds.
+    "gspo_tinker": {"name": "gspo", "config": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                    "inputs": RL, "spread": 0.6, "lengths": GSPO_LENGTHS},
+    "gspo_tinker_defaults_masked": {"name": "gspo", "inputs": RL + ["sequence_ratio_mask", "weights"],
+                                    "spread": 1e-3, "lengths": GSPO_LENGTHS},
+    "stable_reinforce": {"name": "stable_reinforce", "inputs": RL, "spread": 1.0},
+    "stable_reinforce_kl_mask": {"name": "stable_reinforce", "config": {"kl_coeff": 0.1, "clip_high_threshold": 1.5},
+                                 "inputs": RL + ["stability_mask", "weights"], "spread": 1.0},
     "twinkle_ce_mean": {"name": "twinkle:cross_entropy", "inputs": ["mask"]},
     "twinkle_ce_sum": {"name": "twinkle:cross_entropy", "config": {"reduction": "sum"},
                        "inputs": ["mask", "mask_weights"]},
@@ -229,7 +262,9 @@ def test_float64_matches_formula(loss_engine: Engine, case_id: str) -> None:
     check(loss_engine, case_id, case, torch.float64, 1e-10, absolute=not case_id.endswith("clamp20"), seed=7)
 
 
-@pytest.mark.parametrize("case_id", ["ce_weights", "is", "ppo", "cispo", "dro", "twinkle_ce_mean", "grpo_kl_window",
+@pytest.mark.parametrize("case_id", ["ce_weights", "is", "ppo", "cispo", "dro", "gspo_tinker",
+                                     "gspo_tinker_defaults_masked", "stable_reinforce_kl_mask",
+                                     "twinkle_ce_mean", "grpo_kl_window",
                                      "gspo", "twinkle_cispo", "bnpo", "dr_grpo_kl_window"])
 def test_float32_matches_formula(loss_engine: Engine, case_id: str) -> None:
     check(loss_engine, f"{case_id} fp32", CASES[case_id], torch.float32, 1e-5, absolute=False, seed=11)
@@ -248,6 +283,49 @@ def test_ratios_straddle_the_clip_thresholds() -> None:
                                    / d["inputs"]["mask"].sum().clamp(min=1))
                          for d in make_datums(CASES[case_id], torch.float64, 7)])
         assert (r > hi).any() and (r < lo).any() and ((r > lo) & (r < hi)).any(), (case_id, r)
+
+
+def test_tinker_gspo_sequence_ratios_straddle_the_thresholds() -> None:
+    for case_id, lo, hi in [("gspo_tinker", 0.8, 1.2), ("gspo_tinker_defaults_masked", 1 - 3e-4, 1 + 4e-4)]:
+        ratios = []
+        for d in make_datums(CASES[case_id], torch.float64, 7):
+            m = d["inputs"].get("sequence_ratio_mask", torch.ones_like(d["logprobs"])) != 0
+            if bool(m.any()):
+                ratios.append(torch.exp((d["logprobs"] - d["inputs"]["logprobs"])[m].mean()))
+        r = torch.stack(ratios)
+        assert (r > hi).any() and (r < lo).any() and ((r > lo) & (r < hi)).any(), (case_id, r)
+
+
+def test_stable_reinforce_metrics(loss_engine: Engine) -> None:
+    case = CASES["stable_reinforce_kl_mask"]
+    datums = make_datums(case, torch.float64, 7)
+    got = probe(loss_engine, case, datums)
+    kl = truncated = count = 0.0
+    for d in datums:
+        lp, x = d["logprobs"], d["inputs"]
+        counted = (x["weights"] * x["stability_mask"]) != 0
+        diff = x["logprobs"] - lp
+        kl += float(((torch.exp(diff) - diff - 1) * counted).sum())
+        truncated += float(((torch.exp(lp - x["logprobs"]) > 1.5) & counted).sum())
+        count += float(counted.sum())
+    print(f"kl_sampler:mean {got['metrics']['kl_sampler:mean']:.6f}, truncated {truncated:.0f}/{count:.0f}")
+    assert truncated > 0 and truncated < count  # the inputs truncate some weights, not all
+    assert got["metrics"]["kl_sampler:mean"] == pytest.approx(kl / count, rel=1e-12)
+    assert got["metrics"]["truncated_fraction:mean"] == pytest.approx(truncated / count, rel=1e-12)
+    assert got["metrics"]["num_tokens:sum"] == count
+
+
+def test_new_tinker_loss_config_errors(loss_engine: Engine) -> None:
+    rl = {"logprobs": torch.zeros(2, dtype=torch.float64), "advantages": torch.ones(2, dtype=torch.float64)}
+    expect_error(loss_engine, {"loss": {"name": "gspo", "config": {"clip_low_threshold": 1.1}},
+                               "datums": one_datum(**rl)}, "clip_low_threshold <= 1 <= clip_high_threshold")
+    expect_error(loss_engine, {"loss": {"name": "stable_reinforce", "config": {"kl_coeff": -1}},
+                               "datums": one_datum(**rl)}, "kl_coeff must be >= 0")
+    expect_error(loss_engine, {"loss": {"name": "stable_reinforce", "config": {"kl_coef": 0.1}},
+                               "datums": one_datum(**rl)}, "unknown config key 'kl_coef'", "'kl_coeff'")
+    expect_error(loss_engine, {"loss": {"name": "stable_reinforce"},
+                               "datums": one_datum(**rl, stability_mask=torch.tensor([0.5, 1.0], dtype=torch.float64))},
+                 "'stability_mask' must be 0 or 1")
 
 
 def test_num_tokens_counts_nonzero_weights(loss_engine: Engine) -> None:
@@ -276,7 +354,7 @@ def one_datum(**inputs: torch.Tensor) -> list[dict[str, Any]]:
 
 def test_unknown_loss_name(loss_engine: Engine) -> None:
     expect_error(loss_engine, {"loss": {"name": "grpo2"}, "datums": one_datum()},
-                 "unknown loss 'grpo2'", "'cross_entropy'", "'ppo'", "'twinkle:grpo'", "'twinkle:gspo'",
+                 "unknown loss 'grpo2'", "'cross_entropy'", "'ppo'", "'gspo'", "'stable_reinforce'", "'twinkle:grpo'", "'twinkle:gspo'",
                  "'twinkle:cispo'", "'twinkle:bnpo'", "'twinkle:dr_grpo'", "'twinkle:dpo'")
 
 

@@ -673,15 +673,15 @@ def test_top_logprobs_match_transformers_topk(engine: Engine, reference_models: 
 
 
 def test_top_logprobs_limits(engine: Engine, reference_models: Path) -> None:
-    """Widths outside [0, 20] are refused naming the field; max_tokens 0 and a one-token
+    """Widths outside [0, 64] are refused naming the field; max_tokens 0 and a one-token
     prompt give empty [0, k] top-k tensors."""
     model_dir = reference_models / "qwen3"
     load(engine, model_dir)
     p = torch.arange(1, 6)
     bad = {
-        1: (row("", p, top_logprobs=21), "top_logprobs (21) must be in [0, 20]"),
-        2: (row("", p, top_logprobs=-1), "top_logprobs (-1) must be in [0, 20]"),
-        3: (row("", p, prompt_top_logprobs=50), "prompt_top_logprobs (50) must be in [0, 20]"),
+        1: (row("", p, top_logprobs=65), "top_logprobs (65) must be in [0, 64]"),
+        2: (row("", p, top_logprobs=-1), "top_logprobs (-1) must be in [0, 64]"),
+        3: (row("", p, prompt_top_logprobs=65), "prompt_top_logprobs (65) must be in [0, 64]"),
     }
     reply = step(engine, [(i, r) for i, (r, _) in bad.items()], steps=0)
     assert {r["request_id"]: r["error"] for r in reply["rejected"]} == {i: e for i, (_, e) in bad.items()}

@@ -52,6 +52,24 @@ const std::vector<LossDef>& Registry() {
          {"logprobs", "advantages"},
          {"weights", "clip_low_threshold", "clip_high_threshold"}},
         {"dro", Kind::kDro, {{"beta", 0.05}}, {}, {"logprobs", "advantages"}, {"weights"}},
+        // Tinker's GSPO (GSPO-token). The clip range defaults to the GSPO paper's
+        // (Zheng et al. 2025, §5.1: 3e-4 below, 4e-4 above 1); docs/losses.md.
+        {"gspo",
+         Kind::kGspo,
+         {{"clip_low_threshold", 1.0 - 3e-4}, {"clip_high_threshold", 1.0 + 4e-4}},
+         {},
+         {"logprobs", "advantages"},
+         {"weights", "sequence_ratio_mask"}},
+        // Tinker's StableReinforce; the public documentation leaves the formula open, this
+        // one is docs/losses.md's choice. "logprobs" are the recorded sampler log-probs (the
+        // Tinker layer fills them from the sequences its datums' provenance names) and
+        // "stability_mask" marks the positions that have one (0/1).
+        {"stable_reinforce",
+         Kind::kStableReinforce,
+         {{"kl_coeff", 0.0}, {"clip_high_threshold", 2.0}},
+         {},
+         {"logprobs", "advantages"},
+         {"weights", "stability_mask"}},
         {"twinkle:cross_entropy",
          Kind::kTwinkleCe,
          {},
@@ -183,9 +201,15 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
   for (size_t i = 0; i < datums.size(); ++i) {
     const std::string where = absl::StrCat("datum ", i);
     const at::Tensor& lp = datums[i].logprobs;
-    if (!lp.defined() || lp.dim() != 1) {
-      return Bad(def, absl::StrCat(where, ": logprobs must be a 1-D tensor [T], got ",
+    // [T, K]: soft targets (K target tokens per position, Tinker's top-k distillation),
+    // which only cross_entropy takes.
+    if (!lp.defined() || lp.dim() < 1 || lp.dim() > 2) {
+      return Bad(def, absl::StrCat(where, ": logprobs must be a tensor [T] or [T, K], got ",
                                    lp.defined() ? ShapeString(lp) : "none"));
+    }
+    if (lp.dim() == 2 && def.kind != Kind::kCe) {
+      return Bad(def, absl::StrCat(where, ": 2-D target_tokens ", ShapeString(lp),
+                                   " (soft targets) are only accepted by cross_entropy"));
     }
     if (lp.scalar_type() != first.scalar_type() || lp.device() != first.device()) {
       return Bad(def, absl::StrCat(where, ": logprobs dtype/device differ from datum 0"));
@@ -198,10 +222,10 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
         return Bad(def, absl::StrCat(where, ": unknown input '", name,
                                      "' (accepted: ", Quoted(accepted), ")"));
       }
-      if (!tensor.defined() || tensor.dim() != 1 || tensor.size(0) != lp.size(0)) {
+      if (!tensor.defined() || !tensor.sizes().equals(lp.sizes())) {
         return Bad(def, absl::StrCat(where, ": input '", name, "' has shape ",
                                      tensor.defined() ? ShapeString(tensor) : "none",
-                                     ", expected [", lp.size(0), "] like logprobs"));
+                                     ", expected ", ShapeString(lp), " like logprobs"));
       }
       // Inputs are data, never part of the graph.
       at::Tensor t = tensor.requires_grad() ? tensor.detach() : tensor;
@@ -210,7 +234,8 @@ absl::StatusOr<Prepared> Prepare(const LossDef& def, const LossSpec& spec,
                      ValueChecks::Check::kFinite);
       // Twinkle's losses normalise by the number of unmasked tokens, which is only defined
       // for 0/1 masks; real-valued weights belong to the Tinker losses.
-      if (twinkle && (name == "mask" || name == "weights")) {
+      if ((twinkle && (name == "mask" || name == "weights")) ||
+          name == "stability_mask") {
         checks.AddHost(absl::StrCat(where, ": input '", name, "' must be 0 or 1 per token"), t,
                        ValueChecks::Check::kZeroOrOne);
       }
@@ -278,6 +303,19 @@ absl::Status CheckRanges(const LossSpec& spec, const LossDef& def) {
     }
     case Kind::kDro:
       return non_negative("beta");
+    case Kind::kGspo: {
+      const double lo = get("clip_low_threshold"), hi = get("clip_high_threshold");
+      if (lo < 0 || lo > 1 || hi < 1) {
+        return Bad(def, absl::StrCat("need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got ",
+                                     lo, " and ", hi));
+      }
+      return absl::OkStatus();
+    }
+    case Kind::kStableReinforce:
+      if (get("clip_high_threshold") <= 0) {
+        return Bad(def, absl::StrCat("clip_high_threshold must be > 0, got ", get("clip_high_threshold")));
+      }
+      return non_negative("kl_coeff");
     case Kind::kTwinkleDpo: {
       // ipo divides by beta; z = beta * margin is meaningless at 0.
       if (get("beta") <= 0) return Bad(def, absl::StrCat("beta must be > 0, got ", get("beta")));
@@ -310,6 +348,8 @@ Family FamilyOf(Kind kind) {
     case Kind::kPpo:
     case Kind::kCispo:
     case Kind::kDro:
+    case Kind::kGspo:
+    case Kind::kStableReinforce:
       return Family::kTinker;
     case Kind::kTwinkleDpo:
       return Family::kTwinklePreference;

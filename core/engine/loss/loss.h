@@ -25,7 +25,9 @@ namespace twinkle::engine {
 
 // One datum (sequence) of one adapter's op.
 struct LossDatum {
-  at::Tensor logprobs;  // [T] current policy's log-prob of each target token (graph input)
+  // [T] current policy's log-prob of each target token (graph input); [T, K] for soft
+  // targets (K target tokens per position, cross_entropy only: Σ −weights·logprobs).
+  at::Tensor logprobs;
   // loss_fn_inputs except target_tokens, each [T]: "weights", "logprobs" (sampler / old
   // policy), "advantages", "ref_logprobs", "clip_low_threshold"/"clip_high_threshold"
   // (per-token overrides), "mask". Which names a loss accepts: see the registry in loss.cc.

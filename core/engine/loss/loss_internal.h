@@ -1,7 +1,7 @@
 #pragma once
 // Shared by the loss implementation files, not part of the loss API (see loss.h):
 //   loss.cc                        registry, spec/input validation, dispatch
-//   tinker_losses.cc               Tinker's plain-sum losses (tinker-protocol.md §9)
+//   tinker_losses.cc               Tinker's plain-sum losses (tinker-protocol.md §9, docs/losses.md)
 //   twinkle_token_losses.cc        Twinkle's per-token losses: cross_entropy and the GRPO
 //                                  family (grpo, gspo, cispo, bnpo, dr_grpo)
 //   twinkle_preference_losses.cc   Twinkle's sequence-level preference loss (dpo)
@@ -28,6 +28,8 @@ enum class Kind {
   kPpo,
   kCispo,
   kDro,
+  kGspo,             // Tinker's GSPO-token: one clipped sequence ratio, per-token gradients
+  kStableReinforce,  // REINFORCE with a truncated importance weight against recorded samples
   // Twinkle, per token
   kTwinkleCe,
   kTwinkleGrpo,

@@ -25,8 +25,9 @@ class TargetLogprobsFn : public torch::autograd::Function<TargetLogprobsFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets) {
     const at::Tensor lse = at::logsumexp(logits, {-1});
-    const at::Tensor picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
     ctx->save_for_backward({logits, targets, lse});
+    if (targets.dim() == 2) return logits.gather(1, targets) - lse.unsqueeze(1);  // [N, K]
+    const at::Tensor picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
     return picked - lse;
   }
 
@@ -37,6 +38,13 @@ class TargetLogprobsFn : public torch::autograd::Function<TargetLogprobsFn> {
     const at::Tensor& logits = saved[0];
     const at::Tensor& targets = saved[1];
     const at::Tensor& lse = saved[2];
+    if (targets.dim() == 2) {  // [N, K]: the softmax part is weighted by each row's Σ_k g
+      const at::Tensor& g = grads[0];
+      at::Tensor out = at::sub(logits, lse.unsqueeze(1));
+      out.exp_().mul_(-g.sum(1, /*keepdim=*/true));
+      out.scatter_add_(1, targets, g);
+      return {out, at::Tensor()};
+    }
     const at::Tensor g = grads[0].unsqueeze(1);
     // d/dlogits of (logit[t] - lse) = onehot(t) - softmax; the softmax part is what autograd's
     // logsumexp backward computes, grad · exp(logits - lse), here in place in one buffer.

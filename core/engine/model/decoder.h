@@ -171,7 +171,8 @@ class DecoderModel {
 // targets [N]: logits[i, t_i] - logsumexp(logits[i]), as one autograd node whose backward
 // writes the [N, vocab] gradient g_i · (onehot(t_i) - softmax(logits[i])) in one buffer
 // (gather + logsumexp as separate ops would allocate and add several of them). Same values,
-// forward and backward, as that composition.
+// forward and backward, as that composition. Targets [N, K] (soft targets) give [N, K]:
+// logits[i, t_ik] - logsumexp(logits[i]), gradient Σ_k g_ik · (onehot(t_ik) - softmax).
 at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets);
 
 // RoPE inverse frequencies exactly as transformers computes them (fp32) over the rotated

@@ -27,6 +27,9 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The generator stream of prompt_alt_tokens_k's draws: (seed, this), never a sample's (seed, s).
+constexpr uint64_t kAltTokensStream = 0xa17a17a17a17a17aULL;
+
 // One token from a float32 [vocab] row of logits (host memory), as sampler.h describes.
 int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::Generator& gen) {
   if (row.temperature == 0) return logits.argmax().item<int64_t>();
@@ -121,9 +124,16 @@ struct GenRequest {
   at::Tensor prompt_logprobs;  // float32 [P - 1] when asked
   at::Tensor prompt_top_ids;   // int64 [P - 1, k] when asked (TopLogprobs)
   at::Tensor prompt_top_lps;   // float32 [P - 1, k]
+  at::Tensor target_ids;       // int64 [P - 1, K] when asked (row.target_prompt_tokens)
+  at::Tensor target_lps;       // float32 [P - 1, K]
+  at::Tensor alt_ids;          // int64 [P - 1, k] when asked (row.prompt_alt_tokens_k)
+  at::Tensor alt_lps;          // float32 [P - 1, k]
 
   // Whether the prefill needs the logits of every prompt row, not just the last.
-  bool wants_prompt_rows() const { return row.want_prompt_logprobs || row.prompt_top_logprobs > 0; }
+  bool wants_prompt_rows() const {
+    return row.want_prompt_logprobs || row.prompt_top_logprobs > 0 || target_ids.defined() ||
+           row.prompt_alt_tokens_k > 0;
+  }
 
   int64_t prompt_len() const { return prompt.numel(); }
   bool done() const {
@@ -214,9 +224,33 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
     if (!adapter.ok()) return adapter.status();
     request->adapter = *adapter;
   }
+  if (row.prompt_alt_tokens_k < 0 || row.prompt_alt_tokens_k > ipc::kMaxPromptTargets) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_alt_tokens_k (", row.prompt_alt_tokens_k,
+                                                   ") must be in [0, ", ipc::kMaxPromptTargets, "]"));
+  }
+  at::Tensor target_ids;
+  if (row.target_prompt_tokens.has_value()) {
+    absl::StatusOr<at::Tensor> t = ReadTensor(*row.target_prompt_tokens, message);
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat("target_prompt_tokens: ", t.status().message()));
+    if (t->scalar_type() != at::kLong || t->dim() != 2 || t->size(0) != prompt_len - 1 || t->size(1) < 1 ||
+        t->size(1) > ipc::kMaxPromptTargets) {
+      return absl::InvalidArgumentError(absl::StrCat("target_prompt_tokens must be int64 [", prompt_len - 1,
+                                                     ", K] (P - 1 rows) with 1 <= K <= ", ipc::kMaxPromptTargets));
+    }
+    const int64_t* ids = t->const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t->numel(); ++i) {
+      if (ids[i] < -1 || ids[i] >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("target_prompt_tokens: token id ", ids[i],
+                                                       " is neither -1 (none) nor in [0, ", vocab, ")"));
+      }
+    }
+    target_ids = t->contiguous();
+  }
   request->id = id;
   request->row = row;
   request->row.prompt_tokens = {};
+  request->row.target_prompt_tokens.reset();
+  request->target_ids = std::move(target_ids);
   request->prompt = *std::move(prompt);
   request->blocks_needed = needed;
   return request;
@@ -322,6 +356,23 @@ class GenerationBatch {
           r->prompt_top_lps = at::empty({p - 1, k}, at::kFloat);
           TopLogprobs(rows, row_lse, k, r->prompt_top_ids.data_ptr<int64_t>(),
                       r->prompt_top_lps.data_ptr<float>());
+        }
+        if (r->target_ids.defined()) {  // logit - lse at each asked cell, 0 where the id is -1
+          const at::Tensor asked = r->target_ids >= 0;
+          const at::Tensor lp = rows.gather(1, r->target_ids.clamp_min(0)) - row_lse.unsqueeze(1);
+          r->target_lps = at::where(asked, lp, at::zeros_like(lp)).contiguous();
+        }
+        if (const int64_t k = r->row.prompt_alt_tokens_k; k > 0) {
+          // Draws of their own stream (not any sample's): seeded by (seed, "alt").
+          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(r->row.seed) ^ kAltTokensStream));
+          if (p - 1 == 0) {
+            r->alt_ids = at::empty({0, k}, at::kLong);
+          } else if (r->row.temperature == 0) {
+            r->alt_ids = rows.argmax(1, /*keepdim=*/true).expand({p - 1, k}).contiguous();
+          } else {
+            r->alt_ids = at::multinomial((rows / r->row.temperature).softmax(1), k, /*replacement=*/true, gen);
+          }
+          r->alt_lps = (rows.gather(1, r->alt_ids) - row_lse.unsqueeze(1)).contiguous();
         }
         row += p - 1;
       }
@@ -551,6 +602,19 @@ absl::StatusOr<ipc::SampleRowResultMsg> ToResult(const GenRequest& r, MethodRepl
     absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(r.prompt_logprobs, reply);
     if (!desc.ok()) return desc.status();
     out.prompt_logprobs = *desc;
+  }
+  if (r.target_lps.defined()) {
+    absl::StatusOr<ipc::TensorDesc> desc = AppendTensor(r.target_lps, reply);
+    if (!desc.ok()) return desc.status();
+    out.target_prompt_logprobs = *desc;
+  }
+  if (r.alt_ids.defined()) {
+    absl::StatusOr<ipc::TensorDesc> ids = AppendTensor(r.alt_ids, reply);
+    if (!ids.ok()) return ids.status();
+    absl::StatusOr<ipc::TensorDesc> lps = AppendTensor(r.alt_lps, reply);
+    if (!lps.ok()) return lps.status();
+    out.prompt_alt_token_ids = *ids;
+    out.prompt_alt_logprobs = *lps;
   }
   if (r.prompt_top_ids.defined()) {
     absl::StatusOr<ipc::TensorDesc> ids = AppendTensor(r.prompt_top_ids, reply);

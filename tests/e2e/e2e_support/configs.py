@@ -26,7 +26,7 @@ DOCUMENTED_DEFAULTS: Mapping[str, object] = {
     "engine.restart_backoff_initial_ms": 500,
     "engine.restart_backoff_max_ms": 30000,
     "limits.max_adapters": 64,
-    "limits.max_lora_rank": 64,
+    "limits.max_lora_rank": 128,
     "limits.max_tokens_per_request": 32768,
     "logging.level": "info",
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
 namespace twinkle::registry {
@@ -247,7 +248,7 @@ TEST_F(RegistryTest, RefusesANewerSchemaVersion) {
   ASSERT_FALSE(reg.ok());
   EXPECT_EQ(reg.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(reg.status().message(), HasSubstr("schema version 7"));
-  EXPECT_THAT(reg.status().message(), HasSubstr("this binary's 1"));
+  EXPECT_THAT(reg.status().message(), HasSubstr(absl::StrCat("this binary's ", Registry::kSchemaVersion)));
   EXPECT_THAT(reg.status().message(), HasSubstr(path_));
   // Untouched: still version 7, nothing of ours created.
   EXPECT_EQ(RawInt("PRAGMA user_version"), 7);
@@ -423,6 +424,22 @@ TEST_F(RegistryTest, PutRunOverwritesTheSameTenantsRowAndTouchRunUpdatesProgress
   bad = MakeRun("", "r2", T(0));
   EXPECT_EQ(reg->PutRun(bad).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RawInt("SELECT COUNT(*) FROM runs"), 1);
+}
+
+TEST_F(RegistryTest, RunUserMetadataIsKeptByPutRunAndScopedToTheTenant) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  ASSERT_TRUE(reg->PutRun(MakeRun("alice", "r", T(0))).ok());
+  EXPECT_EQ(reg->GetRun("alice", "r")->user_metadata_json, "");
+  ASSERT_TRUE(reg->SetRunUserMetadata("alice", "r", R"({"renderer_name":"qwen3"})").ok());
+  ASSERT_TRUE(reg->PutRun(MakeRun("alice", "r", T(5))).ok());  // an upsert keeps it
+  EXPECT_EQ(reg->GetRun("alice", "r")->user_metadata_json, R"({"renderer_name":"qwen3"})");
+  int32_t total = 0;
+  absl::StatusOr<std::vector<RunRecord>> runs = reg->ListRuns("alice", {}, &total);
+  ASSERT_TRUE(runs.ok());
+  EXPECT_EQ((*runs)[0].user_metadata_json, R"({"renderer_name":"qwen3"})");
+  EXPECT_EQ(reg->SetRunUserMetadata("bob", "r", "{}").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(reg->SetRunUserMetadata("alice", "unknown", "{}").code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(RegistryTest, ListRunsPaginatesNewestFirstWithTotal) {

@@ -27,8 +27,8 @@ using ::testing::HasSubstr;
 TEST(LossTest, SupportedNames) {
   EXPECT_THAT(
       SupportedLossNames(),
-      ::testing::ElementsAre("cross_entropy", "importance_sampling", "ppo", "cispo", "dro",
-                             "twinkle:cross_entropy", "twinkle:grpo", "twinkle:gspo",
+      ::testing::ElementsAre("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                             "stable_reinforce", "twinkle:cross_entropy", "twinkle:grpo", "twinkle:gspo",
                              "twinkle:cispo", "twinkle:bnpo", "twinkle:dr_grpo", "twinkle:dpo"));
 }
 
