@@ -365,7 +365,11 @@ int RunServer(const Config& config, const LaunchOptions& options) {
       training::RegistryFutureJournal::Open(**registry);
   if (!journal.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", journal.status().message()));
   sched::SeedFutureIds((*journal)->first_id());
-  FutureStore futures(absl::Seconds(config.sessions.future_retention_s));
+  FutureStoreOptions future_options;
+  future_options.retention = absl::Seconds(config.sessions.future_retention_s);
+  future_options.max_results_per_tenant = config.sessions.max_retained_results;
+  future_options.max_result_bytes_per_tenant = config.sessions.max_retained_result_bytes;
+  FutureStore futures(future_options);
   futures.SetJournal(journal->get());
   SupervisorEngineLink engine_link(supervisor);
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
@@ -507,6 +511,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     LogInfo(kLog, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                                "; draining for up to ", config.server.drain_timeout_s, " s"));
     state.draining = true;
+    // What fails from here on fails because we stop: after the restart it reads as
+    // interrupted (retryable), not as that failure.
+    (*journal)->BeginShutdown();
     health->Shutdown();  // every service NOT_SERVING now, and it stays so
     supervisor.RequestStop();
     if (sampler_supervisor != nullptr) sampler_supervisor->RequestStop();
