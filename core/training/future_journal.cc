@@ -183,16 +183,19 @@ void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, co
 
 void RegistryFutureJournal::WriterLoop() {
   while (true) {
-    std::deque<Write> batch;
+    std::shared_ptr<const std::deque<Write>> batch;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;
-      batch.swap(queue_);
+      auto taken = std::make_shared<std::deque<Write>>();
+      taken->swap(queue_);
+      batch = taken;
+      writing_batch_ = batch;  // Lookup reads it until it is in the registry
       writing_ = true;
     }
-    for (const Write& w : batch) {
+    for (const Write& w : *batch) {
       // Writes keep their order: the row ends in the latest state written (or gone).
       const registry::FutureRecord& r = w.record;
       absl::Status s = w.erase ? registry_.DeleteFuture(r.id, r.tenant) : registry_.PutFuture(r);
@@ -200,6 +203,7 @@ void RegistryFutureJournal::WriterLoop() {
     }
     absl::MutexLock lock(&mu_);
     writing_ = false;
+    writing_batch_.reset();
   }
 }
 
@@ -210,7 +214,26 @@ void RegistryFutureJournal::Flush() {
 }
 
 absl::StatusOr<FutureResult> RegistryFutureJournal::Lookup(uint64_t id, const std::string& tenant) {
-  absl::StatusOr<registry::FutureRecord> r = registry_.GetFuture(id, tenant);
+  // A write not in the registry yet is the latest word on the future (a result just dropped
+  // over a bound must not read back as the result).
+  std::optional<Write> unwritten;
+  {
+    absl::MutexLock lock(&mu_);
+    auto latest = [&](const std::deque<Write>& writes) {
+      for (auto it = writes.rbegin(); it != writes.rend(); ++it) {
+        if (it->record.id == id && it->record.tenant == tenant) return std::optional<Write>(*it);
+      }
+      return std::optional<Write>();
+    };
+    unwritten = latest(queue_);
+    if (!unwritten && writing_batch_ != nullptr) unwritten = latest(*writing_batch_);
+  }
+  absl::StatusOr<registry::FutureRecord> r = absl::NotFoundError("no such future");
+  if (!unwritten) {
+    r = registry_.GetFuture(id, tenant);
+  } else if (!unwritten->erase) {
+    r = unwritten->record;
+  }
   const uint64_t boot = id >> kFutureBootShift;
   if (!r.ok()) {
     if (!absl::IsNotFound(r.status())) return r.status();

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -65,6 +67,7 @@ class RegistryFutureJournal final : public FutureJournal {
   };
   void Queue(Write w);
   std::deque<Write> queue_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const std::deque<Write>> writing_batch_ ABSL_GUARDED_BY(mu_);  // being written
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

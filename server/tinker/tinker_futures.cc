@@ -113,9 +113,11 @@ void TinkerApi::Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, 
   FutureStore* store = &futures_;
   absl::Status s = futures_.OnComplete(
       future_id, entry->tenant, [entry, store, future_id, encode = std::move(encode)](const FutureResult& result) {
-        Complete(entry, result.ok() ? encode(*result) : Outcome::Failed(result.status()));
-        // The request id's future holds the answer now; the op's own result is not needed.
+        Outcome outcome = result.ok() ? encode(*result) : Outcome::Failed(result.status());
+        // The request id's future takes the answer; the op's own result is not needed (and
+        // is released first, so it never counts against the tenant's bound beside it).
         store->Release(future_id);
+        Complete(entry, std::move(outcome));
       });
   if (!s.ok()) Complete(entry, Outcome::Failed(s));
 }

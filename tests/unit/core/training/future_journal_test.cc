@@ -149,5 +149,24 @@ TEST_F(FutureJournalTest, EncodedAnswersDropsAndShutdownFailuresOutliveARestart)
   EXPECT_EQ(std::get<OpOutput>(**stopped_ok).loss, 4.0);
 }
 
+// A drop the writer has not stored yet is already what Lookup answers (the store has
+// forgotten the result, so the registry's older row must not answer for it).
+TEST_F(FutureJournalTest, LookupSeesWritesNotYetInTheRegistry) {
+  std::unique_ptr<registry::Registry> registry = OpenRegistry();
+  absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+  ASSERT_TRUE(journal.ok()) << journal.status();
+  const uint64_t id = (*journal)->first_id();
+  for (int round = 0; round < 50; ++round) {
+    const uint64_t r = id + static_cast<uint64_t>(round);
+    (*journal)->Created(r, "alice");
+    (*journal)->Completed(r, "alice", FutureResult(EncodedResult{"{}", ""}));
+    (*journal)->Flush();  // the result is in the registry
+    (*journal)->Dropped(r, "alice", absl::FailedPreconditionError("dropped over sessions.max_retained_results"));
+    absl::StatusOr<FutureResult> got = (*journal)->Lookup(r, "alice");  // written or not yet
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->status().code(), absl::StatusCode::kFailedPrecondition) << round;
+  }
+}
+
 }  // namespace
 }  // namespace twinkle::training
