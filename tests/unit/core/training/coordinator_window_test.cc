@@ -12,6 +12,7 @@
 #include "core/futures/future_store.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
+#include "core/scheduler/op.h"
 #include "core/training/coordinator.h"
 #include "core/training/engine_link.h"
 
@@ -36,6 +37,9 @@ class FakeEngine final : public EngineLink {
       absl::StatusOr<ipc::ForwardRequest> fwd = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, "forward");
       if (!fwd.ok()) return fwd.status();
       ipc::ForwardReply out;
+      std::vector<std::string> adapters;
+      for (const ipc::TrainOpMsg& op : fwd->ops) adapters.push_back(op.adapter_id);
+      forward_calls_.push_back(adapters);
       for (const ipc::TrainOpMsg& op : fwd->ops) {
         window_tokens_.push_back(op.window_tokens);
         ipc::OpResultMsg r;
@@ -85,11 +89,17 @@ class FakeEngine final : public EngineLink {
     absl::MutexLock lock(&mu_);
     return grad_scales_;
   }
+  // The adapters (engine ids) of each forward / forward_backward call, in call order.
+  std::vector<std::vector<std::string>> forward_calls() {
+    absl::MutexLock lock(&mu_);
+    return forward_calls_;
+  }
 
  private:
   absl::Mutex mu_;
   std::vector<int64_t> window_tokens_;
   std::vector<double> grad_scales_;
+  std::vector<std::vector<std::string>> forward_calls_;
 };
 
 // A sequence of n tokens whose last `trained` are trained (HF labels: -100 elsewhere).
@@ -192,6 +202,44 @@ TEST_F(CoordinatorWindowTest, ZeroGradDropsAPendingScale) {
   EXPECT_FALSE(Control("acc", training::Control::kZeroGrad).skipped);
   EXPECT_FALSE(Control("acc", training::Control::kStep).skipped);
   EXPECT_EQ(engine_.grad_scales(), (std::vector<double>{1.0}));
+}
+
+// Ordering, dedupe, bounds and fusion, with the scheduler paused while ops are queued so the
+// outcome does not depend on timing.
+TEST_F(CoordinatorWindowTest, QueuedOpsDedupeByKeyFuseAcrossAdaptersAndRespectThePendingBound) {
+  Add("a", 1);
+  Add("b", 1);
+  ForwardArgs args;
+  args.inputs = {Seq(6, 3)};
+  SubmitOptions keyed;
+  keyed.idempotency_key = "k1";
+  keyed.fingerprint = 11;
+  coordinator_->scheduler().Pause();
+  absl::StatusOr<uint64_t> first = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, keyed);
+  absl::StatusOr<uint64_t> again = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, keyed);
+  ASSERT_TRUE(first.ok() && again.ok());
+  EXPECT_EQ(*again, *first);  // a retry: the first op's future, nothing new queued
+  SubmitOptions other_body = keyed;
+  other_body.fingerprint = 12;
+  absl::StatusOr<uint64_t> conflict =
+      coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, other_body);
+  ASSERT_FALSE(conflict.ok());
+  EXPECT_TRUE(sched::IsIdempotencyConflict(conflict.status())) << conflict.status();
+  absl::StatusOr<uint64_t> second_b = coordinator_->SubmitForward(tenant_, "b", ForwardMode::kForwardBackward, args, false, {});
+  ASSERT_TRUE(second_b.ok());
+  // The tenant's pending bound: 2 queued, a third is refused before anything is queued.
+  TenantContext small = tenant_;
+  small.max_pending_ops = 2;
+  absl::StatusOr<uint64_t> over = coordinator_->SubmitForward(small, "b", ForwardMode::kForwardBackward, args, false, {});
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  coordinator_->scheduler().Resume();
+  Wait(first);
+  Wait(second_b);
+  // One engine call carried both adapters' heads (fused); the deduplicated retry ran nowhere.
+  const std::vector<std::vector<std::string>> calls = engine_.forward_calls();
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].size(), 2u);
 }
 
 }  // namespace
