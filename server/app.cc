@@ -29,6 +29,7 @@
 #include "core/registry/registry.h"
 #include "core/storage/filesystem.h"
 #include "core/training/checkpoints.h"
+#include "core/engine_client/supervisor_engine_link.h"
 #include "core/training/future_journal.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
@@ -126,34 +127,6 @@ class SignalWatcher {
   std::function<void(int)> on_signal_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
-};
-
-// The training coordinator reaches engine rank 0 through the supervisor; the sampler
-// reaches each rank of the sampler pool's supervisor the same way when it has one. A link's
-// generation is its own rank's: another rank's restart does not touch it.
-class SupervisorEngineLink final : public training::EngineLink {
- public:
-  explicit SupervisorEngineLink(Supervisor& supervisor, int32_t rank = 0) : supervisor_(supervisor), rank_(rank) {}
-  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
-    return supervisor_.CallAndWait(rank_, std::move(request));
-  }
-  uint64_t generation() const override { return supervisor_.engine_generation(rank_); }
-  int64_t vocab_size() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->vocab_size : 0;
-  }
-  int64_t max_position_embeddings() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->max_position_embeddings : 0;
-  }
-  std::vector<std::string> supported_losses() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->supported_losses : std::vector<std::string>{};
-  }
-
- private:
-  Supervisor& supervisor_;
-  const int32_t rank_;
 };
 
 // Merged exports run as `twinkle-engine export` processes, never in a device worker.
@@ -398,7 +371,11 @@ int RunServer(const Config& config, const LaunchOptions& options) {
       training::RegistryFutureJournal::Open(**registry);
   if (!journal.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", journal.status().message()));
   sched::SeedFutureIds((*journal)->first_id());
-  FutureStore futures(absl::Seconds(config.sessions.future_retention_s));
+  FutureStoreOptions future_options;
+  future_options.retention = absl::Seconds(config.sessions.future_retention_s);
+  future_options.max_results_per_tenant = config.sessions.max_retained_results;
+  future_options.max_result_bytes_per_tenant = config.sessions.max_retained_result_bytes;
+  FutureStore futures(future_options);
   futures.SetJournal(journal->get());
   DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()));
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
@@ -548,6 +525,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     LogInfo(kLog, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                                "; draining for up to ", config.server.drain_timeout_s, " s"));
     state.draining = true;
+    // What fails from here on fails because we stop: after the restart it reads as
+    // interrupted (retryable), not as that failure.
+    (*journal)->BeginShutdown();
     health->Shutdown();  // every service NOT_SERVING now, and it stays so
     supervisor.RequestStop();
     if (sampler_supervisor != nullptr) sampler_supervisor->RequestStop();

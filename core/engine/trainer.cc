@@ -66,6 +66,14 @@ struct OpRows {
   std::vector<int64_t> datum_lens;
 };
 
+// The coordinator's grad_scale (a Twinkle accumulation window's 1 / tokens), in place.
+void ScaleGrads(const Adapter& adapter, double scale) {
+  if (scale == 1.0) return;
+  for (const auto& [name, t] : adapter.named_parameters()) {
+    if (t.grad().defined()) t.grad().mul_(scale);
+  }
+}
+
 }  // namespace
 
 Trainer::Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank,
@@ -449,6 +457,7 @@ absl::StatusOr<MethodReply> Trainer::OptimStep(const ipc::Message& request) {
   Adapter* adapter = call->adapter;
   OptimizerHyper hyper;
   if (absl::Status s = ApplyHyper(req.hyper, hyper); !s.ok()) return s;
+  ScaleGrads(*adapter, req.grad_scale);
   absl::StatusOr<StepResult> step = adapter->optimizer().Step(hyper);
   if (!step.ok()) return step.status();
   if (req.zero_grad) adapter->optimizer().ZeroGrad();  // Tinker: apply and clear
@@ -483,6 +492,7 @@ absl::StatusOr<MethodReply> Trainer::ClipGradNorm(const ipc::Message& request) {
   const ipc::ClipGradNormRequest& req = call->request;
   absl::StatusOr<GradNormType> type = ParseGradNormType(req.norm_type);
   if (!type.ok()) return type.status();
+  ScaleGrads(*call->adapter, req.grad_scale);
   absl::StatusOr<double> norm = call->adapter->optimizer().ClipGradNorm(req.max_norm, *type);
   if (!norm.ok()) return norm.status();
   return Reply(ipc::ClipGradNormReply{*norm});

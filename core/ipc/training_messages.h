@@ -108,7 +108,10 @@ struct OptimStepRequest {
   // true: Tinker's optim_step (apply, then clear the gradients). false: Twinkle's step(),
   // which leaves them for an explicit zero_grad (without one, the next backward adds to them).
   bool zero_grad = true;
-  MSGPACK_DEFINE_MAP(adapter_id, hyper, zero_grad);
+  // Multiplies the accumulated gradients by this first (1 = no change): the coordinator's
+  // division of a Twinkle accumulation window's gradients by the window's token count.
+  double grad_scale = 1.0;
+  MSGPACK_DEFINE_MAP(adapter_id, hyper, zero_grad, grad_scale);
 };
 struct OptimStepReply {
   double grad_norm = 0;
@@ -129,7 +132,8 @@ struct ClipGradNormRequest {
   std::string adapter_id;
   double max_norm = 1.0;
   double norm_type = 2;  // 2 or inf
-  MSGPACK_DEFINE_MAP(adapter_id, max_norm, norm_type);
+  double grad_scale = 1.0;  // as OptimStepRequest::grad_scale, applied before the norm
+  MSGPACK_DEFINE_MAP(adapter_id, max_norm, norm_type, grad_scale);
 };
 struct ClipGradNormReply {
   double total_norm = 0;  // before clipping (what torch returns)

@@ -148,6 +148,8 @@ class Registry {
   // MaxFutureId and dropped by ExpireFutures like any finished future).
   absl::Status PutFuture(const FutureRecord& future);
   absl::StatusOr<FutureRecord> GetFuture(uint64_t id, const std::string& tenant);
+  // Forgets the tenant's future `id` (OK when there is none; MaxFutureId keeps counting it).
+  absl::Status DeleteFuture(uint64_t id, const std::string& tenant);
   // Startup: every pending future becomes "interrupted" (its work died with the old process),
   // with updated = now, error_code = ABORTED and a message saying the server restarted.
   // Returns how many.

@@ -1,4 +1,4 @@
-// Registry's futures table and its max_future_id counter: PutFuture, GetFuture,
+// Registry's futures table and its max_future_id counter: PutFuture, GetFuture, DeleteFuture,
 // InterruptPendingFutures, ExpireFutures and MaxFutureId.
 #include "core/registry/registry.h"
 
@@ -22,7 +22,7 @@ using registry_internal::Txn;
 namespace {
 
 constexpr char kInterruptedMessage[] =
-    "the server restarted before this future finished; its work was lost";
+    "interrupted by a restart: the server stopped before this operation finished; submit it again";
 
 absl::Status FutureNotFound(uint64_t id) {
   return absl::NotFoundError(absl::StrCat("future ", std::to_string(id), " not found"));
@@ -102,6 +102,14 @@ absl::StatusOr<FutureRecord> Registry::GetFuture(uint64_t id, const std::string&
   f.created = FromMicros(st.Int(6));
   f.updated = FromMicros(st.Int(7));
   return f;
+}
+
+absl::Status Registry::DeleteFuture(uint64_t id, const std::string& tenant) {
+  if (id == 0 || id > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "DELETE FROM futures WHERE id = ? AND tenant = ?");
+  st.Bind(static_cast<int64_t>(id)).Bind(tenant);
+  return st.Run("delete future");
 }
 
 absl::StatusOr<int64_t> Registry::InterruptPendingFutures(absl::Time now) {

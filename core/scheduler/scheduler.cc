@@ -13,10 +13,6 @@
 namespace twinkle::sched {
 namespace {
 
-// Future ids come from one process-wide counter, so that several schedulers may share one
-// FutureStore (the store's ids are unique for the process lifetime).
-std::atomic<uint64_t> g_next_id{1};
-
 // How often the loop looks at the clock while queued ops have deadlines and nothing else
 // wakes it. The clock may be a test's fake one that nobody signals us about, so the wait is
 // bounded instead of computed from the deadline.
@@ -30,11 +26,7 @@ int64_t BudgetTokens(const Op& op) { return std::max<int64_t>(op.tokens, 0); }
 
 }  // namespace
 
-void SeedFutureIds(uint64_t next) {
-  uint64_t current = g_next_id.load();
-  while (current < next && !g_next_id.compare_exchange_weak(current, next)) {
-  }
-}
+void SeedFutureIds(uint64_t next) { ::twinkle::SeedFutureIds(next); }
 
 struct Scheduler::Queued {
   std::unique_ptr<Op> op;
@@ -171,7 +163,7 @@ absl::StatusOr<uint64_t> Scheduler::Submit(Op op) {
     queues_.emplace(op.adapter, std::move(state));
   }
 
-  const uint64_t id = g_next_id.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t id = NewFutureId();
   op.id = id;
   futures_.Create(id, op.tenant);  // before the loop can see the op (it may complete it)
 

@@ -266,6 +266,7 @@ absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantCon
       },
       {});
   absl::StatusOr<OpOutput> done = id.ok() ? WaitFor(*id, tenant.id) : absl::StatusOr<OpOutput>(id.status());
+  if (id.ok()) futures_.Release(*id);  // an internal op: its id was never handed out
   if (!done.ok()) {
     absl::MutexLock lock(&mu_);
     adapters_.erase(adapter->key);
@@ -326,7 +327,10 @@ void TrainingCoordinator::Release(const std::shared_ptr<Adapter>& adapter, const
     return OpOutput{};
   }};
   absl::StatusOr<uint64_t> id = scheduler_->Submit(std::move(op));
-  if (id.ok()) (void)futures_.Wait(*id, adapter->tenant, absl::InfiniteDuration());
+  if (id.ok()) {
+    (void)futures_.Wait(*id, adapter->tenant, absl::InfiniteDuration());
+    futures_.Release(*id);  // an internal op: its id was never handed out
+  }
   scheduler_->DropAdapter(adapter->key, why);  // forget the queue the removal op made
 }
 

@@ -186,8 +186,15 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
     return out;
   }
   if (absl::Status s = EnsureResident(a, {&a}); !s.ok()) return s;
+  // The window's division by its token count, once, before the first norm or step.
+  auto take_scale = [&] {
+    const double scale = a.pending_grad_scale.value_or(1.0);
+    a.pending_grad_scale.reset();
+    return scale;
+  };
   auto clip = [&]() -> absl::Status {
     ipc::ClipGradNormRequest req{a.key, max_norm, norm_type};
+    req.grad_scale = take_scale();
     absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodClipGradNorm, ipc::Pack(req));
     if (!r.ok()) return r.status();
     absl::StatusOr<ipc::ClipGradNormReply> reply =
@@ -203,6 +210,7 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
     req.hyper = a.hyper;
     req.hyper["learning_rate"] = a.LearningRate();
     req.zero_grad = zero_grad;
+    req.grad_scale = take_scale();
     absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodOptimStep, ipc::Pack(req));
     if (!r.ok()) return r.status();
     a.last_lr = req.hyper["learning_rate"];
@@ -211,6 +219,7 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
   };
   auto zero = [&]() -> absl::Status {
     absl::StatusOr<ipc::Message> r = CallEngine(ipc::kMethodZeroGrad, ipc::Pack(ipc::AdapterRequest{a.key}));
+    if (r.ok()) a.pending_grad_scale.reset();  // the gradients it was for are gone
     return r.status();
   };
   absl::Status s;
@@ -244,6 +253,27 @@ FutureResult TrainingCoordinator::RunControl(Adapter& a, Control control, double
   }
   return out;
 }
+
+namespace {
+
+// Twinkle's token-mean losses over an accumulation window. The window's later calls are not
+// known when its first one runs, so each call's loss is divided by this constant (a power of
+// two: exact) instead of its own token count, and when the window is complete its gradients
+// are multiplied by kWindowUnit / (the window's tokens): Σ_calls ∇(sum of token losses) /
+// window tokens, which is what one call with the whole window's batch computes (and what
+// Twinkle's clip_grad_norm does when it divides the gradients by the token count).
+constexpr int64_t kWindowUnit = int64_t{1} << 31;
+
+bool WindowedLoss(int32_t gradient_accumulation_steps, const ipc::LossSpecMsg& loss) {
+  if (gradient_accumulation_steps <= 1) return false;
+  if (loss.name == "twinkle:cross_entropy") {
+    auto r = loss.string_config.find("reduction");
+    return r == loss.string_config.end() || r->second != "sum";
+  }
+  return loss.name == "twinkle:cispo" || loss.name == "twinkle:bnpo";
+}
+
+}  // namespace
 
 std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const sched::Op*>& batch) {
   SyncGeneration();
@@ -284,6 +314,10 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
           d.inputs.erase("mask");
         }
       }
+    }
+    if (backward && WindowedLoss(a.gradient_accumulation_steps, msg.loss)) {
+      if (a.backward_count % a.gradient_accumulation_steps == 0) a.window_tokens = 0;  // a new window
+      msg.window_tokens = kWindowUnit;
     }
     body.ops.push_back(std::move(msg));
     included.push_back(i);
@@ -335,6 +369,22 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
       continue;
     }
     out.metrics = r.metrics;
+    if (backward && WindowedLoss(a.gradient_accumulation_steps, body.ops[k].loss)) {
+      // The engine divided by kWindowUnit: report this call's own mean, as without a window,
+      // and count its tokens towards the window's division.
+      const auto n = out.metrics.find("num_tokens:sum");
+      const int64_t tokens = n == out.metrics.end() ? 0 : static_cast<int64_t>(n->second);
+      const double to_mean = static_cast<double>(kWindowUnit) / static_cast<double>(std::max<int64_t>(tokens, 1));
+      out.loss *= to_mean;
+      for (SequenceResult& seq : out.sequences) {
+        for (float& v : seq.loss) v = static_cast<float>(v * to_mean);
+      }
+      if (auto m = out.metrics.find("loss:mean"); m != out.metrics.end()) m->second *= to_mean;
+      a.window_tokens += tokens;
+      if ((a.backward_count + 1) % a.gradient_accumulation_steps == 0) {
+        a.pending_grad_scale = static_cast<double>(kWindowUnit) / static_cast<double>(std::max<int64_t>(a.window_tokens, 1));
+      }
+    }
     if (p.mode != ForwardMode::kForwardOnly) {
       a.loss_sum += out.loss;
       ++a.loss_count;

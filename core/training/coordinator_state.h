@@ -55,6 +55,11 @@ struct TrainingCoordinator::Adapter {
   std::unique_ptr<LrScheduler> scheduler;
   int64_t lr_steps = 0;        // lr_step calls that acted
   int64_t backward_count = 0;  // backwards ever: gates the accumulation window
+  // A Twinkle token-mean loss over an accumulation window (gradient_accumulation_steps > 1,
+  // see RunFused): the masked tokens of the window's backwards so far, and once the window
+  // is complete the factor its gradients still need (applied by the first clip or step).
+  int64_t window_tokens = 0;
+  std::optional<double> pending_grad_scale;
   int64_t optimizer_steps = 0;
 
   bool created_on_engine = false;

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/common/log.h"
@@ -62,6 +63,29 @@ absl::StatusOr<OpOutput> OpOutputFromJson(const std::string& text) {
   }
 }
 
+std::string EncodedResultToJson(const EncodedResult& out) {
+  return json{{"encoded", {{"json", out.json}, {"proto", absl::Base64Escape(out.proto)}}}}.dump();
+}
+
+absl::StatusOr<FutureValue> StoredValueFromJson(const std::string& text) {
+  try {
+    const json j = json::parse(text);
+    if (j.is_object() && j.contains("encoded")) {
+      EncodedResult out;
+      out.json = j.at("encoded").at("json").get<std::string>();
+      if (!absl::Base64Unescape(j.at("encoded").at("proto").get<std::string>(), &out.proto)) {
+        return absl::DataLossError("stored future result: its protobuf is not base64");
+      }
+      return FutureValue(std::move(out));
+    }
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat("stored future result: ", e.what()));
+  }
+  absl::StatusOr<OpOutput> out = OpOutputFromJson(text);
+  if (!out.ok()) return out.status();
+  return FutureValue(*std::move(out));
+}
+
 absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> RegistryFutureJournal::Open(registry::Registry& registry) {
   const absl::Time now = absl::Now();
   absl::StatusOr<int64_t> interrupted = registry.InterruptPendingFutures(now);
@@ -91,14 +115,38 @@ RegistryFutureJournal::~RegistryFutureJournal() {
   writer_.join();
 }
 
+void RegistryFutureJournal::Queue(Write w) {
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(w));
+}
+
 void RegistryFutureJournal::Created(uint64_t id, const std::string& tenant) {
   registry::FutureRecord r;
   r.id = id;
   r.tenant = tenant;
   r.state = "pending";
   r.created = r.updated = absl::Now();
+  Queue({std::move(r)});
+}
+
+void RegistryFutureJournal::Dropped(uint64_t id, const std::string& tenant, const absl::Status& why) {
+  registry::FutureRecord r;
+  r.id = id;
+  r.tenant = tenant;
+  r.created = r.updated = absl::Now();
+  if (why.ok()) {
+    Queue({std::move(r), /*erase=*/true});
+    return;
+  }
+  r.state = "failed";
+  r.error_code = static_cast<int32_t>(why.code());
+  r.error_message = std::string(why.message());
+  Queue({std::move(r)});
+}
+
+void RegistryFutureJournal::BeginShutdown() {
   absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(r));
+  shutting_down_ = true;
 }
 
 void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, const FutureResult& result) {
@@ -109,6 +157,9 @@ void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, co
   if (result.ok() && std::holds_alternative<OpOutput>(*result)) {
     r.state = "done";
     r.result = OpOutputToJson(std::get<OpOutput>(*result));
+  } else if (result.ok() && std::holds_alternative<EncodedResult>(*result)) {
+    r.state = "done";
+    r.result = EncodedResultToJson(std::get<EncodedResult>(*result));
   } else if (result.ok()) {
     // Results of other kinds (sampling outputs, sampling sessions) are served from memory
     // only; the journal is read once that is gone (a restart, or past future_retention_s), so
@@ -124,29 +175,35 @@ void RegistryFutureJournal::Completed(uint64_t id, const std::string& tenant, co
     r.error_message = std::string(result.status().message());
   }
   absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(r));
+  // Failing because the server stops is not an outcome: the row stays pending, and the next
+  // boot reports it interrupted (retryable) instead of this error.
+  if (shutting_down_ && !result.ok()) return;
+  queue_.push_back({std::move(r)});
 }
 
 void RegistryFutureJournal::WriterLoop() {
   while (true) {
-    std::deque<registry::FutureRecord> batch;
+    std::shared_ptr<const std::deque<Write>> batch;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;
-      batch.swap(queue_);
+      auto taken = std::make_shared<std::deque<Write>>();
+      taken->swap(queue_);
+      batch = taken;
+      writing_batch_ = batch;  // Lookup reads it until it is in the registry
       writing_ = true;
     }
-    for (const registry::FutureRecord& r : batch) {
-      // A completion may overtake its creation in a batch: keep the created time of neither,
-      // the registry row ends in the latest state written.
-      if (absl::Status s = registry_.PutFuture(r); !s.ok()) {
-        LogWarning(kLog, absl::StrCat("recording future ", r.id, ": ", s.message()));
-      }
+    for (const Write& w : *batch) {
+      // Writes keep their order: the row ends in the latest state written (or gone).
+      const registry::FutureRecord& r = w.record;
+      absl::Status s = w.erase ? registry_.DeleteFuture(r.id, r.tenant) : registry_.PutFuture(r);
+      if (!s.ok()) LogWarning(kLog, absl::StrCat("recording future ", r.id, ": ", s.message()));
     }
     absl::MutexLock lock(&mu_);
     writing_ = false;
+    writing_batch_.reset();
   }
 }
 
@@ -157,21 +214,37 @@ void RegistryFutureJournal::Flush() {
 }
 
 absl::StatusOr<FutureResult> RegistryFutureJournal::Lookup(uint64_t id, const std::string& tenant) {
-  absl::StatusOr<registry::FutureRecord> r = registry_.GetFuture(id, tenant);
+  // A write not in the registry yet is the latest word on the future (a result just dropped
+  // over a bound must not read back as the result).
+  std::optional<Write> unwritten;
+  {
+    absl::MutexLock lock(&mu_);
+    auto latest = [&](const std::deque<Write>& writes) {
+      for (auto it = writes.rbegin(); it != writes.rend(); ++it) {
+        if (it->record.id == id && it->record.tenant == tenant) return std::optional<Write>(*it);
+      }
+      return std::optional<Write>();
+    };
+    unwritten = latest(queue_);
+    if (!unwritten && writing_batch_ != nullptr) unwritten = latest(*writing_batch_);
+  }
+  absl::StatusOr<registry::FutureRecord> r = absl::NotFoundError("no such future");
+  if (!unwritten) {
+    r = registry_.GetFuture(id, tenant);
+  } else if (!unwritten->erase) {
+    r = unwritten->record;
+  }
   const uint64_t boot = id >> kFutureBootShift;
   if (!r.ok()) {
     if (!absl::IsNotFound(r.status())) return r.status();
     // Issued by an earlier boot but never recorded as finished: it was in flight at the
     // crash. (Another tenant's id gets the same answer, revealing nothing.)
-    if (boot > 0 && boot < boot_) {
-      return FutureResult(absl::InternalError(
-          "interrupted by a restart: the server restarted before this operation finished; submit it again"));
-    }
+    if (boot > 0 && boot < boot_) return FutureResult(InterruptedByRestart());
     return absl::NotFoundError("no such future");
   }
   if (r->state == "done") {
     if (r->result.empty()) return FutureResult(OpOutput{});
-    absl::StatusOr<OpOutput> out = OpOutputFromJson(r->result);
+    absl::StatusOr<FutureValue> out = StoredValueFromJson(r->result);
     if (!out.ok()) return FutureResult(out.status());
     return FutureResult(*std::move(out));
   }
@@ -179,8 +252,7 @@ absl::StatusOr<FutureResult> RegistryFutureJournal::Lookup(uint64_t id, const st
     return FutureResult(absl::Status(static_cast<absl::StatusCode>(r->error_code), r->error_message));
   }
   if (boot == boot_) return absl::NotFoundError("no such future");  // ours, only in memory
-  return FutureResult(absl::InternalError(
-      "interrupted by a restart: the server restarted before this operation finished; submit it again"));
+  return FutureResult(InterruptedByRestart());
 }
 
 }  // namespace twinkle::training

@@ -125,6 +125,8 @@ template <typename V> void VisitFields(V& v, SessionsSection& c) {
   v.Field("adapter_timeout_s", c.adapter_timeout_s, Range(1, 1e8));
   v.Field("adapter_max_lifetime_s", c.adapter_max_lifetime_s, Range(1, 1e8));
   v.Field("future_retention_s", c.future_retention_s, Range(1, 1e8));
+  v.Field("max_retained_results", c.max_retained_results, Range(1, 1e9));
+  v.Field("max_retained_result_bytes", c.max_retained_result_bytes, Range(1024, 1e13));
 }
 template <typename V> void VisitFields(V& v, StorageSection& c) {
   v.Field("data_dir", c.data_dir, Path());

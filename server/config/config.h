@@ -120,6 +120,8 @@ struct SessionsSection {
   double adapter_timeout_s = 1800;        // an adapter idle this long is unloaded
   double adapter_max_lifetime_s = 36000;  // an adapter is unloaded this long after creation
   double future_retention_s = 86400;      // a completed future stays fetchable this long
+  int64_t max_retained_results = 10000;   // finished results kept per tenant (oldest dropped)
+  int64_t max_retained_result_bytes = int64_t{256} << 20;  // their bytes per tenant
 };
 
 // Where checkpoints and the run registry live.

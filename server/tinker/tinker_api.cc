@@ -139,13 +139,7 @@ TinkerApi::TinkerApi(TinkerOptions options, training::TrainingCoordinator& coord
       rate_limiter_(rate_limiter),
       sampler_(sampler),
       blocking_(std::make_unique<Worker>()),
-      timers_(std::make_unique<Worker>()),
-      boot_([] {
-        std::random_device rd;
-        char buf[9];
-        std::snprintf(buf, sizeof(buf), "%08x", rd());
-        return std::string(buf);
-      }()) {
+      timers_(std::make_unique<Worker>()) {
   timers_->After(absl::Seconds(60), [this] { Housekeep(); });
 }
 

@@ -20,12 +20,17 @@
 //    sampling_session_seq_id) and (sampling session, seq_id) return the first request id;
 //    a (model_id, seq_id) replayed with another op or another body is refused (400), and the
 //    scheduler's idempotency key "tinker-seq-N" carries the op's name and fingerprint too.
-//  - Futures: request ids ("tk-…") over the coordinator's futures; retrieve_future
-//    long-polls without a thread (a completion callback or a timer answers).
+//  - Futures: a request id ("tk-<id>") is a future of the server's one FutureStore,
+//    completed with the encoded answer (EncodedResult) when the op it wraps finishes, so it
+//    is journaled in the registry: after a restart retrieve_future still answers a request
+//    finished before it, and one still in flight gets HTTP 410 ("interrupted by a
+//    restart"; the SDK resubmits). retrieve_future long-polls without a thread (a
+//    completion callback or a timer answers).
 //  - Errors: absl codes; transports map them (tinker_api.h's HttpStatusFor). A failure
 //    inside a future is {"error", "category": "user" | "server"}.
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,6 +42,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -77,9 +83,7 @@ struct Outcome {
 // "user" for errors the caller caused (bad input, unknown names, quotas), "server" otherwise.
 const char* ErrorCategory(const absl::Status& status);
 
-// The HTTP status for a direct call's error (tinker-protocol.md §1.5): bad input 400, unknown
-// 404, auth 401, lasting limits 403, transient limits 429 (with Retry-After), 5xx for
-// conditions that clear. Never 409 (the SDK retries it).
+// The HTTP status for an error: server/status_map.h's ToHttpStatus (the one HTTP map).
 int HttpStatusFor(const absl::Status& status);
 
 // retrieve_future's answer.
@@ -119,6 +123,8 @@ class TinkerApi {
   Json DynamicConfig() const;
   Json Capabilities() const;
   absl::StatusOr<Json> CreateSession(const tenancy::Tenant& tenant, const Json& body);
+  // A session finished with FinishSession answers 410 (the SDK then stops heartbeating);
+  // an unknown or expired one 404.
   absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
   // sessions/{id}/finish (ServiceClient.close): the session's sampling sessions and their
   // snapshots are closed at once; its models are unloaded and the session ended on the
@@ -243,8 +249,10 @@ class TinkerApi {
   absl::flat_hash_map<std::string, std::pair<int64_t, int64_t>> buffered_ ABSL_GUARDED_BY(mu_);
   // Direct answers that must be idempotent: create_sampling_session.
   absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
-  const std::string boot_;  // random, so request ids of another boot never match
-  std::atomic<uint64_t> next_request_{1};
+  // Sessions finished with /finish (tenant + "\n" + id, oldest first, at most 4096): their
+  // heartbeat answers 410, which stops the SDK's heartbeat loop.
+  std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> finished_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace twinkle::tinker

@@ -1,5 +1,6 @@
-// TinkerApi's futures: request ids ("tk-…") and the entries behind them (NewEntry,
-// Complete, Attach, Promise), their expiry (Housekeep), seq_id ordering per model (Sequenced,
+// TinkerApi's futures: request ids ("tk-<future id>": futures of the one FutureStore,
+// completed with the encoded answer) and the entries behind them (NewEntry, Complete,
+// Attach, Promise), their expiry (Housekeep), seq_id ordering per model (Sequenced,
 // DrainLocked, ArmGapTimer) and retrieve_future's long poll; also what a finished future or
 // a direct call's error answers (Outcome::ToJson, ErrorCategory, HttpStatusFor). Every
 // training and sampling call of tinker_api.cc and tinker_sampling.cc submits through here.
@@ -13,10 +14,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/common/log.h"
+#include "server/status_map.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 
@@ -47,28 +51,7 @@ const char* ErrorCategory(const absl::Status& status) {
   }
 }
 
-int HttpStatusFor(const absl::Status& status) {
-  // A replayed key or seq_id of another op: the caller's mistake, and never retried.
-  if (sched::IsIdempotencyConflict(status)) return 400;
-  switch (status.code()) {
-    case absl::StatusCode::kOk: return 200;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kAlreadyExists:
-    case absl::StatusCode::kCancelled:
-      return 400;
-    case absl::StatusCode::kUnauthenticated: return 401;
-    case absl::StatusCode::kPermissionDenied:
-    case absl::StatusCode::kFailedPrecondition:
-      return 403;
-    case absl::StatusCode::kNotFound: return 404;
-    case absl::StatusCode::kResourceExhausted: return 429;
-    case absl::StatusCode::kUnimplemented: return 501;
-    case absl::StatusCode::kUnavailable: return 503;
-    case absl::StatusCode::kDeadlineExceeded: return 504;
-    default: return 500;
-  }
-}
+int HttpStatusFor(const absl::Status& status) { return ToHttpStatus(status); }
 
 Json Outcome::ToJson() const {
   if (!error.ok()) return {{"error", std::string(error.message())}, {"category", ErrorCategory(error)}};
@@ -76,13 +59,13 @@ Json Outcome::ToJson() const {
 }
 
 void TinkerApi::Housekeep() {
+  // Results live in the FutureStore (bounded and expired there); an entry only answers a
+  // replayed request with its promise, for as long as its result is kept.
   const absl::Time cutoff = absl::Now() - options_.retention;
   {
     absl::MutexLock lock(&mu_);
     for (auto it = entries_.begin(); it != entries_.end();) {
-      Entry& e = *it->second;
-      absl::MutexLock entry_lock(&e.mu);
-      if (e.outcome != nullptr && e.completed < cutoff) {
+      if (it->second->created < cutoff) {
         entries_.erase(it++);
       } else {
         ++it;
@@ -101,36 +84,40 @@ void TinkerApi::Housekeep() {
 }
 
 std::shared_ptr<TinkerApi::Entry> TinkerApi::NewEntry(const std::string& tenant, const std::string& model_id) {
+  // A request id is a future of the one store: journaled, bounded and retrievable after a
+  // restart like every other future.
   auto e = std::make_shared<Entry>();
-  e->request_id = absl::StrCat("tk-", boot_, "-", next_request_.fetch_add(1));
+  e->future = NewFutureId();
+  e->request_id = absl::StrCat(kRequestIdPrefix, e->future);
   e->tenant = tenant;
   e->model_id = model_id;
+  e->store = &futures_;
+  e->created = absl::Now();
+  futures_.Create(e->future, tenant);
   absl::MutexLock lock(&mu_);
   entries_[e->request_id] = e;
   return e;
 }
 
 void TinkerApi::Complete(const std::shared_ptr<Entry>& entry, Outcome outcome) {
-  auto shared = std::make_shared<const Outcome>(std::move(outcome));
-  std::vector<std::function<void(std::shared_ptr<const Outcome>)>> waiters;
-  {
-    absl::MutexLock lock(&entry->mu);
-    if (entry->outcome != nullptr) return;
-    entry->outcome = shared;
-    entry->completed = absl::Now();
-    waiters.swap(entry->waiters);
+  if (!outcome.error.ok()) {
+    entry->store->Complete(entry->future, outcome.error);
+    return;
   }
-  for (auto& w : waiters) w(shared);
+  // What retrieve_future answers, encoded once (invalid UTF-8 in text is replaced, never thrown).
+  EncodedResult encoded{outcome.json.dump(-1, ' ', false, Json::error_handler_t::replace), std::move(outcome.proto)};
+  entry->store->Complete(entry->future, FutureValue(std::move(encoded)));
 }
 
 void TinkerApi::Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode) {
+  FutureStore* store = &futures_;
   absl::Status s = futures_.OnComplete(
-      future_id, entry->tenant, [entry, encode = std::move(encode)](const FutureResult& result) {
-        if (!result.ok()) {
-          Complete(entry, Outcome::Failed(result.status()));
-          return;
-        }
-        Complete(entry, encode(*result));
+      future_id, entry->tenant, [entry, store, future_id, encode = std::move(encode)](const FutureResult& result) {
+        Outcome outcome = result.ok() ? encode(*result) : Outcome::Failed(result.status());
+        // The request id's future takes the answer; the op's own result is not needed (and
+        // is released first, so it never counts against the tenant's bound beside it).
+        store->Release(future_id);
+        Complete(entry, std::move(outcome));
       });
   if (!s.ok()) Complete(entry, Outcome::Failed(s));
 }
@@ -286,40 +273,67 @@ void TinkerApi::ArmGapTimer(const std::shared_ptr<Model>& model) {
 
 // ---- futures ----------------------------------------------------------------------------------
 
+namespace {
+
+// A request id's future id, or NotFound.
+absl::StatusOr<uint64_t> FutureIdOf(const std::string& request_id) {
+  uint64_t id = 0;
+  if (!absl::StartsWith(request_id, kRequestIdPrefix) ||
+      !absl::SimpleAtoi(absl::string_view(request_id).substr(sizeof(kRequestIdPrefix) - 1), &id) || id == 0) {
+    return absl::NotFoundError(absl::StrCat("request_id: no future '", request_id, "'"));
+  }
+  return id;
+}
+
+// What a finished request id's future answers.
+std::shared_ptr<const Outcome> OutcomeOf(const FutureResult& result) {
+  auto o = std::make_shared<Outcome>();
+  if (!result.ok()) {
+    o->error = result.status();
+    return o;
+  }
+  absl::StatusOr<const EncodedResult*> encoded = ValueAs<EncodedResult>(*result, "Tinker answer");
+  if (!encoded.ok()) {
+    o->error = encoded.status();
+    return o;
+  }
+  o->json = Json::parse((*encoded)->json, nullptr, /*allow_exceptions=*/false);
+  if (o->json.is_discarded()) o->error = absl::DataLossError("the stored answer of this request is not JSON");
+  o->proto = (*encoded)->proto;
+  return o;
+}
+
+}  // namespace
+
 void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
                                std::function<void(absl::StatusOr<Poll>)> done) {
   absl::StatusOr<std::string> request_id = GetString(body, "request_id");
   if (!request_id.ok()) return done(request_id.status());
-  std::shared_ptr<Entry> entry;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = entries_.find(*request_id);
-    if (it != entries_.end() && it->second->tenant == tenant.id) entry = it->second;
-  }
-  if (entry == nullptr) {
-    return done(absl::NotFoundError(absl::StrCat("request_id: no future '", *request_id, "'")));
-  }
+  absl::StatusOr<uint64_t> future = FutureIdOf(*request_id);
+  if (!future.ok()) return done(future.status());
   // Whichever comes first answers: the completion or the long-poll timer.
   auto answered = std::make_shared<std::atomic<bool>>(false);
   auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Poll>)>>(std::move(done));
   const std::string id = *request_id;
-  auto on_outcome = [answered, shared_done, id](std::shared_ptr<const Outcome> outcome) {
+  // The store answers from memory, or from the journal for a request of an earlier boot.
+  absl::Status registered =
+      futures_.OnComplete(*future, tenant.id, [answered, shared_done, id](const FutureResult& result) {
+        if (answered->exchange(true)) return;
+        // An op the restart interrupted is the call's error (HTTP 410): the SDK resubmits.
+        if (!result.ok() && IsInterruptedByRestart(result.status())) return (*shared_done)(result.status());
+        Poll p;
+        p.outcome = OutcomeOf(result);
+        p.request_id = id;
+        (*shared_done)(std::move(p));
+      });
+  if (!registered.ok()) {
     if (answered->exchange(true)) return;
-    Poll p;
-    p.outcome = std::move(outcome);
-    p.request_id = id;
-    (*shared_done)(std::move(p));
-  };
-  std::shared_ptr<const Outcome> ready;
-  {
-    absl::MutexLock lock(&entry->mu);
-    if (entry->outcome != nullptr) {
-      ready = entry->outcome;
-    } else {
-      entry->waiters.push_back(on_outcome);
+    if (absl::IsNotFound(registered)) {
+      registered = absl::NotFoundError(absl::StrCat("request_id: no future '", id, "'"));
     }
+    return (*shared_done)(registered);
   }
-  if (ready != nullptr) return on_outcome(std::move(ready));
+  if (answered->load()) return;
   timers_->After(options_.long_poll, [answered, shared_done, id] {
     if (answered->exchange(true)) return;
     Poll p;

@@ -63,13 +63,17 @@ struct Switches {
   bool attn = false, mlp = false, unembed = false;
 };
 
+// Request ids are "tk-" and the id of their future in the FutureStore.
+inline constexpr char kRequestIdPrefix[] = "tk-";
+
+// A request id handed out: its future (in `store`, which holds the answer) and what its
+// promise says when the request is replayed.
 struct TinkerApi::Entry {
   std::string request_id, tenant, model_id;
   std::vector<std::string> sample_sequence_ids;  // asample promises
-  absl::Mutex mu;
-  std::shared_ptr<const Outcome> outcome ABSL_GUARDED_BY(mu);
-  absl::Time completed ABSL_GUARDED_BY(mu);
-  std::vector<std::function<void(std::shared_ptr<const Outcome>)>> waiters ABSL_GUARDED_BY(mu);
+  uint64_t future = 0;
+  FutureStore* store = nullptr;
+  absl::Time created;
 };
 
 struct TinkerApi::Model {

@@ -55,7 +55,13 @@ absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, con
 absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {
   absl::StatusOr<std::string> session = GetString(body, "session_id");
   if (!session.ok()) return session.status();
-  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) return s;
+  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (finished_.contains(absl::StrCat(tenant.id, "\n", *session))) {
+      return Gone(absl::StrCat("session_id: session '", *session, "' has finished"));
+    }
+    return s;
+  }
   return Json{{"type", "session_heartbeat"}};
 }
 
@@ -65,6 +71,13 @@ absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, con
   if (sampler_ != nullptr) sampler_->CloseOwnedBy(context, session_id);
   {
     absl::MutexLock lock(&mu_);
+    if (finished_.insert(absl::StrCat(tenant.id, "\n", session_id)).second) {
+      finished_order_.push_back(absl::StrCat(tenant.id, "\n", session_id));
+      if (finished_order_.size() > 4096) {
+        finished_.erase(finished_order_.front());
+        finished_order_.pop_front();
+      }
+    }
     for (auto it = models_.begin(); it != models_.end();) {
       auto next = std::next(it);
       if (it->second->tenant == tenant.id && it->second->session_id == session_id) models_.erase(it);

@@ -311,7 +311,7 @@ def test_futures_survive_a_restart(launch_server: LaunchServer, tmp_path: Path, 
     after = c.call("WaitFuture", tpb.WaitFutureRequest(future_id=done_id))
     assert after.done and [list(s.logps) for s in after.forward.result.sequences] == \
         [list(s.logps) for s in before.forward.result.sequences]
-    error = expect_code(grpc.StatusCode.INTERNAL, lambda: c.call("WaitFuture", tpb.WaitFutureRequest(future_id=stuck_id)))
+    error = expect_code(grpc.StatusCode.ABORTED, lambda: c.call("WaitFuture", tpb.WaitFutureRequest(future_id=stuck_id)))
     print(f"a future in flight at the crash: {error.details()}")
     assert "interrupted by a restart" in error.details()
 

@@ -190,8 +190,8 @@ def peft_reference(model_dir: Path, initial: dict[str, np.ndarray], dataset) -> 
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer)          # torch's defaults, as 'LinearLR'
     model.train()
 
-    def mean_token_ce(batch) -> torch.Tensor:
-        """Σ −log p(label) over the assistant tokens of the whole micro-batch / their count."""
+    def token_ce(batch) -> tuple[torch.Tensor, int]:
+        """(Σ −log p(label) over the assistant tokens of the micro-batch, their count)."""
         total, count = torch.zeros((), dtype=torch.float32), 0
         for row in batch:
             ids = torch.as_tensor(np.asarray(row["input_ids"]), dtype=torch.long)[None]
@@ -200,17 +200,21 @@ def peft_reference(model_dir: Path, initial: dict[str, np.ndarray], dataset) -> 
             mask = labels != -100
             total = total - logprobs[mask, labels[mask]].sum()
             count += int(mask.sum())
-        return total / max(count, 1)
+        return total, count
 
-    losses, backward_count = [], 0
+    losses, backward_count, window_tokens = [], 0, 0
     dataloader = DataLoader(dataset=dataset, batch_size=BATCH_SIZE)
     for epoch in range(EPOCHS):
         for step, batch in enumerate(dataloader):
-            loss = mean_token_ce(batch)
-            loss.backward()
-            losses.append((epoch, step, loss.item()))
+            total, count = token_ce(batch)
+            total.backward()  # the window's mean is taken below, over all its tokens
+            losses.append((epoch, step, (total / max(count, 1)).item()))
+            window_tokens += count
             backward_count += 1
             if backward_count % GRAD_ACCUM == 0:  # clip / step / zero_grad / lr_step act every 2nd
+                for p in params:  # the accumulation window's mean: ÷ its tokens (as Twinkle's clip)
+                    p.grad /= max(window_tokens, 1)
+                window_tokens = 0
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 optimizer.zero_grad()

@@ -348,3 +348,37 @@ def test_sampling_is_charged_to_the_tenants_token_rate_like_training(launch_serv
         assert ok.status_code == 200, ok.text
     _, bob_model = new_model(bob)
     assert served_forward_backward(bob, bob_model, 1) > 0
+
+
+# ---- session finish --------------------------------------------------------------------------
+
+def figures(server: ServerProcess) -> tuple[int, int, int, int]:
+    """(GetCapacity used_adapters, its sampler_snapshots, /metrics sampler sessions, snapshots)."""
+    cap = capacity(server)
+    sessions, snapshots = gauges(server)
+    return cap.used_adapters, cap.sampler_snapshots, sessions, snapshots
+
+
+def test_finishing_a_session_restores_the_figures_within_a_second(server: ServerProcess) -> None:
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    _, bob_model = new_model(bob)  # bob's model stays through alice's finish
+    before = figures(server)
+    session, model_id = new_model(alice)
+    assert served_forward_backward(alice, model_id, 1) > 0
+    snap = alice.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 2})
+    assert snap.status_code == 200, snap.text
+    assert "sampling_session_id" in alice.result(snap.json()["request_id"]).json()
+    during = figures(server)
+    assert during[0] == before[0] + 1 and during[1] == before[1] + 1, (before, during)
+
+    r = alice.post(f"/sessions/{session}/finish")
+    assert r.status_code == 200, r.text
+    finished_at = time.monotonic()
+    wait_until(lambda: figures(server) == before or None, 1.0, f"figures back to {before} after finish")
+    print(f"figures back to {before} {time.monotonic() - finished_at:.3f} s after finish")
+    # The SDK stops heartbeating on 410; an unknown session stays 404.
+    r = alice.post("/session_heartbeat", {"session_id": session})
+    assert r.status_code == 410, r.text
+    assert alice.post("/session_heartbeat", {"session_id": "no-such-session"}).status_code == 404
+    # Bob's model is untouched.
+    assert served_forward_backward(bob, bob_model, 1) > 0

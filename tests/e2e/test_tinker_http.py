@@ -99,32 +99,43 @@ def test_errors_have_json_bodies_and_retryable_codes(api: Api) -> None:
     assert wrong.post("/telemetry", {"events": []}).json() == {"status": "accepted"}
 
 
+def forward_logprobs(api: Api, request_id: str) -> np.ndarray:
+    out = tp.ForwardBackwardOutput.FromString(api.result(request_id, proto=True).content)
+    return np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].data, np.float32)
+
+
 def test_idempotent_resubmission_and_seq_reordering(api: Api) -> None:
     model_id = api.create_model()
-    # seq_id 2 arrives before seq_id 1 (as the SDK posts chunked forward_backwards); both run.
-    second = api.post("/forward_backward", data=fwdbwd_body(model_id, 2, forward_only=True),
-                      headers={"Content-Type": "application/x-protobuf"}).json()
-    first = api.post("/forward_backward", data=fwdbwd_body(model_id, 1),
-                     headers={"Content-Type": "application/x-protobuf"}).json()
-    assert first["request_id"] != second["request_id"]
+    proto = {"Content-Type": "application/x-protobuf"}
+    # Sent last-first (as the SDK posts a chunked forward_backward's chunks): seq_id 3, a
+    # forward, must see the weights seq_id 2's optim_step wrote from seq_id 1's gradients.
+    # Run in arrival order, it would see the initial weights (those of seq_id 1's forward).
+    third = api.post("/forward_backward", data=fwdbwd_body(model_id, 3, forward_only=True), headers=proto).json()
+    step = api.post("/optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-2}})
+    assert step.status_code == 200, step.text
+    first = api.post("/forward_backward", data=fwdbwd_body(model_id, 1), headers=proto).json()
+    assert len({first["request_id"], step.json()["request_id"], third["request_id"]}) == 3
     # A retry of the same (model_id, seq_id) gets the same request id and runs nothing new.
-    again = api.post("/forward_backward", data=fwdbwd_body(model_id, 1),
-                     headers={"Content-Type": "application/x-protobuf"}).json()
+    again = api.post("/forward_backward", data=fwdbwd_body(model_id, 1), headers=proto).json()
     assert again["request_id"] == first["request_id"]
+    assert api.post("/optim_step", {"model_id": model_id, "seq_id": 2,
+                                    "adam_params": {"learning_rate": 1e-2}}).json() == step.json()
 
     out = tp.ForwardBackwardOutput.FromString(api.result(first["request_id"], proto=True).content)
     lp1 = np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].data, np.float32)
     offsets = np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].offsets, np.int64)
     assert list(offsets) == [0, 4 * (len(SEQ) - 1)]
     assert out.metrics["loss:sum"] == pytest.approx(-float(lp1.sum()), rel=1e-5)
+    assert "metrics" in api.result(step.json()["request_id"]).json()
+    lp3 = forward_logprobs(api, third["request_id"])
+    # The reference: a forward sent in order after everything, on the same weights.
+    fourth = api.post("/forward_backward", data=fwdbwd_body(model_id, 4, forward_only=True), headers=proto).json()
+    lp4 = forward_logprobs(api, fourth["request_id"])
+    np.testing.assert_array_equal(lp3, lp4)
+    assert np.abs(lp3 - lp1).max() > 1e-4, "seq_id 3 ran before the optim_step of seq_id 2"
     # Without Accept: protobuf, the same result as JSON.
-    j = api.result(second["request_id"]).json()
-    np.testing.assert_array_equal(np.asarray(j["loss_fn_outputs"][0]["logprobs"]["data"], np.float32), lp1)
-
-    r = api.post("/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}})
-    assert api.post("/optim_step", {"model_id": model_id, "seq_id": 3,
-                                    "adam_params": {"learning_rate": 1e-3}}).json() == r.json()
-    assert "metrics" in api.result(r.json()["request_id"]).json()
+    j = api.result(third["request_id"]).json()
+    np.testing.assert_array_equal(np.asarray(j["loss_fn_outputs"][0]["logprobs"]["data"], np.float32), lp3)
 
 
 def test_checkpoint_routes_with_slashes(api: Api) -> None:

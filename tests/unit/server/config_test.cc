@@ -75,6 +75,15 @@ TEST(ConfigTest, OutOfRangeIsNamed) {
               HasSubstr("test.yaml:4: server.http_port: 70000 is out of range [0, 65535]"));
   EXPECT_THAT(ErrorOf("model:\n  path: m\nlimits:\n  max_lora_rank: 0\n"),
               HasSubstr("limits.max_lora_rank: 0 is out of range"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsessions:\n  max_retained_results: 0\n"),
+              HasSubstr("sessions.max_retained_results: 0 is out of range"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsessions:\n  max_retained_result_bytes: 1023\n"),
+              HasSubstr("sessions.max_retained_result_bytes: 1023 is out of range"));
+  absl::StatusOr<Config> c =
+      Parse("model:\n  path: m\nsessions:\n  max_retained_results: 3\n  max_retained_result_bytes: 4096\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sessions.max_retained_results, 3);
+  EXPECT_EQ(c->sessions.max_retained_result_bytes, 4096);
 }
 
 TEST(ConfigTest, CollectiveTimeoutIsReadAndBounded) {
@@ -254,6 +263,8 @@ TEST(ConfigTest, NewSectionsHaveDefaults) {
   EXPECT_EQ(c->sessions.adapter_timeout_s, 1800);
   EXPECT_EQ(c->sessions.adapter_max_lifetime_s, 36000);
   EXPECT_EQ(c->sessions.future_retention_s, 86400);
+  EXPECT_EQ(c->sessions.max_retained_results, 10000);
+  EXPECT_EQ(c->sessions.max_retained_result_bytes, int64_t{256} << 20);
   EXPECT_FALSE(c->testing.hooks);
   EXPECT_EQ(c->server.tls.client_ca_file, "");
 }

@@ -1,8 +1,10 @@
 #include "core/futures/future_store.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -196,6 +198,117 @@ TEST(FutureStoreTest, AWaiterHoldsItsResultEvenIfExpiredMeanwhile) {
   } else {
     EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
   }
+}
+
+// Records what the store tells its journal about drops.
+class DropLog : public FutureJournal {
+ public:
+  void Created(uint64_t, const std::string&) override {}
+  void Completed(uint64_t, const std::string&, const FutureResult&) override {}
+  absl::StatusOr<FutureResult> Lookup(uint64_t id, const std::string& tenant) override {
+    absl::MutexLock lock(&mu_);
+    auto it = drops_.find(id);
+    if (it == drops_.end() || it->second.ok()) return absl::NotFoundError("no such future");
+    return FutureResult(it->second);
+  }
+  void Dropped(uint64_t id, const std::string&, const absl::Status& why) override {
+    absl::MutexLock lock(&mu_);
+    drops_[id] = why;
+  }
+  std::map<uint64_t, absl::Status> drops() {
+    absl::MutexLock lock(&mu_);
+    return drops_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<uint64_t, absl::Status> drops_;
+};
+
+TEST(FutureStoreTest, RetainedResultsAreBoundedPerTenantByCountOldestFirst) {
+  FutureStoreOptions options;
+  options.max_results_per_tenant = 3;
+  FutureStore store(options);
+  DropLog log;
+  store.SetJournal(&log);
+  for (uint64_t id = 1; id <= 4; ++id) store.Create(id, "alice");
+  store.Create(10, "bob");
+  // Completed out of order: the oldest by id goes first, whatever finished first.
+  for (uint64_t id : {3, 1, 2}) store.Complete(id, Num(static_cast<int>(id)));
+  store.Complete(10, Num(10));
+  EXPECT_EQ(store.retained("alice").first, 3);
+  EXPECT_TRUE(log.drops().empty());
+  store.Complete(4, Num(4));  // the first result over the bound
+  EXPECT_EQ(store.retained("alice").first, 3);
+  ASSERT_EQ(log.drops().size(), 1u);
+  absl::StatusOr<FutureResult> dropped = store.Wait(1, "alice", kLong);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(dropped->status().message()), ::testing::HasSubstr("sessions.max_retained_results (3)"));
+  for (uint64_t id : {2, 3, 4}) EXPECT_EQ(ValueOf(store.Wait(id, "alice", kLong)), static_cast<int>(id));
+  // Bob's results are his own budget.
+  EXPECT_EQ(ValueOf(store.Wait(10, "bob", kLong)), 10);
+  EXPECT_EQ(store.retained("bob").first, 1);
+}
+
+TEST(FutureStoreTest, RetainedResultsAreBoundedPerTenantByBytes) {
+  FutureStoreOptions options;
+  options.max_result_bytes_per_tenant = 3000;
+  FutureStore store(options);
+  DropLog log;
+  store.SetJournal(&log);
+  const std::string kilobyte(1000, 'x');
+  for (uint64_t id = 1; id <= 3; ++id) {
+    store.Create(id, "alice");
+    store.Complete(id, FutureValue(EncodedResult{kilobyte, ""}));
+  }
+  // 3 × (1000 + 64) bytes: over 3000, so the first one went.
+  EXPECT_EQ(store.retained("alice").first, 2);
+  EXPECT_EQ(store.retained("alice").second, 2 * 1064);
+  absl::StatusOr<FutureResult> dropped = store.Wait(1, "alice", kLong);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(dropped->status().message()), ::testing::HasSubstr("sessions.max_retained_result_bytes"));
+  // One result larger than the whole bound is still kept (it is the newest).
+  store.Create(4, "alice");
+  store.Complete(4, FutureValue(EncodedResult{std::string(5000, 'y'), ""}));
+  EXPECT_EQ(store.retained("alice").first, 1);
+  absl::StatusOr<FutureResult> big = store.Wait(4, "alice", kLong);
+  ASSERT_TRUE(big.ok() && big->ok());
+}
+
+TEST(FutureStoreTest, ReleaseForgetsAFinishedFutureAndItsAccounting) {
+  FutureStore store;
+  DropLog log;
+  store.SetJournal(&log);
+  store.Create(1, "alice");
+  store.Release(1);  // pending: left alone
+  EXPECT_EQ(store.pending(), 1);
+  store.Complete(1, Num(1));
+  EXPECT_EQ(store.retained("alice").first, 1);
+  store.Release(1);
+  EXPECT_EQ(store.retained("alice"), (std::pair<int64_t, int64_t>{0, 0}));
+  ASSERT_EQ(log.drops().size(), 1u);
+  EXPECT_TRUE(log.drops().at(1).ok());  // forgotten, not failed
+  EXPECT_EQ(store.Wait(1, "alice", kLong).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(FutureStoreTest, IdsComeFromOneCounterThatSeedingOnlyRaises) {
+  const uint64_t a = NewFutureId();
+  SeedFutureIds(a + 1000);
+  const uint64_t b = NewFutureId();
+  EXPECT_GE(b, a + 1000);
+  SeedFutureIds(5);  // lower: ignored
+  EXPECT_GT(NewFutureId(), b);
+}
+
+TEST(FutureStoreTest, InterruptedByRestartIsRecognisedWithOrWithoutItsPayload) {
+  EXPECT_TRUE(IsInterruptedByRestart(InterruptedByRestart()));
+  // After a journal round trip only code and message remain.
+  const absl::Status stored(absl::StatusCode::kAborted, InterruptedByRestart().message());
+  EXPECT_TRUE(IsInterruptedByRestart(stored));
+  EXPECT_FALSE(IsInterruptedByRestart(absl::AbortedError("adapter dropped")));
+  EXPECT_FALSE(IsInterruptedByRestart(absl::InternalError(InterruptedByRestart().message())));
 }
 
 }  // namespace

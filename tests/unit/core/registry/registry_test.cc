@@ -605,7 +605,7 @@ TEST_F(RegistryTest, FutureLifecycleInterruptExpireAndMaxId) {
     EXPECT_EQ(f->state, "interrupted");
     EXPECT_EQ(f->updated, T(50));
     EXPECT_EQ(f->error_code, static_cast<int32_t>(absl::StatusCode::kAborted));
-    EXPECT_THAT(f->error_message, HasSubstr("restarted"));
+    EXPECT_THAT(f->error_message, HasSubstr("interrupted by a restart"));
   }
   // Finished ones are untouched.
   EXPECT_EQ(reg->GetFuture(1, "alice")->state, "done");

@@ -74,8 +74,9 @@ TEST_F(FutureJournalTest, ResultsOutliveARestartAndUnfinishedOnesReportTheRestar
 
   absl::StatusOr<FutureResult> in_flight = (*journal)->Lookup(in_flight_id, "alice");
   ASSERT_TRUE(in_flight.ok()) << in_flight.status();
-  EXPECT_EQ(in_flight->status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(in_flight->status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(in_flight->status().message(), HasSubstr("interrupted by a restart"));
+  EXPECT_TRUE(IsInterruptedByRestart(in_flight->status()));
 
   absl::StatusOr<FutureResult> failed = (*journal)->Lookup(failed_id, "alice");
   ASSERT_TRUE(failed.ok()) << failed.status();
@@ -85,6 +86,86 @@ TEST_F(FutureJournalTest, ResultsOutliveARestartAndUnfinishedOnesReportTheRestar
   // Another tenant learns nothing about alice's futures.
   absl::StatusOr<FutureResult> other = (*journal)->Lookup(training_id, "bob");
   EXPECT_FALSE(other.ok() && other->ok());
+}
+
+// A Tinker request id's future holds the encoded answer (JSON and protobuf bytes, which may
+// hold any byte); a dropped one reads as the drop's error; a released one is forgotten; one
+// that failed only because the server was stopping reads as interrupted after the restart.
+TEST_F(FutureJournalTest, EncodedAnswersDropsAndShutdownFailuresOutliveARestart) {
+  uint64_t encoded_id = 0, dropped_id = 0, released_id = 0, stopping_id = 0, stopped_ok_id = 0;
+  const std::string proto("\0\x01\xff tensor bytes", 17);
+  {
+    std::unique_ptr<registry::Registry> registry = OpenRegistry();
+    absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+    ASSERT_TRUE(journal.ok()) << journal.status();
+    encoded_id = (*journal)->first_id();
+    dropped_id = encoded_id + 1;
+    released_id = encoded_id + 2;
+    stopping_id = encoded_id + 3;
+    stopped_ok_id = encoded_id + 4;
+    for (uint64_t id : {encoded_id, dropped_id, released_id, stopping_id, stopped_ok_id}) {
+      (*journal)->Created(id, "alice");
+    }
+    (*journal)->Completed(encoded_id, "alice", FutureResult(EncodedResult{R"({"loss":1.5})", proto}));
+    (*journal)->Completed(dropped_id, "alice", FutureResult(EncodedResult{"{}", ""}));
+    (*journal)->Dropped(dropped_id, "alice", absl::FailedPreconditionError("dropped over sessions.max_retained_results"));
+    (*journal)->Completed(released_id, "alice", FutureResult(OpOutput{}));
+    (*journal)->Dropped(released_id, "alice", absl::OkStatus());
+    (*journal)->BeginShutdown();
+    (*journal)->Completed(stopping_id, "alice", FutureResult(absl::UnavailableError("server is shutting down")));
+    OpOutput finished;
+    finished.loss = 4.0;
+    (*journal)->Completed(stopped_ok_id, "alice", FutureResult(finished));
+    (*journal)->Flush();
+  }
+  std::unique_ptr<registry::Registry> registry = OpenRegistry();
+  absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+  ASSERT_TRUE(journal.ok()) << journal.status();
+
+  absl::StatusOr<FutureResult> encoded = (*journal)->Lookup(encoded_id, "alice");
+  ASSERT_TRUE(encoded.ok() && encoded->ok()) << encoded.status();
+  const EncodedResult* answer = std::get_if<EncodedResult>(&**encoded);
+  ASSERT_NE(answer, nullptr);
+  EXPECT_EQ(answer->json, R"({"loss":1.5})");
+  EXPECT_EQ(answer->proto, proto);
+
+  absl::StatusOr<FutureResult> dropped = (*journal)->Lookup(dropped_id, "alice");
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(dropped->status().message(), HasSubstr("sessions.max_retained_results"));
+
+  // Released: its row is gone; an id of an earlier boot without a row reads as interrupted
+  // (the journal cannot tell it from one whose pending row was never written).
+  absl::StatusOr<FutureResult> released = (*journal)->Lookup(released_id, "alice");
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_TRUE(IsInterruptedByRestart(released->status())) << released->status();
+
+  absl::StatusOr<FutureResult> stopping = (*journal)->Lookup(stopping_id, "alice");
+  ASSERT_TRUE(stopping.ok()) << stopping.status();
+  EXPECT_TRUE(IsInterruptedByRestart(stopping->status())) << stopping->status();
+
+  absl::StatusOr<FutureResult> stopped_ok = (*journal)->Lookup(stopped_ok_id, "alice");
+  ASSERT_TRUE(stopped_ok.ok() && stopped_ok->ok()) << stopped_ok.status();
+  EXPECT_EQ(std::get<OpOutput>(**stopped_ok).loss, 4.0);
+}
+
+// A drop the writer has not stored yet is already what Lookup answers (the store has
+// forgotten the result, so the registry's older row must not answer for it).
+TEST_F(FutureJournalTest, LookupSeesWritesNotYetInTheRegistry) {
+  std::unique_ptr<registry::Registry> registry = OpenRegistry();
+  absl::StatusOr<std::unique_ptr<RegistryFutureJournal>> journal = RegistryFutureJournal::Open(*registry);
+  ASSERT_TRUE(journal.ok()) << journal.status();
+  const uint64_t id = (*journal)->first_id();
+  for (int round = 0; round < 50; ++round) {
+    const uint64_t r = id + static_cast<uint64_t>(round);
+    (*journal)->Created(r, "alice");
+    (*journal)->Completed(r, "alice", FutureResult(EncodedResult{"{}", ""}));
+    (*journal)->Flush();  // the result is in the registry
+    (*journal)->Dropped(r, "alice", absl::FailedPreconditionError("dropped over sessions.max_retained_results"));
+    absl::StatusOr<FutureResult> got = (*journal)->Lookup(r, "alice");  // written or not yet
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->status().code(), absl::StatusCode::kFailedPrecondition) << round;
+  }
 }
 
 }  // namespace

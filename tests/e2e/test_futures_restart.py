@@ -1,0 +1,168 @@
+"""Request ids outlive a restart: every API's futures live in one store journaled in the
+registry. Real server (auth on, tenants alice and bob), real HTTP and the real tinker SDK.
+
+- A request that finished before SIGTERM is retrieved after the relaunch with its answer,
+  read by the SDK's own future code (protobuf forward_backward, JSON optim_step), equal to
+  what it answered before; the other tenant cannot read it (404, as for an unknown id).
+- A request still in flight at SIGTERM answers 410 "interrupted by a restart": the SDK's
+  future, which kept polling across the restart, raises its RetryableException (the signal
+  its callers resubmit on), never a 404 and never a hang.
+- Retained results are bounded per tenant (sessions.max_retained_results): over the bound
+  the oldest is dropped, and fetching it answers 403 naming the key, while the other
+  tenant's results are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+from tinker.lib.api_future_impl import _APIFuture  # noqa: E402
+from tinker.lib.retryable_exception import RetryableException  # noqa: E402
+
+from e2e_support import prom  # noqa: E402
+from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
+from e2e_support.training import KEYS, Client, auth_overrides  # noqa: E402
+from e2e_support.waiting import scaled, wait_until  # noqa: E402
+from test_tinker_http import Api, fwdbwd_body  # noqa: E402
+from test_tinker_sdk import datum, lora_client, service  # noqa: E402
+
+PROTO = {"Content-Type": "application/x-protobuf"}
+ADAM = {"learning_rate": 1e-2}
+
+
+def sdk_result(svc: tinker.ServiceClient, model_cls: Any, request_id: str, request_type: str) -> Any:
+    """What the SDK's own future code makes of retrieve_future for `request_id`."""
+    holder = svc._get_session_holder()  # the holder every SDK future polls through
+    future = _APIFuture(model_cls, holder, types.UntypedAPIFuture(request_id=request_id),
+                        request_start_time=time.time(), request_type=request_type)
+    return future.result(timeout=scaled(120))
+
+
+def retrieve(api: Api, request_id: str) -> requests.Response:
+    return api.post("/retrieve_future", {"request_id": request_id})
+
+
+def relaunch(launch_server: LaunchServer, overrides: dict[str, Any], old: ServerProcess) -> ServerProcess:
+    """The same config on the same ports and data_dir, after `old` stopped on SIGTERM."""
+    same_ports = {**overrides, "server": {"host": "127.0.0.1", "grpc_port": old.grpc_port,
+                                          "http_port": old.http_port, "drain_timeout_s": 5}}
+    return launch_server(same_ports)
+
+
+def queued_ops(server: ServerProcess) -> float:
+    samples = prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+    return sum(s.value for s in prom.select(samples, "twinkle_queue_depth"))
+
+
+def test_request_ids_outlive_a_restart(launch_server: LaunchServer, tmp_path: Path) -> None:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")}, testing={"hooks": True})
+    server = launch_server(overrides)
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    a_model, b_model = alice.create_model(), bob.create_model()
+    svc = service(server, KEYS["alice"])
+
+    # Finished before the restart, read through the SDK: a forward_backward (protobuf) and an
+    # optim_step (JSON) of alice, a forward_backward of bob.
+    fb_id = alice.post("/forward_backward", data=fwdbwd_body(a_model, 1), headers=PROTO).json()["request_id"]
+    step_id = alice.post("/optim_step", {"model_id": a_model, "seq_id": 2, "adam_params": ADAM}).json()["request_id"]
+    bob_id = bob.post("/forward_backward", data=fwdbwd_body(b_model, 1), headers=PROTO).json()["request_id"]
+    fb_before = sdk_result(svc, types.ForwardBackwardOutput, fb_id, "ForwardBackward")
+    step_before = sdk_result(svc, types.OptimStepResponse, step_id, "OptimStep")
+    bob_before = bob.result(bob_id).json()
+    assert fb_before.metrics["loss:sum"] > 0
+    assert retrieve(alice, bob_id).status_code == 404  # another tenant's id: as unknown
+
+    # In flight: the SDK's own forward_backward, queued behind a paused scheduler, its future
+    # polling when the server stops.
+    training = lora_client(svc, rank=4)
+    admin = Client(server.grpc_address, KEYS["alice"])
+    admin.call("PauseScheduler", tpb.Empty())
+    admin.close()
+    in_flight = training.forward_backward([datum([11, 42, 7, 99, 123])], "cross_entropy")
+    wait_until(lambda: queued_ops(server) >= 1, scaled(30), "the SDK's forward_backward is queued")
+    outcome: dict[str, BaseException | Any] = {}
+
+    def wait_in_flight() -> None:
+        try:
+            outcome["result"] = in_flight.result(timeout=scaled(300))
+        except BaseException as e:  # noqa: BLE001 - the exception is what the test checks
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait_in_flight)
+    waiter.start()
+
+    server.send_signal(signal.SIGTERM)
+    assert server.wait_exit(scaled(60)) == 0, server.logs()
+    server = relaunch(launch_server, overrides, server)
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+
+    # The in-flight one: 410 for the SDK's poll, which raises its RetryableException.
+    waiter.join(scaled(300))
+    assert not waiter.is_alive(), "the SDK's future still waits after the restart"
+    error = outcome.get("error")
+    assert isinstance(error, RetryableException), outcome
+    assert "interrupted by a restart" in str(error.__cause__), repr(error.__cause__)
+
+    # Finished ones: the same answers after the restart, decoded by the SDK.
+    fb_after = sdk_result(svc, types.ForwardBackwardOutput, fb_id, "ForwardBackward")
+    assert fb_after.metrics == fb_before.metrics
+    assert [o["logprobs"].tolist() for o in fb_after.loss_fn_outputs] == \
+        [o["logprobs"].tolist() for o in fb_before.loss_fn_outputs]
+    assert sdk_result(svc, types.OptimStepResponse, step_id, "OptimStep").metrics == step_before.metrics
+    assert bob.result(bob_id).json() == bob_before
+    # Another tenant's id of the earlier boot never gives alice its answer (the journal answers
+    # as for an id of that boot it holds nothing for); ids never issued are 404.
+    r = retrieve(alice, bob_id)
+    assert r.status_code in (404, 410) and "metrics" not in r.text, r.text
+    for request_id in ("tk-999999999999999", "tk-x"):
+        r = retrieve(alice, request_id)
+        assert r.status_code == 404, r.text
+    # The server serves both tenants after the restart.
+    fresh = alice.create_model()
+    r = alice.post("/forward_backward", data=fwdbwd_body(fresh, 1), headers=PROTO)
+    assert r.status_code == 200, r.text
+    assert alice.result(r.json()["request_id"]).json()["metrics"]["loss:sum"] > 0
+
+
+def test_retained_results_are_bounded_per_tenant(launch_server: LaunchServer, tmp_path: Path) -> None:
+    bound = 4
+    server = launch_server(auth_overrides(storage={"data_dir": str(tmp_path / "data")},
+                                          sessions={"max_retained_results": bound}))
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    a_model, b_model = alice.create_model(), bob.create_model()  # create_model is a result too
+    bob_first = bob.post("/forward_backward", data=fwdbwd_body(b_model, 1), headers=PROTO).json()["request_id"]
+    bob_answer = bob.result(bob_first).json()
+    ids = []
+    for seq in range(1, bound + 1):
+        r = alice.post("/forward_backward", data=fwdbwd_body(a_model, seq), headers=PROTO)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["request_id"])
+        assert "metrics" in alice.result(ids[-1]).json()
+    # alice held create_model's result and 4 forward_backwards' (5 > 4: create_model's went);
+    # one more pushes the first forward_backward's out.
+    r = alice.post("/forward_backward", data=fwdbwd_body(a_model, bound + 1), headers=PROTO)
+    ids.append(r.json()["request_id"])
+    alice.result(ids[-1])
+    r = retrieve(alice, ids[0])
+    assert r.status_code == 200, r.text
+    dropped = r.json()
+    assert "error" in dropped and "sessions.max_retained_results" in dropped["error"], dropped
+    assert dropped["category"] == "user"
+    for request_id in ids[1:]:
+        assert "metrics" in alice.result(request_id).json()
+    # Bob's results are his own budget.
+    assert bob.result(bob_first).json() == bob_answer

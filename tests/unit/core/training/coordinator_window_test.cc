@@ -1,0 +1,246 @@
+// The training coordinator in process against a fake EngineLink (no engine, no sleeps): what
+// it asks the engine for over a Twinkle gradient-accumulation window, and what it reports.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/mutex.h"
+#include "core/futures/future_store.h"
+#include "core/ipc/messages.h"
+#include "core/ipc/training_messages.h"
+#include "core/scheduler/op.h"
+#include "core/training/coordinator.h"
+#include "core/training/engine_link.h"
+
+namespace twinkle::training {
+namespace {
+
+constexpr int64_t kVocab = 50;
+constexpr double kUnit = 2147483648.0;  // 2^31: the coordinator's window constant
+
+// Answers every call at once; forward_backward's loss metric is what a token-mean loss
+// divided by the window constant would report: (trained tokens × 1.0) / window_tokens.
+class FakeEngine final : public EngineLink {
+ public:
+  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
+    absl::MutexLock lock(&mu_);
+    const std::string method = request.envelope.method;
+    ipc::Message reply;
+    reply.envelope.method = method;
+    if (method == ipc::kMethodCreateAdapter) {
+      reply.envelope.body = ipc::Pack(ipc::CreateAdapterReply{100, 1.0});
+    } else if (method == ipc::kMethodForwardBackward || method == ipc::kMethodForward) {
+      absl::StatusOr<ipc::ForwardRequest> fwd = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, "forward");
+      if (!fwd.ok()) return fwd.status();
+      ipc::ForwardReply out;
+      std::vector<std::string> adapters;
+      for (const ipc::TrainOpMsg& op : fwd->ops) adapters.push_back(op.adapter_id);
+      forward_calls_.push_back(adapters);
+      for (const ipc::TrainOpMsg& op : fwd->ops) {
+        window_tokens_.push_back(op.window_tokens);
+        ipc::OpResultMsg r;
+        int64_t tokens = 0;
+        for (const ipc::DatumMsg& d : op.datums) {
+          const int64_t n = d.input_tokens.shape.at(0);
+          auto mask_desc = d.inputs.find("mask");
+          if (mask_desc == d.inputs.end()) return absl::InvalidArgumentError("no mask");
+          absl::StatusOr<std::vector<float>> mask = ipc::ReadVectorFrame<float>(mask_desc->second, request.buffers, "mask");
+          if (!mask.ok()) return mask.status();
+          for (float m : *mask) tokens += m > 0 ? 1 : 0;
+          r.logprobs.push_back(ipc::AppendVectorFrame(std::vector<float>(n, -1.0f), reply.buffers));
+        }
+        const double denom = op.window_tokens > 0 ? static_cast<double>(op.window_tokens) : static_cast<double>(tokens);
+        r.metrics["loss:mean"] = static_cast<double>(tokens) / denom;
+        r.metrics["num_tokens:sum"] = static_cast<double>(tokens);
+        out.ops.push_back(std::move(r));
+      }
+      reply.envelope.body = ipc::Pack(out);
+    } else if (method == ipc::kMethodOptimStep) {
+      absl::StatusOr<ipc::OptimStepRequest> step = ipc::Unpack<ipc::OptimStepRequest>(request.envelope.body, "step");
+      if (!step.ok()) return step.status();
+      grad_scales_.push_back(step->grad_scale);
+      reply.envelope.body = ipc::Pack(ipc::OptimStepReply{1.0, 0.1, 1});
+    } else if (method == ipc::kMethodClipGradNorm) {
+      absl::StatusOr<ipc::ClipGradNormRequest> clip =
+          ipc::Unpack<ipc::ClipGradNormRequest>(request.envelope.body, "clip");
+      if (!clip.ok()) return clip.status();
+      grad_scales_.push_back(clip->grad_scale);
+      reply.envelope.body = ipc::Pack(ipc::ClipGradNormReply{2.0});
+    } else {
+      reply.envelope.body = ipc::Pack(ipc::AdapterRequest{});
+    }
+    return reply;
+  }
+  uint64_t generation() const override { return 1; }
+  int64_t vocab_size() const override { return kVocab; }
+  std::vector<std::string> supported_losses() const override {
+    return {"twinkle:cross_entropy", "twinkle:grpo", "cross_entropy"};
+  }
+
+  std::vector<int64_t> window_tokens() {
+    absl::MutexLock lock(&mu_);
+    return window_tokens_;
+  }
+  std::vector<double> grad_scales() {
+    absl::MutexLock lock(&mu_);
+    return grad_scales_;
+  }
+  // The adapters (engine ids) of each forward / forward_backward call, in call order.
+  std::vector<std::vector<std::string>> forward_calls() {
+    absl::MutexLock lock(&mu_);
+    return forward_calls_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int64_t> window_tokens_;
+  std::vector<double> grad_scales_;
+  std::vector<std::vector<std::string>> forward_calls_;
+};
+
+// A sequence of n tokens whose last `trained` are trained (HF labels: -100 elsewhere).
+Feature Seq(int64_t n, int64_t trained) {
+  Feature f;
+  for (int64_t i = 0; i < n; ++i) {
+    f.input_ids.push_back(1 + i % (kVocab - 1));
+    f.labels.push_back(i >= n - trained ? f.input_ids.back() : -100);
+  }
+  return f;
+}
+
+class CoordinatorWindowTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    coordinator_ = std::make_unique<TrainingCoordinator>(CoordinatorOptions{}, engine_, futures_);
+    coordinator_->Start();
+  }
+  void TearDown() override { coordinator_->Stop(); }
+
+  void Add(const std::string& name, int32_t accumulation) {
+    AddAdapterArgs args;
+    args.name = name;
+    args.lora.rank = 4;
+    args.gradient_accumulation_steps = accumulation;
+    ASSERT_TRUE(coordinator_->AddAdapter(tenant_, args).ok());
+  }
+  OpOutput Wait(absl::StatusOr<uint64_t> id) {
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (!id.ok()) return {};
+    absl::StatusOr<FutureResult> r = futures_.Wait(*id, tenant_.id, absl::Seconds(30));
+    EXPECT_TRUE(r.ok() && r->ok()) << (r.ok() ? r->status() : r.status());
+    if (!r.ok() || !r->ok()) return {};
+    return std::get<OpOutput>(**r);
+  }
+  OpOutput ForwardBackward(const std::string& name, std::vector<Feature> inputs) {
+    ForwardArgs args;
+    args.inputs = std::move(inputs);
+    return Wait(coordinator_->SubmitForward(tenant_, name, ForwardMode::kForwardBackward, args, false, {}));
+  }
+  OpOutput Control(const std::string& name, training::Control control) {
+    return Wait(coordinator_->SubmitControl(tenant_, name, control, 1.0, 2.0, {}));
+  }
+
+  FakeEngine engine_;
+  FutureStore futures_;
+  TenantContext tenant_{"alice"};
+  std::unique_ptr<TrainingCoordinator> coordinator_;
+};
+
+TEST_F(CoordinatorWindowTest, AWindowDividesItsGradientsByItsTokensOnceAtTheFirstClipOrStep) {
+  Add("acc", 3);
+  // Trained tokens per call: 3, 4 + 5, 6.
+  const std::vector<std::vector<Feature>> calls = {{Seq(6, 3)}, {Seq(8, 4), Seq(9, 5)}, {Seq(7, 6)}};
+  const std::vector<int64_t> trained = {3, 9, 6};
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const OpOutput out = ForwardBackward("acc", calls[i]);
+    // Each call reports its own mean (the fake's 1.0 per token), not the window-divided one.
+    EXPECT_DOUBLE_EQ(out.metrics.at("loss:mean"), 1.0) << i;
+    EXPECT_EQ(out.metrics.at("num_tokens:sum"), static_cast<double>(trained[i]));
+    const OpOutput clip = Control("acc", training::Control::kClipGradNorm);
+    EXPECT_EQ(clip.skipped, i < 2) << i;
+  }
+  EXPECT_EQ(engine_.window_tokens(), (std::vector<int64_t>{int64_t{1} << 31, int64_t{1} << 31, int64_t{1} << 31}));
+  // The window's 18 tokens: the clip (the first to act) applies 2^31 / 18, the step after it
+  // nothing more.
+  EXPECT_FALSE(Control("acc", training::Control::kStep).skipped);
+  ASSERT_EQ(engine_.grad_scales().size(), 2u);
+  EXPECT_DOUBLE_EQ(engine_.grad_scales()[0], kUnit / 18.0);
+  EXPECT_DOUBLE_EQ(engine_.grad_scales()[1], 1.0);
+
+  // The next window counts from zero.
+  ForwardBackward("acc", {Seq(5, 4)});
+  ForwardBackward("acc", {Seq(5, 4)});
+  ForwardBackward("acc", {Seq(5, 2)});
+  EXPECT_FALSE(Control("acc", training::Control::kClipGradAndStep).skipped);
+  ASSERT_EQ(engine_.grad_scales().size(), 4u);
+  EXPECT_DOUBLE_EQ(engine_.grad_scales()[2], kUnit / 10.0);  // 4 + 4 + 2
+  EXPECT_DOUBLE_EQ(engine_.grad_scales()[3], 1.0);
+}
+
+TEST_F(CoordinatorWindowTest, WithoutAWindowOrWithASumLossEachCallDividesByItself) {
+  Add("one", 1);
+  ForwardBackward("one", {Seq(6, 3)});
+  EXPECT_FALSE(Control("one", training::Control::kStep).skipped);
+  Add("sum", 2);
+  ASSERT_TRUE(futures_.Wait(*coordinator_->SubmitSetLoss(tenant_, "sum", "CrossEntropyLoss", {}, {{"reduction", "sum"}}),
+                            "alice", absl::Seconds(30)).ok());
+  ForwardBackward("sum", {Seq(6, 3)});
+  ForwardBackward("sum", {Seq(6, 3)});
+  EXPECT_FALSE(Control("sum", training::Control::kStep).skipped);
+  EXPECT_EQ(engine_.window_tokens(), (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(engine_.grad_scales(), (std::vector<double>{1.0, 1.0}));
+}
+
+TEST_F(CoordinatorWindowTest, ZeroGradDropsAPendingScale) {
+  Add("acc", 2);
+  ForwardBackward("acc", {Seq(6, 3)});
+  ForwardBackward("acc", {Seq(6, 3)});
+  EXPECT_FALSE(Control("acc", training::Control::kZeroGrad).skipped);
+  EXPECT_FALSE(Control("acc", training::Control::kStep).skipped);
+  EXPECT_EQ(engine_.grad_scales(), (std::vector<double>{1.0}));
+}
+
+// Ordering, dedupe, bounds and fusion, with the scheduler paused while ops are queued so the
+// outcome does not depend on timing.
+TEST_F(CoordinatorWindowTest, QueuedOpsDedupeByKeyFuseAcrossAdaptersAndRespectThePendingBound) {
+  Add("a", 1);
+  Add("b", 1);
+  ForwardArgs args;
+  args.inputs = {Seq(6, 3)};
+  SubmitOptions keyed;
+  keyed.idempotency_key = "k1";
+  keyed.fingerprint = 11;
+  coordinator_->scheduler().Pause();
+  absl::StatusOr<uint64_t> first = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, keyed);
+  absl::StatusOr<uint64_t> again = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, keyed);
+  ASSERT_TRUE(first.ok() && again.ok());
+  EXPECT_EQ(*again, *first);  // a retry: the first op's future, nothing new queued
+  SubmitOptions other_body = keyed;
+  other_body.fingerprint = 12;
+  absl::StatusOr<uint64_t> conflict =
+      coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, other_body);
+  ASSERT_FALSE(conflict.ok());
+  EXPECT_TRUE(sched::IsIdempotencyConflict(conflict.status())) << conflict.status();
+  absl::StatusOr<uint64_t> second_b = coordinator_->SubmitForward(tenant_, "b", ForwardMode::kForwardBackward, args, false, {});
+  ASSERT_TRUE(second_b.ok());
+  // The tenant's pending bound: 2 queued, a third is refused before anything is queued.
+  TenantContext small = tenant_;
+  small.max_pending_ops = 2;
+  absl::StatusOr<uint64_t> over = coordinator_->SubmitForward(small, "b", ForwardMode::kForwardBackward, args, false, {});
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  coordinator_->scheduler().Resume();
+  Wait(first);
+  Wait(second_b);
+  // One engine call carried both adapters' heads (fused); the deduplicated retry ran nowhere.
+  const std::vector<std::vector<std::string>> calls = engine_.forward_calls();
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].size(), 2u);
+}
+
+}  // namespace
+}  // namespace twinkle::training
