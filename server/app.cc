@@ -383,9 +383,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   coordinator_options.checkpoints = &checkpoints;
   training::TrainingCoordinator coordinator(coordinator_options, engine_link, futures);
   coordinator.scheduler().SetStepListener([&metrics](const sched::StepStats& step) {
-    std::vector<std::pair<std::string, double>> waits;
-    for (const auto& [tenant, wait] : step.waits) waits.emplace_back(tenant, absl::ToDoubleSeconds(wait));
-    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, absl::ToDoubleSeconds(step.duration), waits);
+    std::vector<Metrics::StepOp> ops;
+    for (size_t i = 0; i < step.waits.size(); ++i) {
+      ops.push_back({step.waits[i].first, absl::ToDoubleSeconds(step.waits[i].second),
+                     i < step.op_tokens.size() ? step.op_tokens[i] : 0});
+    }
+    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, absl::ToDoubleSeconds(step.duration), ops);
   });
   sampling::SamplerOptions sampler_options;
   sampler_options.base_model = config.model.name;

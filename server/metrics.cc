@@ -44,6 +44,10 @@ Metrics::Metrics(bool tenant_labels)
                          .Name("twinkle_step_duration_seconds")
                          .Help("Time one scheduler step took in the engine, by kind")
                          .Register(*registry_)),
+      tenant_tokens_(prometheus::BuildCounter()
+                         .Name("twinkle_tenant_tokens_total")
+                         .Help("Tokens of each tenant's training ops (forward, forward_backward) run by the engine")
+                         .Register(*registry_)),
       tokens_(prometheus::BuildCounter()
                   .Name("twinkle_tokens_total")
                   .Help("Tokens run through the engine, by kind (forward, forward_backward)")
@@ -171,7 +175,7 @@ std::string Metrics::TenantLabel(const std::string& tenant) {
 }
 
 void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t tokens, double duration_s,
-                         const std::vector<std::pair<std::string, double>>& tenant_waits_s) {
+                         const std::vector<StepOp>& ops) {
   steps_.Add({{"kind", kind}}).Increment();
   static const prometheus::Histogram::BucketBoundaries kDurations = {0.001, 0.005, 0.01, 0.05, 0.1, 0.25,
                                                                      0.5,   1,     2.5,  5,    10,  30, 120};
@@ -185,8 +189,12 @@ void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t toke
   }
   static const prometheus::Histogram::BucketBoundaries kWaits = {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30};
   absl::MutexLock lock(&mu_);
-  for (const auto& [tenant, wait] : tenant_waits_s) {
-    queue_wait_.Add({{"tenant", TenantLabel(tenant)}}, kWaits).Observe(wait);
+  for (const StepOp& op : ops) {
+    const std::string label = TenantLabel(op.tenant);
+    queue_wait_.Add({{"tenant", label}}, kWaits).Observe(op.wait_s);
+    if (kind != "other" && op.tokens > 0) {
+      tenant_tokens_.Add({{"tenant", label}, {"kind", kind}}).Increment(static_cast<double>(op.tokens));
+    }
   }
 }
 

@@ -37,10 +37,16 @@ class Metrics {
   // labelled with its pool ("training", or "sampler" for dedicated sampler workers).
   void UpdateWorkers(const std::string& pool, const std::vector<WorkerSnapshot>& workers);
 
+  // One op of a scheduler step: whose, how long it queued, its tokens.
+  struct StepOp {
+    std::string tenant;
+    double wait_s = 0;
+    int64_t tokens = 0;
+  };
   // One scheduler step: its kind ("forward", "forward_backward", "other"), the adapters and
-  // tokens it held, how long the engine took, its tenants' queue waits.
+  // tokens it held, how long the engine took, and its ops (queue waits and tokens by tenant).
   void RecordStep(const std::string& kind, int32_t adapters, int64_t tokens, double duration_s,
-                  const std::vector<std::pair<std::string, double>>& tenant_waits_s);
+                  const std::vector<StepOp>& ops);
 
   // Gauges sampled by the housekeeping loop.
   // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.
@@ -72,6 +78,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& step_adapters_;
   prometheus::Family<prometheus::Histogram>& step_tokens_;
   prometheus::Family<prometheus::Histogram>& step_duration_;
+  prometheus::Family<prometheus::Counter>& tenant_tokens_;
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Histogram>& queue_wait_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;

@@ -415,6 +415,7 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
     stats.tokens += BudgetTokens(*q.op);
     tenants.insert(q.op->tenant);
     stats.waits.emplace_back(q.op->tenant, picked_at - q.enqueued);
+    stats.op_tokens.push_back(BudgetTokens(*q.op));
   }
   stats.tenants = static_cast<int32_t>(tenants.size());
   listener(stats);

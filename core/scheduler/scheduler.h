@@ -76,6 +76,7 @@ struct StepStats {
   int32_t tenants = 0;
   absl::Duration duration;
   std::vector<std::pair<std::string, absl::Duration>> waits;  // (tenant, queue wait) per op
+  std::vector<int64_t> op_tokens;                              // per op, in the order of waits
 };
 
 // Future ids continue from `next` (never moving backwards): a server that persists futures
