@@ -122,6 +122,10 @@ def test_request_ids_outlive_a_restart(launch_server: LaunchServer, tmp_path: Pa
     assert fb_after.metrics == fb_before.metrics
     assert [o["logprobs"].tolist() for o in fb_after.loss_fn_outputs] == \
         [o["logprobs"].tolist() for o in fb_before.loss_fn_outputs]
+    # The raw answer first: a failure here would otherwise surface as the SDK's own
+    # AttributeError (its _APIFuture starts polling before it sets _queue_state_observer).
+    raw_step = retrieve(alice, step_id)
+    assert raw_step.status_code == 200 and "error" not in raw_step.json(), (raw_step.status_code, raw_step.text)
     assert sdk_result(svc, types.OptimStepResponse, step_id, "OptimStep").metrics == step_before.metrics
     assert bob.result(bob_id).json() == bob_before
     # Another tenant's id of the earlier boot never gives alice its answer (the journal answers

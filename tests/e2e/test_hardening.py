@@ -471,7 +471,9 @@ def test_a_wait_future_asking_for_hours_answers_not_done_within_the_server_bound
     try:
         c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="w"))
         c.call("PauseScheduler", tpb.Empty())
-        fid = c.call("Step", tpb.AdapterRequest(adapter_name="w", options=tpb.RequestOptions(return_future=True))).future_id
+        # No deadline on the op itself (a call's deadline becomes its op's): only WaitFuture's bound is tested.
+        fid = c.call("Step", tpb.AdapterRequest(adapter_name="w", options=tpb.RequestOptions(return_future=True)),
+                     timeout=None).future_id
         start = time.monotonic()
         reply = c.call("WaitFuture", tpb.WaitFutureRequest(future_id=fid, timeout_ms=3_600_000), timeout=300)
         took = time.monotonic() - start
