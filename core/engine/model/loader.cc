@@ -172,6 +172,14 @@ absl::Status OpenSharded(const std::filesystem::path& dir, const std::filesystem
   return absl::OkStatus();
 }
 
+// The weights files of `dir`, with transformers' precedence: a single file wins over an index.
+absl::Status OpenCheckpoint(const std::filesystem::path& dir, OpenedCheckpoint* out) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(dir / kSingleFile, ec)) return OpenSingle(dir / kSingleFile, out);
+  if (std::filesystem::is_regular_file(dir / kIndexFile, ec)) return OpenSharded(dir, dir / kIndexFile, out);
+  return absl::NotFoundError(absl::StrCat(dir.string(), ": neither ", kSingleFile, " nor ", kIndexFile, " found"));
+}
+
 // Whether the checkpoint stores MoE experts one module per expert (as transformers saves
 // and Qwen publishes them) rather than fused.
 bool PerExpertLayout(const ModelConfig& config, const OpenedCheckpoint& ckpt) {
@@ -279,16 +287,7 @@ absl::StatusOr<LoadedModel> LoadModelImpl(const std::filesystem::path& dir, c10:
   if (!config.ok()) return config.status();
 
   OpenedCheckpoint ckpt;
-  std::error_code ec;
-  // Same precedence as transformers: a single file wins over an index.
-  if (std::filesystem::is_regular_file(dir / kSingleFile, ec)) {
-    if (absl::Status s = OpenSingle(dir / kSingleFile, &ckpt); !s.ok()) return s;
-  } else if (std::filesystem::is_regular_file(dir / kIndexFile, ec)) {
-    if (absl::Status s = OpenSharded(dir, dir / kIndexFile, &ckpt); !s.ok()) return s;
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat(dir.string(), ": neither ", kSingleFile, " nor ", kIndexFile, " found"));
-  }
+  if (absl::Status s = OpenCheckpoint(dir, &ckpt); !s.ok()) return s;
   if (absl::Status s = CheckWeights(dir, *config, ckpt); !s.ok()) return s;
 
   LoadedModel model;
@@ -358,15 +357,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::filesystem::path& dir, c10::Sca
 
 absl::StatusOr<MappedWeights> MappedWeights::Open(const std::filesystem::path& dir) {
   OpenedCheckpoint ckpt;
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(dir / kSingleFile, ec)) {
-    if (absl::Status s = OpenSingle(dir / kSingleFile, &ckpt); !s.ok()) return s;
-  } else if (std::filesystem::is_regular_file(dir / kIndexFile, ec)) {
-    if (absl::Status s = OpenSharded(dir, dir / kIndexFile, &ckpt); !s.ok()) return s;
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat(dir.string(), ": neither ", kSingleFile, " nor ", kIndexFile, " found"));
-  }
+  if (absl::Status s = OpenCheckpoint(dir, &ckpt); !s.ok()) return s;
   MappedWeights out;
   out.files_ = std::move(ckpt.files);
   for (const auto& [name, source] : ckpt.weights) out.tensors_[name] = {source.file, source.info};
