@@ -263,14 +263,20 @@ class AddedMatcher {
   std::vector<Node> nodes_{Node{}};
 };
 
-// HF's word-character test for single_word tokens (char::is_alphanumeric or '_').
+// HF's single_word test: Rust regex's Unicode \w, i.e. Alphabetic (letters, Nl, and the
+// Other_Alphabetic marks and circled letters), marks, decimal digits, connector punctuation and
+// the joiners U+200C/U+200D.
 bool IsWordChar(int32_t cp) {
-  if (cp == '_') return true;
-  const utf8proc_category_t cat = utf8proc_category(cp);
-  switch (cat) {
+  if (cp == 0x200C || cp == 0x200D) return true;
+  if ((cp >= 0x24B6 && cp <= 0x24E9) || (cp >= 0x1F130 && cp <= 0x1F149) || (cp >= 0x1F150 && cp <= 0x1F169) ||
+      (cp >= 0x1F170 && cp <= 0x1F189)) {
+    return true;  // Other_Alphabetic symbols (circled and squared letters)
+  }
+  switch (utf8proc_category(cp)) {
     case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_ND:
-    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_NO:
+    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_MN: case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND: case UTF8PROC_CATEGORY_PC:
       return true;
     default:
       return false;
