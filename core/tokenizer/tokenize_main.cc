@@ -7,6 +7,9 @@
 //   {"decode": [ids], "skip_special": bool}     → {"text": "..."}
 //   {"stream": [ids], "skip_special": bool}     → {"chunks": ["...", ...]} (Push per id, then Finish)
 //   {"token_bytes": id}                         → {"hex": "..."}
+//   {"render": {"renderer": "qwen3", "messages": [...], "tools": [...], "add_generation_prompt": b,
+//               "enable_thinking": b, "continue_final_message": b}}
+//                                               → {"text": "...", "ids": [...]} (ids: Encode(text))
 // Any failure → {"error": "..."}; the tool keeps reading.
 
 #include <cstdio>
@@ -18,15 +21,59 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/tokenizer/chat_renderer.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace {
 
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;  // keeps the tools' key order
+using twinkle::tokenizer::ChatMessage;
+using twinkle::tokenizer::RenderOptions;
 using twinkle::tokenizer::StreamDecoder;
+using twinkle::tokenizer::ToolCall;
 using twinkle::tokenizer::Tokenizer;
 
 Json Error(std::string_view message) { return Json{{"error", std::string(message)}}; }
+
+Json Render(const Tokenizer& tok, const Json& r) {
+  if (!r.is_object() || !r.contains("messages") || !r["messages"].is_array()) return Error("render: no messages array");
+  std::vector<ChatMessage> messages;
+  for (const Json& m : r["messages"]) {
+    if (!m.is_object()) return Error("render: a message is not an object");
+    ChatMessage msg;
+    msg.role = m.value("role", "");
+    if (m.contains("content") && m["content"].is_string()) msg.content = m["content"].get<std::string>();
+    if (m.contains("reasoning_content") && m["reasoning_content"].is_string()) {
+      msg.reasoning_content = m["reasoning_content"].get<std::string>();
+    }
+    msg.tool_call_id = m.value("tool_call_id", "");
+    if (m.contains("tool_calls") && m["tool_calls"].is_array()) {
+      for (const Json& c : m["tool_calls"]) {
+        ToolCall call;
+        call.id = c.value("id", "");
+        const Json& f = c.contains("function") ? c["function"] : c;
+        call.name = f.value("name", "");
+        if (f.contains("arguments")) {
+          call.arguments_json = f["arguments"].is_string() ? f["arguments"].get<std::string>() : f["arguments"].dump();
+        }
+        msg.tool_calls.push_back(std::move(call));
+      }
+    }
+    messages.push_back(std::move(msg));
+  }
+  RenderOptions options;
+  options.add_generation_prompt = r.value("add_generation_prompt", true);
+  options.enable_thinking = r.value("enable_thinking", true);
+  options.continue_final_message = r.value("continue_final_message", false);
+  if (r.contains("tools") && !r["tools"].is_null()) options.tools_json = r["tools"].dump();
+  auto renderer = twinkle::tokenizer::MakeChatRenderer(r.value("renderer", ""));
+  if (!renderer.ok()) return Error(renderer.status().ToString());
+  absl::StatusOr<std::string> text = (*renderer)->Render(messages, options);
+  if (!text.ok()) return Error(text.status().ToString());
+  absl::StatusOr<std::vector<int32_t>> ids = tok.Encode(*text);
+  if (!ids.ok()) return Error(ids.status().ToString());
+  return Json{{"text", *text}, {"ids", *ids}};
+}
 
 Json Handle(const Tokenizer& tok, const Json& req) {
   if (!req.is_object()) return Error("request is not a JSON object");
@@ -70,7 +117,8 @@ Json Handle(const Tokenizer& tok, const Json& req) {
     }
     return Json{{"hex", hex}};
   }
-  return Error("unknown request (encode, decode, stream, token_bytes)");
+  if (auto it = req.find("render"); it != req.end()) return Render(tok, *it);
+  return Error("unknown request (encode, decode, stream, token_bytes, render)");
 }
 
 }  // namespace
