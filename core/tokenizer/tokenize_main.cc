@@ -10,6 +10,7 @@
 //   {"render": {"renderer": "qwen3", "messages": [...], "tools": [...], "add_generation_prompt": b,
 //               "enable_thinking": b, "continue_final_message": b}}
 //                                               → {"text": "...", "ids": [...]} (ids: Encode(text))
+//   {"pick": "MODEL_DIR", "fallback": "name"}   → {"renderer": "..."} (ChatRendererForModel)
 // Any failure → {"error": "..."}; the tool keeps reading.
 
 #include <cstdio>
@@ -118,7 +119,12 @@ Json Handle(const Tokenizer& tok, const Json& req) {
     return Json{{"hex", hex}};
   }
   if (auto it = req.find("render"); it != req.end()) return Render(tok, *it);
-  return Error("unknown request (encode, decode, stream, token_bytes, render)");
+  if (auto it = req.find("pick"); it != req.end() && it->is_string()) {
+    auto renderer = twinkle::tokenizer::ChatRendererForModel(it->get<std::string>(), req.value("fallback", ""));
+    if (!renderer.ok()) return Error(renderer.status().ToString());
+    return Json{{"renderer", std::string((*renderer)->name())}};
+  }
+  return Error("unknown request (encode, decode, stream, token_bytes, render, pick)");
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "core/tokenizer/tokenizer.h"
 
+#include "core/tokenizer/chat_renderer.h"
+
 #include <string>
 
 #include <gtest/gtest.h>
@@ -118,6 +120,40 @@ TEST(TokenizerTest, MissingModelDirIsNotFound) {
   ASSERT_FALSE(tok.ok());
   EXPECT_EQ(tok.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(tok.status().message().find("/nonexistent/model/tokenizer.json"), std::string::npos);
+}
+
+TEST(ChatRendererTest, UnknownNameListsTheKnownOnes) {
+  auto r = MakeChatRenderer("vicuna");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("qwen3, qwen3_5, llama3, chatml"), std::string::npos) << r.status();
+}
+
+TEST(ChatRendererTest, RefusalsNameTheProblem) {
+  auto r = MakeChatRenderer("qwen3");
+  ASSERT_TRUE(r.ok());
+  std::vector<ChatMessage> messages = {{.role = "user", .content = "hi"}};
+  RenderOptions both;
+  both.continue_final_message = true;
+  auto text = (*r)->Render(messages, both);
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.status().message().find("exclusive"), std::string::npos) << text.status();
+  RenderOptions bad_tools;
+  bad_tools.tools_json = "{\"not\": \"an array\"}";
+  text = (*r)->Render(messages, bad_tools);
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.status().message().find("tools"), std::string::npos) << text.status();
+  messages.push_back({.role = "user", .content = std::string("\xC3", 1)});
+  text = (*r)->Render(messages, RenderOptions{});
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.status().message().find("messages[1]"), std::string::npos) << text.status();
+  auto qwen35 = MakeChatRenderer("qwen3_5");
+  ASSERT_TRUE(qwen35.ok());
+  std::vector<ChatMessage> call = {{.role = "user", .content = "hi"},
+                                   {.role = "assistant", .tool_calls = {{.id = "1", .name = "f", .arguments_json = "[1]"}}}};
+  text = (*qwen35)->Render(call, RenderOptions{});
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.status().message().find("messages[1]: tool call 'f'"), std::string::npos) << text.status();
 }
 
 }  // namespace
