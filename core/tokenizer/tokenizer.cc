@@ -310,6 +310,9 @@ struct PairHash {
   }
 };
 
+// Token ids are below this (the largest vocabularies in use are ~262k): the id → bytes table
+// is sized by the largest id, so a hostile file cannot make it huge.
+constexpr int64_t kMaxVocabSize = int64_t{1} << 21;
 constexpr size_t kCacheCapacity = 10000;  // words
 constexpr size_t kCacheMaxWordBytes = 256;
 
@@ -472,8 +475,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
   if (vocab == m->end() || !vocab->is_object()) return absl::InvalidArgumentError("tokenizer.json: model.vocab is not an object");
   int64_t max_id = -1;
   for (const auto& [token, id] : vocab->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 24)) {
-      return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: model.vocab['", token, "'] is not an id in [0, 2^24)"));
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxVocabSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer.json: model.vocab['", token, "'] is not an id in [0, ", kMaxVocabSize, ")"));
     }
     tok->vocab_[token] = static_cast<int32_t>(id.get<int64_t>());
     max_id = std::max(max_id, id.get<int64_t>());
@@ -513,7 +517,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
       }
       AddedToken a;
       const int64_t id = t["id"].get<int64_t>();
-      if (id < 0 || id >= (int64_t{1} << 24)) return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: added token id ", id, " out of range"));
+      if (id < 0 || id >= kMaxVocabSize) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tokenizer.json: added token id ", id, " is not in [0, ", kMaxVocabSize, ")"));
+      }
       a.id = static_cast<int32_t>(id);
       a.content = t["content"].get<std::string>();
       if (!utf8::IsValid(a.content) || a.content.empty()) {

@@ -79,6 +79,20 @@ TEST(TokenizerTest, UnsupportedPartsAreNamed) {
   ExpectRefused(Json::array(), "not a JSON object");
 }
 
+TEST(TokenizerTest, IdLimitIsEnforcedAtLimitPlusOne) {
+  constexpr int64_t kLimit = int64_t{1} << 21;  // docs/tokenizer.md
+  Json j = MinimalJson();
+  j["added_tokens"][0]["id"] = kLimit - 1;
+  auto tok = Load(j);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->vocab_size(), kLimit);
+  j["added_tokens"][0]["id"] = kLimit;
+  ExpectRefused(j, "added token id 2097152 is not in [0, 2097152)");
+  j = MinimalJson();
+  j["model"]["vocab"]["zz"] = kLimit;
+  ExpectRefused(j, "is not an id in [0, 2097152)");
+}
+
 TEST(TokenizerTest, InvalidUtf8TextIsRefused) {
   auto tok = Load(MinimalJson());
   ASSERT_TRUE(tok.ok());
