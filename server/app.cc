@@ -376,6 +376,10 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   future_options.max_results_per_tenant = config.sessions.max_retained_results;
   future_options.max_result_bytes_per_tenant = config.sessions.max_retained_result_bytes;
   FutureStore futures(future_options);
+  // The gRPC waits' timers (WaitFuture, WaitSample): after `futures` (its jobs use the store)
+  // and before the gRPC server (it answers the waits still open while the server drains).
+  TimerThread wait_timers;
+  state.wait_timers = &wait_timers;
   futures.SetJournal(journal->get());
   DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()));
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
@@ -528,6 +532,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     LogInfo(kLog, absl::StrCat("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                                "; draining for up to ", config.server.drain_timeout_s, " s"));
     state.draining = true;
+    wait_timers.RunAllNow();  // open waits answer "not done" now: the client comes back later
     // What fails from here on fails because we stop: after the restart it reads as
     // interrupted (retryable), not as that failure.
     (*journal)->BeginShutdown();

@@ -4,6 +4,7 @@
 
 #include <atomic>
 
+#include "core/common/timer_thread.h"
 #include "core/engine_client/supervisor.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
@@ -42,6 +43,7 @@ struct ServingState {
   Authenticator* authenticator = nullptr;
   tenancy::TokenRateLimiter* rate_limiter = nullptr;
   FutureStore* futures = nullptr;
+  TimerThread* wait_timers = nullptr;  // answers gRPC waits whose timeout passes
   training::TrainingCoordinator* coordinator = nullptr;
   sampling::SamplerCoordinator* sampler = nullptr;
   registry::Registry* registry = nullptr;

@@ -1,6 +1,7 @@
 #include "core/futures/future_store.h"
 
 #include <atomic>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -86,7 +87,8 @@ struct FutureStore::Entry {
   FutureResult result = absl::UnknownError("future not completed");
   absl::Time completed_at;
   int64_t bytes = 0;  // FutureValueBytes of the result, once done
-  std::vector<std::function<void(const FutureResult&)>> callbacks;
+  // Registered waiters by token (FutureStore::Await), in registration order.
+  std::map<uint64_t, std::function<void(const FutureResult&)>> callbacks;
 };
 
 FutureStore::FutureStore(absl::Duration retention, const Clock& clock)
@@ -129,7 +131,7 @@ void FutureStore::Journal(const Drops& drops) {
 
 void FutureStore::Complete(uint64_t id, FutureResult result) {
   std::shared_ptr<Entry> entry;
-  std::vector<std::function<void(const FutureResult&)>> callbacks;
+  std::map<uint64_t, std::function<void(const FutureResult&)>> callbacks;
   Drops drops;
   {
     absl::MutexLock lock(&mu_);
@@ -143,6 +145,7 @@ void FutureStore::Complete(uint64_t id, FutureResult result) {
     --pending_;
     entry->done = true;  // waiters in Wait() see this through their Condition
     callbacks.swap(entry->callbacks);
+    waiters_ -= static_cast<int64_t>(callbacks.size());
     Retained& r = retained_[entry->tenant];
     r.ids.insert(id);
     r.bytes += entry->bytes;
@@ -169,7 +172,7 @@ void FutureStore::Complete(uint64_t id, FutureResult result) {
   if (journal_ != nullptr) journal_->Completed(id, entry->tenant, entry->result);
   Journal(drops);
   // Outside the lock: a callback may call back into the store (or into the scheduler).
-  for (auto& done : callbacks) done(entry->result);
+  for (auto& [token, done] : callbacks) done(entry->result);
 }
 
 absl::StatusOr<FutureResult> FutureStore::Wait(uint64_t id, const std::string& tenant,
@@ -193,6 +196,28 @@ absl::StatusOr<FutureResult> FutureStore::Wait(uint64_t id, const std::string& t
 
 absl::Status FutureStore::OnComplete(uint64_t id, const std::string& tenant,
                                      std::function<void(const FutureResult&)> done) {
+  return Await(id, tenant, std::move(done)).status();
+}
+
+void FutureStore::Unwait(uint64_t id, uint64_t token) {
+  std::function<void(const FutureResult&)> dropped;  // destroyed after the lock
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  auto cb = it->second->callbacks.find(token);
+  if (cb == it->second->callbacks.end()) return;
+  dropped = std::move(cb->second);
+  it->second->callbacks.erase(cb);
+  --waiters_;
+}
+
+int64_t FutureStore::waiters() const {
+  absl::MutexLock lock(&mu_);
+  return waiters_;
+}
+
+absl::StatusOr<uint64_t> FutureStore::Await(uint64_t id, const std::string& tenant,
+                                            std::function<void(const FutureResult&)> done) {
   std::shared_ptr<Entry> entry;
   {
     absl::ReleasableMutexLock lock(&mu_);
@@ -202,19 +227,21 @@ absl::Status FutureStore::OnComplete(uint64_t id, const std::string& tenant,
       absl::StatusOr<FutureResult> stored = journal_->Lookup(id, tenant);
       if (!stored.ok()) return stored.status();
       done(*stored);
-      return absl::OkStatus();
+      return uint64_t{0};
     }
     if (it == entries_.end() || it->second->tenant != tenant) {
       return absl::NotFoundError("no such future");
     }
     entry = it->second;
     if (!entry->done) {
-      entry->callbacks.push_back(std::move(done));
-      return absl::OkStatus();
+      const uint64_t token = next_waiter_++;
+      entry->callbacks.emplace(token, std::move(done));
+      ++waiters_;
+      return token;
     }
   }
   done(entry->result);  // already complete: at once, on this thread, outside the lock
-  return absl::OkStatus();
+  return uint64_t{0};
 }
 
 int64_t FutureStore::Expire() {

@@ -99,6 +99,16 @@ class FutureStore {
   absl::Status OnComplete(uint64_t id, const std::string& tenant,
                           std::function<void(const FutureResult&)> done);
 
+  // OnComplete for a waiter that may give up (a long poll's timer): returns a token for
+  // Unwait, or 0 when `done` already ran (the future had completed). A waiter that gives up
+  // must Unwait, so that polling a long-running op does not pile callbacks onto it.
+  absl::StatusOr<uint64_t> Await(uint64_t id, const std::string& tenant,
+                                 std::function<void(const FutureResult&)> done);
+  // Drops the waiter `token` of future `id` without running it (nothing when it has run).
+  void Unwait(uint64_t id, uint64_t token);
+  // Callbacks registered and not yet run, over all futures (tests, metrics).
+  int64_t waiters() const;
+
   // Drops completed futures older than the retention. Returns how many were dropped.
   // Pending futures never expire (the scheduler always completes what it queued).
   int64_t Expire();
@@ -138,6 +148,8 @@ class FutureStore {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Retained> retained_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // entries not yet completed
+  int64_t waiters_ ABSL_GUARDED_BY(mu_) = 0;  // callbacks registered, not yet run
+  uint64_t next_waiter_ ABSL_GUARDED_BY(mu_) = 1;
   FutureJournal* journal_ = nullptr;
 };
 

@@ -140,6 +140,45 @@ grpc::ServerUnaryReactor* HandleQueuedAny(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* HandleWait(grpc::CallbackServerContext* context, ServingState& state, const char* method,
+                                     uint64_t future_id, absl::Duration timeout,
+                                     std::function<absl::Status(const FutureValue&)> fill,
+                                     std::function<void()> not_done) {
+  auto timer = std::make_shared<RequestTimer>(state.metrics, method);
+  auto log = std::make_shared<CallLog>(CallLog{RequestIdOf(*context), "", method, absl::Now()});
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto finish = [context, reactor, timer, log](const absl::Status& status) {
+    timer->set_code(CodeName(status.code()));
+    FinishCallLogged(context, reactor, status, *log);
+  };
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  if (!tenant.ok()) {
+    finish(tenant.status());
+    return reactor;
+  }
+  log->tenant = (*tenant)->id;
+  // Whichever comes first answers, once: the completion or the timer.
+  auto answered = std::make_shared<std::atomic<bool>>(false);
+  absl::StatusOr<uint64_t> token = state.futures->Await(
+      future_id, (*tenant)->id, [answered, finish, fill = std::move(fill)](const FutureResult& result) {
+        if (answered->exchange(true)) return;
+        finish(result.ok() ? fill(*result) : result.status());
+      });
+  if (!token.ok()) {
+    if (!answered->exchange(true)) finish(token.status());
+    return reactor;
+  }
+  if (answered->load()) return reactor;
+  state.wait_timers->After(timeout, [answered, finish, not_done = std::move(not_done), futures = state.futures,
+                                     future_id, token = *token] {
+    if (answered->exchange(true)) return;
+    futures->Unwait(future_id, token);  // a wait that gave up leaves nothing on the future
+    not_done();
+    finish(absl::OkStatus());
+  });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* HandleQueued(
     grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,

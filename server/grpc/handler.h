@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "core/futures/future_value.h"
 #include "core/tenancy/tenant.h"
 #include "core/training/types.h"
@@ -42,6 +43,15 @@ grpc::ServerUnaryReactor* HandleQueued(
     const std::function<absl::StatusOr<uint64_t>(const tenancy::Tenant&)>& submit,
     std::function<void(uint64_t)> set_future_id,
     std::function<absl::Status(const training::OpOutput&)> fill);
+// A wait for a future the caller already has (WaitFuture, WaitSample): the call finishes with
+// `fill(value)` when the future completes (at once when it has; its error, or NotFound for
+// an unknown or another tenant's id, when it failed), or after `not_done()` when `timeout`
+// passes first. No thread is held meanwhile: the completion or state.wait_timers answers.
+grpc::ServerUnaryReactor* HandleWait(grpc::CallbackServerContext* context, ServingState& state, const char* method,
+                                     uint64_t future_id, absl::Duration timeout,
+                                     std::function<absl::Status(const FutureValue&)> fill,
+                                     std::function<void()> not_done);
+
 // HandleQueued for ops whose result is not an OpOutput (sampling): `fill` gets the value.
 grpc::ServerUnaryReactor* HandleQueuedAny(
     grpc::CallbackServerContext* context, ServingState& state, const char* method, bool return_future,

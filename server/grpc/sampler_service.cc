@@ -143,15 +143,10 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
 }
 
 TWINKLE_RPC_DEF(WaitSample, WaitFutureRequest, SampleResponse) {
-  return HandleNow(context, state_, "SamplerService/WaitSample", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::StatusOr<std::optional<FutureValue>> r = WaitForResult(context, *state_.futures, t.id, *request);
-    if (!r.ok()) return r.status();
-    if (!r->has_value()) {
-      response->set_done(false);
-      return absl::OkStatus();
-    }
-    return FillSample(**r, response);
-  });
+  return HandleWait(
+      context, state_, "SamplerService/WaitSample", request->future_id(), WaitTimeout(*context, *request),
+      [response](const FutureValue& value) { return FillSample(value, response); },
+      [response] { response->set_done(false); });
 }
 
 }  // namespace twinkle

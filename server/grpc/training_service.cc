@@ -323,25 +323,24 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeRe
 }
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureResponse) {
-  // Waits on this callback thread, at most the requested timeout (30 s by default).
-  return HandleNow(context, state_, "TrainingService/WaitFuture", [&](const tenancy::Tenant& t) -> absl::Status {
-    absl::StatusOr<std::optional<FutureValue>> r = WaitForResult(context, *state_.futures, t.id, *request);
-    if (!r.ok()) return r.status();
-    response->set_done(r->has_value());
-    if (!r->has_value()) return absl::OkStatus();
-    const auto* found = std::get_if<OpOutput>(&**r);
-    if (found == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("future ", request->future_id(),
-                                                     " is not a training op (a sampling future? use WaitSample)"));
-    }
-    const OpOutput& out = *found;
-    if (!out.sequences.empty()) {
-      FillModelOutput(out, response->mutable_forward()->mutable_result());
-    } else {
-      FillScalar(out, response->mutable_scalar());
-    }
-    return absl::OkStatus();
-  });
+  const uint64_t id = request->future_id();
+  return HandleWait(
+      context, state_, "TrainingService/WaitFuture", id, WaitTimeout(*context, *request),
+      [response, id](const FutureValue& value) -> absl::Status {
+        const auto* out = std::get_if<OpOutput>(&value);
+        if (out == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("future ", id, " is not a training op (a sampling future? use WaitSample)"));
+        }
+        response->set_done(true);
+        if (!out->sequences.empty()) {
+          FillModelOutput(*out, response->mutable_forward()->mutable_result());
+        } else {
+          FillScalar(*out, response->mutable_scalar());
+        }
+        return absl::OkStatus();
+      },
+      [response] { response->set_done(false); });
 }
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, CancelFuture, CancelFutureRequest, Empty) {

@@ -48,26 +48,20 @@ inline training::SubmitOptions ToSubmitOptions(grpc::CallbackServerContext* cont
   return s;
 }
 
-// Waits for future `id` at most the request's timeout_ms (30 s when unset) and the client's
-// deadline. nullopt: still pending, the caller answers done = false. Otherwise the op's
-// result, or the error (NotFound for an unknown or another tenant's id, the op's own error).
 // The longest a WaitFuture-style call waits before answering "not done yet" (done = false):
-// the client polls again; a larger timeout_ms is cut to this.
+// the client polls again; a larger timeout_ms is cut to this. The wait holds no thread (see
+// HandleWait); the bound keeps a lost client's registration from living for hours.
 inline constexpr absl::Duration kMaxFutureWait = absl::Seconds(60);
 
-inline absl::StatusOr<std::optional<FutureValue>> WaitForResult(grpc::CallbackServerContext* context,
-                                                             FutureStore& futures, const std::string& tenant,
-                                                             const twinkle::v1::WaitFutureRequest& request) {
-  // Bounded whatever the request asks: the wait holds a gRPC callback thread.
+// How long a WaitFuture-style call waits: its timeout_ms (30 s when unset), at most
+// kMaxFutureWait and the client's deadline.
+inline absl::Duration WaitTimeout(const grpc::CallbackServerContext& context,
+                                  const twinkle::v1::WaitFutureRequest& request) {
   absl::Duration timeout = request.timeout_ms() > 0 ? absl::Milliseconds(request.timeout_ms()) : absl::Seconds(30);
   timeout = std::min(timeout, kMaxFutureWait);
-  const absl::Time deadline = ClientDeadline(*context);
+  const absl::Time deadline = ClientDeadline(context);
   if (deadline != absl::InfiniteFuture()) timeout = std::min(timeout, deadline - absl::Now());
-  absl::StatusOr<FutureResult> r = futures.Wait(request.future_id(), tenant, timeout);
-  if (absl::IsUnavailable(r.status())) return std::optional<FutureValue>();
-  if (!r.ok()) return r.status();
-  if (!r->ok()) return r->status();
-  return std::optional<FutureValue>(**r);
+  return std::max(timeout, absl::ZeroDuration());
 }
 
 }  // namespace twinkle

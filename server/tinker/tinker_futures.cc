@@ -326,8 +326,8 @@ void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
   auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Poll>)>>(std::move(done));
   const std::string id = *request_id;
   // The store answers from memory, or from the journal for a request of an earlier boot.
-  absl::Status registered =
-      futures_.OnComplete(*future, tenant.id, [answered, shared_done, id](const FutureResult& result) {
+  absl::StatusOr<uint64_t> registered =
+      futures_.Await(*future, tenant.id, [answered, shared_done, id](const FutureResult& result) {
         if (answered->exchange(true)) return;
         // An op the restart interrupted is the call's error (HTTP 410): the SDK resubmits.
         if (!result.ok() && IsInterruptedByRestart(result.status())) return (*shared_done)(result.status());
@@ -338,14 +338,15 @@ void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
       });
   if (!registered.ok()) {
     if (answered->exchange(true)) return;
-    if (absl::IsNotFound(registered)) {
-      registered = absl::NotFoundError(absl::StrCat("request_id: no future '", id, "'"));
+    if (absl::IsNotFound(registered.status())) {
+      return (*shared_done)(absl::NotFoundError(absl::StrCat("request_id: no future '", id, "'")));
     }
-    return (*shared_done)(registered);
+    return (*shared_done)(registered.status());
   }
   if (answered->load()) return;
-  timers_->After(options_.long_poll, [answered, shared_done, id] {
+  timers_->After(options_.long_poll, [this, answered, shared_done, id, future = *future, token = *registered] {
     if (answered->exchange(true)) return;
+    futures_.Unwait(future, token);  // a poll that gave up leaves nothing on the future
     Poll p;
     p.request_id = id;
     (*shared_done)(std::move(p));

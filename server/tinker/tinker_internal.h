@@ -4,14 +4,11 @@
 // tinker_sampling.cc (the helpers are defined in tinker_internal.cc). Not part of the
 // interface.
 
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -19,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
+#include "core/common/timer_thread.h"
 #include "server/tinker/tinker_api.h"
 
 namespace twinkle::tinker {
@@ -92,53 +90,7 @@ struct TinkerApi::Model {
   std::map<int64_t, SeqRecord> by_seq ABSL_GUARDED_BY(mu);  // seq_id → its first request
 };
 
-// A thread for blocking calls and timers: its jobs run one at a time, each when it falls due.
-class TinkerApi::Worker {
- public:
-  Worker() : thread_([this] { Loop(); }) {}
-  ~Worker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void After(absl::Duration delay, std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.emplace(absl::Now() + delay, std::move(fn));
-    }
-    cv_.notify_all();
-  }
-  void Post(std::function<void()> fn) { After(absl::ZeroDuration(), std::move(fn)); }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (jobs_.empty()) {
-        cv_.wait(lock);
-        continue;
-      }
-      const absl::Time when = jobs_.begin()->first;
-      const absl::Time now = absl::Now();
-      if (when > now) {
-        cv_.wait_for(lock, absl::ToChronoNanoseconds(when - now));
-        continue;
-      }
-      std::function<void()> fn = std::move(jobs_.begin()->second);
-      jobs_.erase(jobs_.begin());
-      lock.unlock();
-      fn();
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::multimap<absl::Time, std::function<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
+// A thread for blocking calls and timers (core/common/timer_thread.h).
+class TinkerApi::Worker : public TimerThread {};
 
 }  // namespace twinkle::tinker

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import requests
@@ -33,6 +34,7 @@ from e2e_support import prom  # noqa: E402
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
 from e2e_support.training import KEYS, Client, auth_overrides, batch, state_dict  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb  # noqa: E402
+from twinkle_client._proto.twinkle.v1 import training_pb2_grpc as tgrpc  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
@@ -483,6 +485,45 @@ def test_a_wait_future_asking_for_hours_answers_not_done_within_the_server_bound
         c.call("ResumeScheduler", tpb.Empty())
     finally:
         c.close()
+
+
+def test_waiting_for_futures_holds_no_server_thread(launch_server: LaunchServer) -> None:
+    """WaitFuture answers from the future's completion or a timer, never by blocking a gRPC
+    thread: 400 waits outstanding on a paused scheduler's future (over 4 connections), and
+    another tenant's calls are still answered while every one of them is still waiting."""
+    from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+    server = launch_server(auth_overrides(testing={"hooks": True}))
+    bob = Client(server.grpc_address, KEYS["bob"])
+    # Each its own connection (Python gRPC shares one between equal channels otherwise, and a
+    # connection carries at most server.max_concurrent_streams calls at once).
+    waiters = [Client(server.grpc_address, KEYS["bob"]) for _ in range(4)]
+    for w in waiters:
+        w.channel.close()
+        w.channel = grpc.insecure_channel(server.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
+        w.training = tgrpc.TrainingServiceStub(w.channel)
+    alice = Client(server.grpc_address, KEYS["alice"])
+    try:
+        bob.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="w"))
+        bob.call("PauseScheduler", tpb.Empty())
+        fid = bob.call("Step", tpb.AdapterRequest(adapter_name="w", options=tpb.RequestOptions(return_future=True)),
+                       timeout=None).future_id
+        waits = [w.training.WaitFuture.future(tpb.WaitFutureRequest(future_id=fid, timeout_ms=50_000),
+                                              metadata=w.metadata, timeout=120)
+                 for w in waiters for _ in range(100)]
+        time.sleep(1.0)  # let them all reach the server
+        # (calls that need no scheduler: it is paused)
+        for _ in range(5):
+            session = alice.call("CreateSession", tpb.CreateSessionRequest(), timeout=30).session_id
+            alice.call("SessionHeartbeat", tpb.SessionHeartbeatRequest(session_id=session), timeout=30)
+            alice.utility.GetCapacity(upb.GetCapacityRequest(), metadata=alice.metadata, timeout=30)
+        assert not any(w.done() for w in waits), "a wait returned before its op could run"
+        bob.call("ResumeScheduler", tpb.Empty())
+        replies = [w.result() for w in waits]
+        assert all(r.done for r in replies)
+    finally:
+        for c in (bob, alice, *waiters):
+            c.close()
 
 
 def make_deep_model(out: Path, tiny_model: Path, layers: int) -> Path:
