@@ -1,5 +1,6 @@
 #include "server/grpc/handler.h"
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>

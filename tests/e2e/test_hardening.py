@@ -465,7 +465,8 @@ def test_adapter_names_follow_the_checkpoint_name_rule(server: ServerProcess) ->
 
 def test_a_wait_future_asking_for_hours_answers_not_done_within_the_server_bound(
         launch_server: LaunchServer) -> None:
-    """WaitFuture holds a gRPC callback thread while it waits: timeout_ms is cut to 60 s."""
+    """WaitFuture answers "not done" after at most 60 s whatever timeout_ms asks (a lost client's
+    registration does not live for hours)."""
     from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
 
     server = launch_server(auth_overrides(testing={"hooks": True}))
