@@ -149,7 +149,12 @@ int main(int argc, char** argv) {
   std::string line;
   while (std::getline(std::cin, line)) {
     Json req = Json::parse(line, nullptr, /*allow_exceptions=*/false);
-    Json answer = req.is_discarded() ? Error("not JSON") : Handle(**tok, req);
+    Json answer;
+    try {  // a request with a field of the wrong type (value() throws); the tool keeps reading
+      answer = req.is_discarded() ? Error("not JSON") : Handle(**tok, req);
+    } catch (const nlohmann::json::exception& e) {
+      answer = Error(e.what());
+    }
     std::cout << answer.dump(-1, ' ', false, Json::error_handler_t::replace) << '\n' << std::flush;
   }
   return 0;
