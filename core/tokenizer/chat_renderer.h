@@ -56,14 +56,14 @@ class ChatRenderer {
 // By name (above); NotFound listing the known names otherwise.
 absl::StatusOr<std::unique_ptr<ChatRenderer>> MakeChatRenderer(std::string_view name);
 
-// The renderer name whose family template `chat_template` is (compared modulo whitespace), or
-// "" when it is none of them.
+// The renderer whose family template `chat_template` is (core/tokenizer/templates, compared
+// modulo whitespace), or "" when it is none of them: a variant may render differently.
 std::string_view RecognizeChatTemplate(std::string_view chat_template);
 
-// Picks the renderer for a model directory from its config.json model_type and its chat
-// template (chat_template.jinja or tokenizer_config.json's chat_template). FailedPrecondition
-// naming the model type when no renderer is known for it and `fallback` is empty; otherwise
-// MakeChatRenderer(fallback).
+// Picks the renderer for a model directory: its chat template (chat_template.jinja, else
+// tokenizer_config.json's chat_template) when RecognizeChatTemplate knows it; without a
+// template, its config.json model_type (qwen3*, qwen3_5*, llama); else MakeChatRenderer(fallback)
+// when `fallback` is set; else FailedPrecondition naming the model type.
 absl::StatusOr<std::unique_ptr<ChatRenderer>> ChatRendererForModel(const std::string& model_dir,
                                                                    std::string_view fallback);
 

@@ -1,5 +1,5 @@
 """Token equality of the C++ chat renderers with transformers' apply_chat_template rendering
-each family's own template (templates/, see its README), on ≥ 50 seeded conversations per family:
+each family's own template (core/tokenizer/templates, see its README), on ≥ 50 seeded conversations per family:
 system prompts, multi-turn, thinking on/off, assistant prefill, tools and tool calls where the
 family has them. Both the text and the token ids (HF's tokenizer on the reference text, ours on
 ours) must be equal."""
@@ -16,15 +16,16 @@ from transformers import PreTrainedTokenizerFast
 import conversations
 
 HERE = Path(__file__).resolve().parent
+TEMPLATES = HERE.parent.parent / "core" / "tokenizer" / "templates"
 sys.path.insert(0, str(HERE.parent.parent / "scripts"))
 from make_tiny_model import CHAT_TEMPLATE as TINY_CHATML  # noqa: E402
 
 CONVERSATIONS_PER_FAMILY = 120
 # renderer → (its reference template, the family tokenizer it is tokenized with, BOS token)
 RENDERERS = {
-    "qwen3": ((HERE / "templates" / "qwen3.jinja").read_text(), "qwen3", None),
-    "qwen3_5": ((HERE / "templates" / "qwen3_5.jinja").read_text(), "qwen3_5", None),
-    "llama3": ((HERE / "templates" / "llama3.jinja").read_text(), "llama3", "<|begin_of_text|>"),
+    "qwen3": ((TEMPLATES / "qwen3.jinja").read_text(), "qwen3", None),
+    "qwen3_5": ((TEMPLATES / "qwen3_5.jinja").read_text(), "qwen3_5", None),
+    "llama3": ((TEMPLATES / "llama3.jinja").read_text(), "llama3", "<|begin_of_text|>"),
     "chatml": (TINY_CHATML, "qwen3", None),
 }
 
