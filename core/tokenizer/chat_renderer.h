@@ -37,7 +37,10 @@ struct ChatMessage {
 struct RenderOptions {
   bool add_generation_prompt = true;
   bool enable_thinking = true;  // families with a thinking switch (Qwen3, Qwen3.5)
-  std::string tools_json;  // OpenAI "tools" array as JSON text; empty = none
+  // OpenAI "tools" array as JSON text; empty = none. Keep the client's key order (pass the raw
+  // text or an nlohmann::ordered_json dump): the templates print the tools with json.dumps in
+  // that order. The same holds for ToolCall::arguments_json.
+  std::string tools_json;
   // Assistant prefill: the final message is left open for the model to continue (transformers'
   // continue_final_message). Exclusive with add_generation_prompt.
   bool continue_final_message = false;

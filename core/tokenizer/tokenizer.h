@@ -22,6 +22,8 @@
 
 namespace twinkle::tokenizer {
 
+// Immutable after construction; Encode, Decode and the rest may be called from any number of
+// threads at once (Encode's per-word cache is internally locked).
 class Tokenizer {
  public:
   // Parses a tokenizer.json (the file's contents). InvalidArgument naming what is
