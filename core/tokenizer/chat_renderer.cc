@@ -517,7 +517,25 @@ class Llama3Renderer final : public RendererBase {
   }
 };
 
-constexpr std::string_view kNames = "qwen3, qwen3_5, llama3, chatml";
+// meta-llama/Meta-Llama-3-*-Instruct (3.0): headers and trimmed contents, no tools.
+class Llama30Renderer final : public RendererBase {
+ public:
+  std::string_view name() const override { return "llama3_0"; }
+
+ protected:
+  absl::StatusOr<std::string> RenderAll(absl::Span<const ChatMessage> messages, const RenderOptions& options) const override {
+    if (!options.tools_json.empty()) return absl::InvalidArgumentError("tools: the llama3_0 template has no tool format");
+    std::string out = "<|begin_of_text|>";
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].tool_calls.empty()) return MessageError(i, "tool_calls: the llama3_0 template has no tool format");
+      Cat(out, "<|start_header_id|>", messages[i].role, "<|end_header_id|>\n\n", PyStrip(messages[i].content), "<|eot_id|>");
+    }
+    if (options.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    return out;
+  }
+};
+
+constexpr std::string_view kNames = "qwen3, qwen3_5, llama3, llama3_0, chatml";
 
 }  // namespace
 
@@ -525,6 +543,7 @@ absl::StatusOr<std::unique_ptr<ChatRenderer>> MakeChatRenderer(std::string_view 
   if (name == "qwen3") return std::make_unique<Qwen3Renderer>();
   if (name == "qwen3_5") return std::make_unique<Qwen35Renderer>();
   if (name == "llama3") return std::make_unique<Llama3Renderer>();
+  if (name == "llama3_0") return std::make_unique<Llama30Renderer>();
   if (name == "chatml") return std::make_unique<ChatmlRenderer>();
   return absl::NotFoundError(absl::StrCat("no chat renderer '", AV(name), "' (known: ", AV(kNames), ")"));
 }

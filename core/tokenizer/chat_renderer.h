@@ -4,7 +4,8 @@
 // apply_chat_template with that family's own template:
 //   "qwen3"    Qwen3 ChatML (<|im_start|>role\n…<|im_end|>), thinking on or off, tools
 //   "qwen3_5"  Qwen3.5's variant of the same
-//   "llama3"   Llama 3 (<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>)
+//   "llama3"   Llama 3.1/3.3 (<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>), tools
+//   "llama3_0" Llama 3.0's simpler template of the same format, no tools
 //   "chatml"   the generic ChatML renderer, used only when the config asks for it
 //
 // An empty reasoning_content counts as absent (the templates then look for <think> in the

@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<ChatRenderer>> ChatRendererForModel(const std::st
   return absl::FailedPreconditionError(absl::StrCat(
       AV(model_dir), ": no chat renderer for model_type '", AV(model_type), "' with ",
       chat_template.empty() ? "no chat template" : "an unrecognized chat template",
-      " (known: qwen3, qwen3_5, llama3, chatml; a generic one can be configured as the fallback)"));
+      " (known: qwen3, qwen3_5, llama3, llama3_0, chatml; a generic one can be configured as the fallback)"));
 }
 
 }  // namespace twinkle::tokenizer

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from make_tiny_model import CHAT_TEMPLATE as TINY_CHATML  # noqa: E402
 
 TEMPLATES = {name: (REPO / "core" / "tokenizer" / "templates" / f"{name}.jinja").read_text()
-             for name in ("qwen3", "qwen3_5", "llama3")}
+             for name in ("qwen3", "qwen3_5", "llama3", "llama3_0")}
 TEMPLATES["chatml"] = TINY_CHATML  # the tiny model's, as scripts/make_tiny_model.py writes it
 
 
@@ -58,7 +58,7 @@ def test_unknown_is_refused_unless_a_fallback_is_configured(tmp_path: Path, tool
     assert _pick(tools, unknown, fallback="chatml") == {"renderer": "chatml"}
     odd = _model(tmp_path, "b", model_type="qwen3", template="{{ messages }}")
     assert "unrecognized chat template" in _pick(tools, odd)["error"]
-    assert "known: qwen3, qwen3_5, llama3, chatml" in _pick(tools, odd, fallback="vicuna")["error"]
+    assert "known: qwen3, qwen3_5, llama3, llama3_0, chatml" in _pick(tools, odd, fallback="vicuna")["error"]
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
