@@ -134,7 +134,7 @@ void RenderMessages(std::string_view rest) {
   options.enable_thinking = rest.size() % 2 == 0;
   options.continue_final_message = rest.size() % 3 == 0;
   options.add_generation_prompt = !options.continue_final_message;
-  for (const char* name : {"qwen3", "qwen3_5", "llama3", "chatml"}) {
+  for (const char* name : {"qwen3", "qwen3_5", "llama3", "llama3_0", "chatml"}) {
     auto renderer = tk::MakeChatRenderer(name);
     auto text = (*renderer)->Render(messages, options);
     if (!text.ok()) continue;
