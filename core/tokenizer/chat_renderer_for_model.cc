@@ -77,7 +77,8 @@ absl::StatusOr<std::unique_ptr<ChatRenderer>> ChatRendererForModel(const std::st
     if (!name.empty()) return MakeChatRenderer(name);
   } else if (model_type == "qwen3" || model_type == "qwen3_moe") {
     return MakeChatRenderer("qwen3");
-  } else if (model_type == "qwen3_5" || model_type == "qwen3_5_moe" || model_type == "qwen3_5_text") {
+  } else if (model_type == "qwen3_5" || model_type == "qwen3_5_text" || model_type == "qwen3_5_moe" ||
+             model_type == "qwen3_5_moe_text") {
     return MakeChatRenderer("qwen3_5");
   } else if (model_type == "llama") {
     return MakeChatRenderer("llama3");

@@ -46,7 +46,11 @@ def test_template_decides(name: str, in_config: bool, tmp_path: Path, tools) -> 
     assert _pick(tools, d) == {"renderer": name}
 
 
-@pytest.mark.parametrize(("model_type", "name"), [("qwen3", "qwen3"), ("qwen3_5", "qwen3_5"), ("llama", "llama3")])
+@pytest.mark.parametrize(
+    ("model_type", "name"),
+    [("qwen3", "qwen3"), ("qwen3_moe", "qwen3"), ("qwen3_5", "qwen3_5"), ("qwen3_5_text", "qwen3_5"),
+     ("qwen3_5_moe", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5"), ("llama", "llama3")],
+)
 def test_model_type_without_template(model_type: str, name: str, tmp_path: Path, tools) -> None:
     assert _pick(tools, _model(tmp_path, "m", model_type=model_type)) == {"renderer": name}
 
