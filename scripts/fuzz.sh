@@ -12,7 +12,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-TARGETS=(tinker_json_fuzz tinker_proto_fuzz safetensors_fuzz config_yaml_fuzz ipc_envelope_fuzz http_request_fuzz)
+TARGETS=(tinker_json_fuzz tinker_proto_fuzz safetensors_fuzz config_yaml_fuzz ipc_envelope_fuzz http_request_fuzz tokenizer_fuzz)
 BUILD="$ROOT/build-fuzz"
 NICE="nice -n ${FUZZ_NICE:-10}"
 

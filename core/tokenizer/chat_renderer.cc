@@ -3,8 +3,6 @@
 #include <array>
 #include <charconv>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -519,24 +517,25 @@ class Llama3Renderer final : public RendererBase {
   }
 };
 
-constexpr std::string_view kNames = "qwen3, qwen3_5, llama3, chatml";
+// meta-llama/Meta-Llama-3-*-Instruct (3.0): headers and trimmed contents, no tools.
+class Llama30Renderer final : public RendererBase {
+ public:
+  std::string_view name() const override { return "llama3_0"; }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(path);
-  std::stringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-// Removes all whitespace: templates are compared modulo their layout.
-std::string Squeeze(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (c != ' ' && c != '\n' && c != '\t' && c != '\r') out.push_back(c);
+ protected:
+  absl::StatusOr<std::string> RenderAll(absl::Span<const ChatMessage> messages, const RenderOptions& options) const override {
+    if (!options.tools_json.empty()) return absl::InvalidArgumentError("tools: the llama3_0 template has no tool format");
+    std::string out = "<|begin_of_text|>";
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].tool_calls.empty()) return MessageError(i, "tool_calls: the llama3_0 template has no tool format");
+      Cat(out, "<|start_header_id|>", messages[i].role, "<|end_header_id|>\n\n", PyStrip(messages[i].content), "<|eot_id|>");
+    }
+    if (options.add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    return out;
   }
-  return out;
-}
+};
+
+constexpr std::string_view kNames = "qwen3, qwen3_5, llama3, llama3_0, chatml";
 
 }  // namespace
 
@@ -544,57 +543,9 @@ absl::StatusOr<std::unique_ptr<ChatRenderer>> MakeChatRenderer(std::string_view 
   if (name == "qwen3") return std::make_unique<Qwen3Renderer>();
   if (name == "qwen3_5") return std::make_unique<Qwen35Renderer>();
   if (name == "llama3") return std::make_unique<Llama3Renderer>();
+  if (name == "llama3_0") return std::make_unique<Llama30Renderer>();
   if (name == "chatml") return std::make_unique<ChatmlRenderer>();
   return absl::NotFoundError(absl::StrCat("no chat renderer '", AV(name), "' (known: ", AV(kNames), ")"));
-}
-
-std::string_view RecognizeChatTemplate(std::string_view chat_template) {
-  const std::string t = Squeeze(chat_template);
-  auto has = [&t](std::string_view needle) { return t.find(Squeeze(needle)) != std::string::npos; };
-  if (has("<|im_start|>") && has("<function=") && has("render_content") && has("last_query_index")) return "qwen3_5";
-  if (has("<|im_start|>") && has("last_query_index") && has("<tool_call>\\n{\\\"name\\\": ")) return "qwen3";
-  if (has("<|start_header_id|>") && has("Cutting Knowledge Date: December 2023") && has("tools_in_user_message")) {
-    return "llama3";
-  }
-  static const std::string kChatml = Squeeze(
-      "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-      "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}");
-  if (t == kChatml) return "chatml";
-  return "";
-}
-
-absl::StatusOr<std::unique_ptr<ChatRenderer>> ChatRendererForModel(const std::string& model_dir,
-                                                                   std::string_view fallback) {
-  // The template: chat_template.jinja, else tokenizer_config.json's chat_template string.
-  std::string chat_template;
-  if (absl::StatusOr<std::string> t = ReadFile(model_dir + "/chat_template.jinja"); t.ok()) {
-    chat_template = *std::move(t);
-  } else if (absl::StatusOr<std::string> cfg = ReadFile(model_dir + "/tokenizer_config.json"); cfg.ok()) {
-    nlohmann::json j = nlohmann::json::parse(*cfg, nullptr, false);
-    if (j.is_object() && j.contains("chat_template") && j["chat_template"].is_string()) {
-      chat_template = j["chat_template"].get<std::string>();
-    }
-  }
-  std::string model_type;
-  if (absl::StatusOr<std::string> cfg = ReadFile(model_dir + "/config.json"); cfg.ok()) {
-    nlohmann::json j = nlohmann::json::parse(*cfg, nullptr, false);
-    if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"].get<std::string>();
-  }
-  if (!chat_template.empty()) {
-    const std::string_view name = RecognizeChatTemplate(chat_template);
-    if (!name.empty()) return MakeChatRenderer(name);
-  } else if (model_type == "qwen3" || model_type == "qwen3_moe") {
-    return MakeChatRenderer("qwen3");
-  } else if (model_type == "qwen3_5" || model_type == "qwen3_5_moe" || model_type == "qwen3_5_text") {
-    return MakeChatRenderer("qwen3_5");
-  } else if (model_type == "llama") {
-    return MakeChatRenderer("llama3");
-  }
-  if (!fallback.empty()) return MakeChatRenderer(fallback);
-  return absl::FailedPreconditionError(absl::StrCat(
-      model_dir, ": no chat renderer for model_type '", model_type, "' with ",
-      chat_template.empty() ? "no chat template" : "an unrecognized chat template",
-      " (known: ", AV(kNames), "; a generic one can be configured as the fallback)"));
 }
 
 }  // namespace twinkle::tokenizer

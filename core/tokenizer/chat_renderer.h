@@ -4,7 +4,8 @@
 // apply_chat_template with that family's own template:
 //   "qwen3"    Qwen3 ChatML (<|im_start|>role\n…<|im_end|>), thinking on or off, tools
 //   "qwen3_5"  Qwen3.5's variant of the same
-//   "llama3"   Llama 3 (<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>)
+//   "llama3"   Llama 3.1/3.3 (<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>), tools
+//   "llama3_0" Llama 3.0's simpler template of the same format, no tools
 //   "chatml"   the generic ChatML renderer, used only when the config asks for it
 //
 // An empty reasoning_content counts as absent (the templates then look for <think> in the
@@ -37,7 +38,10 @@ struct ChatMessage {
 struct RenderOptions {
   bool add_generation_prompt = true;
   bool enable_thinking = true;  // families with a thinking switch (Qwen3, Qwen3.5)
-  std::string tools_json;  // OpenAI "tools" array as JSON text; empty = none
+  // OpenAI "tools" array as JSON text; empty = none. Keep the client's key order (pass the raw
+  // text or an nlohmann::ordered_json dump): the templates print the tools with json.dumps in
+  // that order. The same holds for ToolCall::arguments_json.
+  std::string tools_json;
   // Assistant prefill: the final message is left open for the model to continue (transformers'
   // continue_final_message). Exclusive with add_generation_prompt.
   bool continue_final_message = false;
@@ -56,14 +60,14 @@ class ChatRenderer {
 // By name (above); NotFound listing the known names otherwise.
 absl::StatusOr<std::unique_ptr<ChatRenderer>> MakeChatRenderer(std::string_view name);
 
-// The renderer name whose family template `chat_template` is (compared modulo whitespace), or
-// "" when it is none of them.
+// The renderer whose family template `chat_template` is (core/tokenizer/templates, compared
+// modulo whitespace), or "" when it is none of them: a variant may render differently.
 std::string_view RecognizeChatTemplate(std::string_view chat_template);
 
-// Picks the renderer for a model directory from its config.json model_type and its chat
-// template (chat_template.jinja or tokenizer_config.json's chat_template). FailedPrecondition
-// naming the model type when no renderer is known for it and `fallback` is empty; otherwise
-// MakeChatRenderer(fallback).
+// Picks the renderer for a model directory: its chat template (chat_template.jinja, else
+// tokenizer_config.json's chat_template) when RecognizeChatTemplate knows it; without a
+// template, its config.json model_type (qwen3*, qwen3_5*, llama); else MakeChatRenderer(fallback)
+// when `fallback` is set; else FailedPrecondition naming the model type.
 absl::StatusOr<std::unique_ptr<ChatRenderer>> ChatRendererForModel(const std::string& model_dir,
                                                                    std::string_view fallback);
 

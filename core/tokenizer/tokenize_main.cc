@@ -11,8 +11,11 @@
 //               "enable_thinking": b, "continue_final_message": b}}
 //                                               → {"text": "...", "ids": [...]} (ids: Encode(text))
 //   {"pick": "MODEL_DIR", "fallback": "name"}   → {"renderer": "..."} (ChatRendererForModel)
+//   {"bench_encode": ["text", ...], "repeats": n}
+//                                               → {"seconds": s, "tokens": n} (Encode alone, timed)
 // Any failure → {"error": "..."}; the tool keeps reading.
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -119,6 +122,24 @@ Json Handle(const Tokenizer& tok, const Json& req) {
     return Json{{"hex", hex}};
   }
   if (auto it = req.find("render"); it != req.end()) return Render(tok, *it);
+  if (auto it = req.find("bench_encode"); it != req.end() && it->is_array()) {
+    std::vector<std::string> texts;
+    for (const Json& t : *it) {
+      if (t.is_string()) texts.push_back(t.get<std::string>());
+    }
+    const int repeats = req.contains("repeats") && req["repeats"].is_number_integer() ? req["repeats"].get<int>() : 1;
+    size_t tokens = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < repeats; ++r) {
+      for (const std::string& t : texts) {
+        absl::StatusOr<std::vector<int32_t>> ids = tok.Encode(t);
+        if (!ids.ok()) return Error(ids.status().ToString());
+        tokens += ids->size();
+      }
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return Json{{"seconds", seconds}, {"tokens", tokens}};
+  }
   if (auto it = req.find("pick"); it != req.end() && it->is_string()) {
     auto renderer = twinkle::tokenizer::ChatRendererForModel(it->get<std::string>(), req.value("fallback", ""));
     if (!renderer.ok()) return Error(renderer.status().ToString());
@@ -149,7 +170,12 @@ int main(int argc, char** argv) {
   std::string line;
   while (std::getline(std::cin, line)) {
     Json req = Json::parse(line, nullptr, /*allow_exceptions=*/false);
-    Json answer = req.is_discarded() ? Error("not JSON") : Handle(**tok, req);
+    Json answer;
+    try {  // a request with a field of the wrong type (value() throws); the tool keeps reading
+      answer = req.is_discarded() ? Error("not JSON") : Handle(**tok, req);
+    } catch (const nlohmann::json::exception& e) {
+      answer = Error(e.what());
+    }
     std::cout << answer.dump(-1, ' ', false, Json::error_handler_t::replace) << '\n' << std::flush;
   }
   return 0;

@@ -363,9 +363,28 @@ absl::Status Unsupported(std::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: unsupported ", AV(what)));
 }
 
+// tokenizer.json is untrusted, and nlohmann's value() throws on a wrong type: these read a
+// field of the expected type, or its default when absent, and remember the first bad one.
+std::string Str(const Json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+struct Flags {
+  std::string error;  // the first field that was present but not a boolean
+  bool Get(const Json& j, const char* key, bool fallback, std::string_view where) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return fallback;
+    if (it->is_boolean()) return it->get<bool>();
+    if (error.empty()) error = absl::StrCat("tokenizer.json: ", AV(where), ".", key, " is not a boolean");
+    return fallback;
+  }
+  absl::Status status() const { return error.empty() ? absl::OkStatus() : absl::InvalidArgumentError(error); }
+};
+
 absl::Status ParsePreTokenizer(const Json& p, std::vector<PreTokenizerStep>& steps) {
   if (!p.is_object()) return Unsupported("pre_tokenizer (not an object)");
-  const std::string type = p.value("type", "");
+  const std::string type = Str(p, "type");
+  Flags flags;
   if (type == "Sequence") {
     auto it = p.find("pretokenizers");
     if (it == p.end() || !it->is_array()) return Unsupported("pre_tokenizer Sequence without a pretokenizers array");
@@ -375,9 +394,10 @@ absl::Status ParsePreTokenizer(const Json& p, std::vector<PreTokenizerStep>& ste
     return absl::OkStatus();
   }
   if (type == "Split") {
-    const std::string behavior = p.value("behavior", "");
+    const std::string behavior = Str(p, "behavior");
     if (behavior != "Isolated") return Unsupported(absl::StrCat("pre_tokenizer Split behavior '", behavior, "' (only Isolated)"));
-    if (p.value("invert", false)) return Unsupported("pre_tokenizer Split with invert=true");
+    if (flags.Get(p, "invert", false, "pre_tokenizer Split")) return Unsupported("pre_tokenizer Split with invert=true");
+    if (!flags.status().ok()) return flags.status();
     auto pattern = p.find("pattern");
     if (pattern == p.end() || !pattern->is_object()) return Unsupported("pre_tokenizer Split without a pattern");
     std::string pcre;
@@ -401,8 +421,10 @@ absl::Status ParsePreTokenizer(const Json& p, std::vector<PreTokenizerStep>& ste
   if (type == "ByteLevel") {
     PreTokenizerStep step;
     step.kind = PreTokenizerStep::Kind::kByteLevel;
-    step.add_prefix_space = p.value("add_prefix_space", false);
-    if (p.value("use_regex", true)) {
+    step.add_prefix_space = flags.Get(p, "add_prefix_space", false, "pre_tokenizer ByteLevel");
+    const bool use_regex = flags.Get(p, "use_regex", true, "pre_tokenizer ByteLevel");
+    if (!flags.status().ok()) return flags.status();
+    if (use_regex) {
       absl::StatusOr<std::string> translated = OnigToPcre2(kGpt2Regex);
       if (!translated.ok()) return translated.status();
       absl::StatusOr<std::unique_ptr<Regex>> regex = Regex::Compile(*translated);
@@ -421,14 +443,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
   // Normalizer: none or NFC (a Sequence of just NFC is the same).
   if (auto n = j.find("normalizer"); n != j.end() && !n->is_null()) {
     const Json* norm = &*n;
-    if (norm->is_object() && norm->value("type", "") == "Sequence") {
+    if (norm->is_object() && Str(*norm, "type") == "Sequence") {
       auto list = norm->find("normalizers");
       if (list == norm->end() || !list->is_array() || list->size() > 1) return Unsupported("normalizer Sequence (only one of NFC)");
       if (list->empty()) norm = nullptr;
       else norm = &(*list)[0];
     }
     if (norm != nullptr) {
-      const std::string type = norm->is_object() ? norm->value("type", "") : "";
+      const std::string type = norm->is_object() ? Str(*norm, "type") : "";
       if (type != "NFC") return Unsupported(absl::StrCat("normalizer '", type, "' (only NFC or none)"));
       tok->nfc_ = true;
     }
@@ -446,12 +468,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
 
   // Decoder: ByteLevel (or absent).
   if (auto d = j.find("decoder"); d != j.end() && !d->is_null()) {
-    const std::string type = d->is_object() ? d->value("type", "") : "";
+    const std::string type = d->is_object() ? Str(*d, "type") : "";
     if (type != "ByteLevel") return Unsupported(absl::StrCat("decoder '", type, "' (only ByteLevel)"));
   }
   // Post-processor: only applies with add_special_tokens=True, which Encode never does.
   if (auto pp = j.find("post_processor"); pp != j.end() && !pp->is_null()) {
-    const std::string type = pp->is_object() ? pp->value("type", "") : "";
+    const std::string type = pp->is_object() ? Str(*pp, "type") : "";
     if (type != "ByteLevel" && type != "TemplateProcessing" && type != "Sequence") {
       return Unsupported(absl::StrCat("post_processor '", type, "'"));
     }
@@ -460,7 +482,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
   // Model: BPE.
   auto m = j.find("model");
   if (m == j.end() || !m->is_object()) return Unsupported("tokenizer.json without a model");
-  const std::string model_type = m->value("type", "BPE");
+  const std::string model_type = m->contains("type") ? Str(*m, "type") : "BPE";
   if (model_type != "BPE") return Unsupported(absl::StrCat("model type '", model_type, "' (only BPE)"));
   if (auto v = m->find("dropout"); v != m->end() && !v->is_null()) return Unsupported("BPE dropout");
   if (auto v = m->find("unk_token"); v != m->end() && !v->is_null()) return Unsupported("BPE unk_token (byte-level BPE has none)");
@@ -470,7 +492,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
       return Unsupported(absl::StrCat("BPE ", key));
     }
   }
-  tok->ignore_merges_ = m->value("ignore_merges", false);
+  Flags flags;
+  tok->ignore_merges_ = flags.Get(*m, "ignore_merges", false, "model");
   auto vocab = m->find("vocab");
   if (vocab == m->end() || !vocab->is_object()) return absl::InvalidArgumentError("tokenizer.json: model.vocab is not an object");
   int64_t max_id = -1;
@@ -526,11 +549,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> BpeTokenizer::Build(const Json& j) {
       if (!utf8::IsValid(a.content) || a.content.empty()) {
         return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: added token ", id, " has empty or invalid UTF-8 content"));
       }
-      a.special = t.value("special", false);
-      a.lstrip = t.value("lstrip", false);
-      a.rstrip = t.value("rstrip", false);
-      a.normalized = t.value("normalized", !a.special);
-      a.single_word = t.value("single_word", false);
+      a.special = flags.Get(t, "special", false, "added_tokens[]");
+      a.lstrip = flags.Get(t, "lstrip", false, "added_tokens[]");
+      a.rstrip = flags.Get(t, "rstrip", false, "added_tokens[]");
+      a.normalized = flags.Get(t, "normalized", !a.special, "added_tokens[]");
+      a.single_word = flags.Get(t, "single_word", false, "added_tokens[]");
+      if (!flags.status().ok()) return flags.status();
       max_id = std::max(max_id, id);
       const size_t index = tok->added_.size();
       tok->added_by_content_[a.content] = index;

@@ -22,6 +22,8 @@
 
 namespace twinkle::tokenizer {
 
+// Immutable after construction; Encode, Decode and the rest may be called from any number of
+// threads at once (Encode's per-word cache is internally locked).
 class Tokenizer {
  public:
   // Parses a tokenizer.json (the file's contents). InvalidArgument naming what is
@@ -51,7 +53,8 @@ class Tokenizer {
 
 // Incremental decoding for streaming: Push returns only text that is complete UTF-8, holding
 // back the bytes of a character split across tokens until its last byte arrives. The
-// concatenation of every Push and Finish equals Tokenizer::Decode of all ids.
+// concatenation of every Push and Finish equals Tokenizer::Decode of all ids (an id that is
+// no token, which Decode refuses, adds nothing here).
 class StreamDecoder {
  public:
   StreamDecoder(const Tokenizer& tokenizer, bool skip_special_tokens);

@@ -270,6 +270,22 @@ def https():
         write("http_request_fuzz", name, raw)
 
 
+# ---- tokenizer: text, ids, chat messages, tokenizer.json (first byte picks) -------------------
+def tokenizers():
+    seeds = {
+        "text_mixed": b"\x00Hello world, it's 123 <|im_start|>user\ncaf\xc3\xa9 e\xcc\x81 \xe4\xb8\xad\xf0\x9f\x98\x80 <mask> [R]  word",
+        "text_spaces": b"\x00  \t\r\n\n   \xc2\x85\xe1\xa0\x8e x",
+        "text_invalid": b"\x00abc\xc3(\xe2\x82",
+        "ids": b"\x01" + b"".join(struct.pack("<H", i + 64) for i in (72, 101, 228, 184, 173, 256, 270, 271, -1 + 64, 5000)),
+        "render": b"\x02sys\x00hi <think>a</think>\x00{\"q\": [1, 2.5, null]}\x00result\x00again",
+        "render_tools": b"\x02\x00u\x00{}\x00t\x00u\x00a\x00\x00\x00[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]",
+        "json": b"\x03" + json.dumps({"pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+                                       "added_tokens": [{"id": 3, "content": "<s>", "special": True}]}).encode(),
+    }
+    for name, raw in seeds.items():
+        write("tokenizer_fuzz", name, raw)
+
+
 def main():
     if os.path.isdir(CORPUS):
         shutil.rmtree(CORPUS)
@@ -280,6 +296,7 @@ def main():
     configs()
     ipcs()
     https()
+    tokenizers()
     for t in sorted(os.listdir(CORPUS)):
         n = len(os.listdir(os.path.join(CORPUS, t)))
         print(f"{t}: {n} seeds")

@@ -36,8 +36,5 @@ def family_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def tools(tokenize_bin: Path, family_paths: dict[str, Path]):
-    started = {name: TokenizeTool(tokenize_bin, path) for name, path in family_paths.items()}
-    yield started
-    for tool in started.values():
-        tool.close()
+def tools(tokenize_bin: Path, family_paths: dict[str, Path]) -> dict[str, TokenizeTool]:
+    return {name: TokenizeTool(tokenize_bin, path) for name, path in family_paths.items()}

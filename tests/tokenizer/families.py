@@ -60,6 +60,9 @@ class Family:
     added: list[tuple[str, bool]]
     string_merges: bool = False  # write merges as "a b" strings (older files) instead of [a, b]
     extra_added: list[dict] = field(default_factory=list)  # added tokens with other flags
+    split_string: str | None = None  # a Split on a literal string before ByteLevel(use_regex=True)
+    add_prefix_space: bool = False
+    strings: int = 10_000  # equality strings
 
 
 FAMILIES: Final = [
@@ -83,6 +86,12 @@ FAMILIES: Final = [
         ],
     ),
 ]
+# Neither supported family uses these; they are here because tokenizer.json allows them: a
+# literal Split, ByteLevel(add_prefix_space=True) (applied per piece, as HF does).
+FAMILIES.append(
+    Family("bytelevel_prefix", None, nfc=False, ignore_merges=False, added=[("<|endoftext|>", True)],
+           split_string=". ", add_prefix_space=True, strings=3_000)
+)
 VOCAB_SIZE: Final = 3000
 
 
@@ -91,8 +100,15 @@ def build(family: Family, out_dir: Path) -> Path:
     tok = Tokenizer(models.BPE(ignore_merges=family.ignore_merges))
     if family.nfc:
         tok.normalizer = normalizers.NFC()
-    if family.split_regex is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if family.split_string is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(family.split_string, behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=family.add_prefix_space, use_regex=True),
+            ]
+        )
+    elif family.split_regex is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=family.add_prefix_space, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [

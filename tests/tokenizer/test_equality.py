@@ -1,7 +1,7 @@
 """Exact equality of the C++ tokenizer with HF tokenizers, encode and decode, per family.
 
-For every family (families.py): ≥ 10,000 seeded strings encoded by both and compared id for
-id; their ids decoded by both (with and without skip_special_tokens); random id sequences,
+For every family (families.py): 10,000 seeded strings (3,000 for the extra add_prefix_space
+variant) encoded by both and compared id for id; their ids decoded by both (with and without skip_special_tokens); random id sequences,
 including ones that split UTF-8 characters, decoded by both and through the StreamDecoder.
 """
 
@@ -15,7 +15,6 @@ import pytest
 import corpus
 import families
 
-STRINGS_PER_FAMILY = 10_000
 RANDOM_ID_SEQUENCES = 2_000
 FAMILY_NAMES = [f.name for f in families.FAMILIES]
 
@@ -39,8 +38,8 @@ def _first_mismatch(ours: list, theirs: list, inputs: list) -> str:
 def test_encode_decode_equal_hf(name: str, family_paths: dict[str, Path], tools) -> None:
     family = _family(name)
     hf = families.load(family_paths[name])
-    texts = corpus.make_strings(seed=hash_seed(name), count=STRINGS_PER_FAMILY, specials=_specials(family))
-    assert len(texts) >= STRINGS_PER_FAMILY
+    texts = corpus.make_strings(seed=hash_seed(name), count=family.strings, specials=_specials(family))
+    assert len(texts) >= family.strings
     theirs = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
     ours = tools[name].encode(texts)
     mismatches = sum(a != b for a, b in zip(ours, theirs))
@@ -87,3 +86,25 @@ def test_random_ids_decode_and_stream_equal_hf(name: str, family_paths: dict[str
 def hash_seed(name: str) -> int:
     """A stable per-family seed (Python's hash() is salted per process)."""
     return sum(ord(c) * 31**i for i, c in enumerate(name)) % 1_000_003
+
+
+def test_tiny_model_tokenizer_equal_hf(tokenize_bin: Path) -> None:
+    """The project's own model file (scripts/make_tiny_model.py, made by setup): GPT-2-style
+    ByteLevel, a TemplateProcessing post-processor, a decoder with add_prefix_space=true."""
+    from tool import TokenizeTool
+
+    path = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen3" / "tokenizer.json"
+    assert path.is_file(), f"{path} is made by scripts/setup.sh"
+    hf = families.load(path)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    texts = corpus.make_strings(seed=99, count=2_000, specials=specials)
+    tool = TokenizeTool(tokenize_bin, path)
+    theirs = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    ours = tool.encode(texts)
+    assert ours == theirs, _first_mismatch(ours, theirs, texts)
+    rng = random.Random(5)
+    seqs = [[rng.randrange(hf.get_vocab_size()) for _ in range(rng.randint(0, 30))] for _ in range(500)] + theirs[:500]
+    for skip in (False, True):
+        hf_text = hf.decode_batch(seqs, skip_special_tokens=skip)
+        assert tool.decode(seqs, skip_special=skip) == hf_text
+        assert ["".join(c) for c in tool.stream(seqs, skip_special=skip)] == hf_text

@@ -15,8 +15,9 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from make_tiny_model import CHAT_TEMPLATE as TINY_CHATML  # noqa: E402
 
-TEMPLATES = {name: (HERE / "templates" / f"{name}.jinja").read_text() for name in ("qwen3", "qwen3_5", "llama3")}
-TEMPLATES["chatml"] = TINY_CHATML
+TEMPLATES = {name: (REPO / "core" / "tokenizer" / "templates" / f"{name}.jinja").read_text()
+             for name in ("qwen3", "qwen3_5", "llama3", "llama3_0")}
+TEMPLATES["chatml"] = TINY_CHATML  # the tiny model's, as scripts/make_tiny_model.py writes it
 
 
 def _model(root: Path, name: str, *, model_type: str | None = None, template: str | None = None,
@@ -45,7 +46,11 @@ def test_template_decides(name: str, in_config: bool, tmp_path: Path, tools) -> 
     assert _pick(tools, d) == {"renderer": name}
 
 
-@pytest.mark.parametrize(("model_type", "name"), [("qwen3", "qwen3"), ("qwen3_5", "qwen3_5"), ("llama", "llama3")])
+@pytest.mark.parametrize(
+    ("model_type", "name"),
+    [("qwen3", "qwen3"), ("qwen3_moe", "qwen3"), ("qwen3_5", "qwen3_5"), ("qwen3_5_text", "qwen3_5"),
+     ("qwen3_5_moe", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5"), ("llama", "llama3")],
+)
 def test_model_type_without_template(model_type: str, name: str, tmp_path: Path, tools) -> None:
     assert _pick(tools, _model(tmp_path, "m", model_type=model_type)) == {"renderer": name}
 
@@ -57,7 +62,17 @@ def test_unknown_is_refused_unless_a_fallback_is_configured(tmp_path: Path, tool
     assert _pick(tools, unknown, fallback="chatml") == {"renderer": "chatml"}
     odd = _model(tmp_path, "b", model_type="qwen3", template="{{ messages }}")
     assert "unrecognized chat template" in _pick(tools, odd)["error"]
-    assert "known: qwen3, qwen3_5, llama3, chatml" in _pick(tools, odd, fallback="vicuna")["error"]
+    assert "known: qwen3, qwen3_5, llama3, llama3_0, chatml" in _pick(tools, odd, fallback="vicuna")["error"]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_a_variant_of_a_family_template_is_not_guessed(name: str, tmp_path: Path, tools) -> None:
+    # Reindented it is the same template; with one literal changed it may render differently.
+    reflowed = _model(tmp_path, "a", model_type="qwen3", template="\n".join("  " + l for l in TEMPLATES[name].split("\n")))
+    assert _pick(tools, reflowed) == {"renderer": name}
+    edited = _model(tmp_path, "b", model_type="qwen3", template=TEMPLATES[name].replace("<|im_start|>", "<|im_begin|>")
+                    .replace("<|start_header_id|>", "<|header|>"))
+    assert "unrecognized chat template" in _pick(tools, edited)["error"]
 
 
 def test_the_tiny_model_gets_chatml(tools) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 
 class TokenizeTool:
+    """One tokenizer.json; every run() starts the tool afresh (no state between batches)."""
+
     def __init__(self, binary: Path, tokenizer_json: Path) -> None:
         self.binary = binary
         self.tokenizer_json = tokenizer_json
@@ -36,9 +38,6 @@ class TokenizeTool:
 
     def stream(self, seqs: list[list[int]], skip_special: bool) -> list[list[str]]:
         return [_field(a, "chunks") for a in self.run([{"stream": s, "skip_special": skip_special} for s in seqs])]
-
-    def close(self) -> None:
-        pass
 
 
 def _field(answer: dict[str, Any], key: str) -> Any:

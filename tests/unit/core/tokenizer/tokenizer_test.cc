@@ -79,6 +79,25 @@ TEST(TokenizerTest, UnsupportedPartsAreNamed) {
   ExpectRefused(Json::array(), "not a JSON object");
 }
 
+// Found by tests/fuzz/tokenizer_fuzz: a field of the wrong type is refused, never thrown.
+TEST(TokenizerTest, WrongTypedFieldsAreRefused) {
+  Json j = MinimalJson();
+  j["pre_tokenizer"]["type"] = Json::array({"a b"});
+  ExpectRefused(j, "pre_tokenizer type ''");
+  j = MinimalJson();
+  j["pre_tokenizer"]["use_regex"] = "yes";
+  ExpectRefused(j, "pre_tokenizer ByteLevel.use_regex is not a boolean");
+  j = MinimalJson();
+  j["added_tokens"][0]["special"] = 1;
+  ExpectRefused(j, "added_tokens[].special is not a boolean");
+  j = MinimalJson();
+  j["model"]["ignore_merges"] = Json::object();
+  ExpectRefused(j, "model.ignore_merges is not a boolean");
+  j = MinimalJson();
+  j["model"]["type"] = 7;
+  ExpectRefused(j, "model type ''");
+}
+
 TEST(TokenizerTest, IdLimitIsEnforcedAtLimitPlusOne) {
   constexpr int64_t kLimit = int64_t{1} << 21;  // docs/tokenizer.md
   Json j = MinimalJson();
@@ -140,7 +159,7 @@ TEST(ChatRendererTest, UnknownNameListsTheKnownOnes) {
   auto r = MakeChatRenderer("vicuna");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(r.status().message().find("qwen3, qwen3_5, llama3, chatml"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("qwen3, qwen3_5, llama3, llama3_0, chatml"), std::string::npos) << r.status();
 }
 
 TEST(ChatRendererTest, RefusalsNameTheProblem) {
