@@ -16,6 +16,7 @@ namespace twinkle::training {
 // The caller, already authenticated, with the limits that apply to it.
 struct TenantContext {
   std::string id;
+  int64_t key_id = 0;  // the calling API key (usage metering; 0 = unknown)
   int32_t max_adapters = 64;
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;

@@ -8,12 +8,14 @@
 #include "absl/time/clock.h"
 #include "core/common/log.h"
 #include "core/tenancy/rate_limiter.h"
+#include "server/auth/roles.h"
 #include "server/status_map.h"
 
 namespace twinkle {
 
 training::TenantContext ToTenantContext(const tenancy::Tenant& tenant) {
   training::TenantContext t;
+  t.key_id = tenant.key_id;
   t.id = tenant.id;
   t.max_adapters = tenant.quotas.max_adapters;
   t.max_lora_rank = tenant.quotas.max_lora_rank;
@@ -97,10 +99,14 @@ const std::string& CodeName(absl::StatusCode code) {
   return *unknown;
 }
 
-// Draining and authentication, shared by both kinds of handler.
-absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state) {
+// Draining, authentication and the caller's role, shared by both kinds of handler.
+absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state,
+                                             const char* method) {
   if (state.draining.load()) return absl::UnavailableError("server is shutting down");
-  return state.authenticator->AuthenticateGrpc(*context);
+  absl::StatusOr<const tenancy::Tenant*> who = state.authenticator->AuthenticateGrpc(*context);
+  if (!who.ok()) return who;
+  if (absl::Status s = CheckGrpcRole(**who, method); !s.ok()) return s;
+  return who;
 }
 
 }  // namespace
@@ -110,7 +116,7 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
                                     const std::function<absl::Status(const tenancy::Tenant&)>& body) {
   RequestTimer timer(state.metrics, method);
   CallLog log{RequestIdOf(*context), "", method, absl::Now()};
-  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state, method);
   if (tenant.ok()) log.tenant = (*tenant)->id;
   const absl::Status status = tenant.ok() ? body(**tenant) : tenant.status();
   timer.set_code(CodeName(status.code()));
@@ -130,7 +136,7 @@ grpc::ServerUnaryReactor* HandleQueuedAny(
     timer->set_code(CodeName(status.code()));
     FinishCallLogged(context, reactor, status, *log);
   };
-  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state, method);
   if (tenant.ok()) log->tenant = (*tenant)->id;
   absl::StatusOr<uint64_t> id = tenant.ok() ? submit(**tenant) : absl::StatusOr<uint64_t>(tenant.status());
   if (!id.ok()) {

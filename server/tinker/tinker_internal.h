@@ -28,6 +28,7 @@ inline constexpr char kLog[] = "tinker";
 inline training::TenantContext ContextOf(const tenancy::Tenant& tenant) {
   training::TenantContext t;
   t.id = tenant.id;
+  t.key_id = tenant.key_id;
   t.max_adapters = tenant.quotas.max_adapters;
   t.max_lora_rank = tenant.quotas.max_lora_rank;
   t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
