@@ -36,8 +36,10 @@ from tinker import types  # noqa: E402
 
 from e2e_support import configs, prom  # noqa: E402
 from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
-from e2e_support.training import KEYS, sha256_hex  # noqa: E402
-from e2e_support.waiting import scaled  # noqa: E402
+from e2e_support.training import KEYS, Client, sha256_hex  # noqa: E402
+from e2e_support.waiting import scaled, wait_until  # noqa: E402
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb  # noqa: E402
+import grpc  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 ADMIN_KEY = "tml-ops-admin-00112233445566778899aabbccddeeff"
@@ -58,6 +60,7 @@ def _overrides(data_dir: Path) -> dict[str, Any]:
         "auth": {"enabled": True, "tenants": tenants, "usage_flush_interval_s": 1},
         "server": {"metrics_tenant_labels": True},
         "storage": {"data_dir": str(data_dir)},
+        "testing": {"hooks": True},
     }
 
 
@@ -254,6 +257,40 @@ def test_key_lifecycle_audit_and_no_secrets(admin_server: ServerProcess, server_
     assert admin_client(admin_server).get_audit_log(day=dt.date(2001, 1, 1)).result().entries == []
     assert http(admin_server, "GET", "/audit", ADMIN_KEY, params={"event_type": "nope"}).status_code == 400
     secrets_absent(admin_server, data_dir, ALL_CONFIG_KEYS + [carol_key, new_key, self_key])
+
+
+def test_revoked_key_in_flight_work_finishes_and_grpc_roles(admin_server: ServerProcess, server_bin: Path) -> None:
+    made = admin_json(server_bin, admin_server, "create-key", "--tenant", "alice", "--role", "member", "--name", "ci")
+    key, key_id = made["key"], made["key_id"]
+    training = service(admin_server, key).create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    hooks = Client(admin_server.grpc_address, KEYS["alice"])
+    try:
+        hooks.call("PauseScheduler", tpb.Empty())
+        future = training.forward_backward([datum(s) for s in SEQS], "cross_entropy")
+        # Accepted and queued: in flight when the key is revoked.
+        wait_until(lambda: prom.value(prom.parse(requests.get(f"{base_url(admin_server)}/metrics", timeout=10).text),
+                                      "twinkle_queue_depth", tenant="alice") >= 1,
+                   scaled(30), "the forward_backward to be queued")
+        admin_json(server_bin, admin_server, "revoke-key", str(key_id))
+        assert http(admin_server, "GET", "/auth/apikey/me", key).status_code == 401
+    finally:
+        hooks.call("ResumeScheduler", tpb.Empty())
+        hooks.close()
+    del future  # its key is revoked: the SDK can no longer fetch the result, but the work ran
+    sent = sum(len(s) - 1 for s in SEQS)
+    wait_until(lambda: usage_of(usage_rows(admin_server), key_id, "training") == sent, scaled(60),
+               "the revoked key's queued forward_backward to finish and be metered")
+
+    # gRPC: read-only may sample-side calls, never train; members never reach AdminService.
+    viewer = Client(admin_server.grpc_address, VIEWER_KEY)
+    try:
+        assert viewer.call("CreateSession", tpb.CreateSessionRequest()).session_id
+        with pytest.raises(grpc.RpcError) as refused:
+            viewer.call("AddAdapter", tpb.AddAdapterRequest())
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "read-only" in (refused.value.details() or "")
+    finally:
+        viewer.close()
 
 
 # ---- usage ----------------------------------------------------------------------------------
