@@ -10,6 +10,9 @@ Covered (each asserting its effect):
   CLI: tinker run list, tinker run info; twinkle-server admin create-tenant / create-key /
     list-keys / rotate-key / revoke-key / set-role
   HTTP: GET/DELETE /api/v1/auth/apikey/me, the role refusals, limits at limit+1
+  gRPC: AdminService refused to members, read-only refused AddAdapter
+  Persistence: keys, revocations and usage survive a SIGTERM restart (usage written at
+    shutdown); a revoked key's queued work still runs and is metered.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +40,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from e2e_support import configs, prom  # noqa: E402
-from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
+from e2e_support.server import LaunchServer, ServerProcess, launch, stop_all  # noqa: E402
 from e2e_support.training import KEYS, Client, sha256_hex  # noqa: E402
 from e2e_support.waiting import scaled, wait_until  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb  # noqa: E402
@@ -211,8 +216,26 @@ def test_key_lifecycle_audit_and_no_secrets(admin_server: ServerProcess, server_
     assert admin_cli(server_bin, admin_server, ADMIN_KEY, "create-key", "--tenant", "carol", "--role", "member",
                      "--name", "n" * 128).returncode == 0
 
-    # Rotation: the old key fails on its very next call; the new one works.
+    # Rotation, raced by a client still using the old key: every call that starts after the
+    # rotation returned is refused.
+    calls: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            calls.append((started, http(admin_server, "GET", "/training_runs", carol_key).status_code))
+
+    racer = threading.Thread(target=hammer)
+    racer.start()
+    wait_until(lambda: len(calls) >= 3, scaled(30), "the racing client's first calls")
     rotated = admin_json(server_bin, admin_server, "rotate-key", str(carol_id))
+    rotated_at = time.monotonic()
+    wait_until(lambda: any(t > rotated_at for t, _ in calls), scaled(30), "a call after the rotation")
+    stop.set()
+    racer.join()
+    assert {code for t, code in calls if t > rotated_at} == {401}
+    assert {code for t, code in calls} <= {200, 401}
     new_key, new_id = rotated["key"], rotated["key_id"]
     assert new_id != carol_id and new_key != carol_key and rotated["name"] == "carol laptop"
     assert http(admin_server, "GET", "/training_runs", carol_key).status_code == 401
@@ -460,3 +483,23 @@ def test_session_metadata_search_project_trace_and_cli(admin_server: ServerProce
     denied = subprocess.run([*cli, "run", "info", model_id], env=bob_env, capture_output=True, text=True,
                             timeout=scaled(120))
     assert denied.returncode != 0
+
+
+def test_keys_and_usage_survive_a_restart(launch_server: LaunchServer, server_bin: Path, tmp_path: Path) -> None:
+    overrides = _overrides(tmp_path / "data")
+    overrides["auth"]["usage_flush_interval_s"] = 3600  # only the shutdown writes the counters
+    first = launch_server(overrides)
+    alice_id = key_id_of(first, KEYS["alice"])
+    made = admin_json(server_bin, first, "create-key", "--tenant", "bob", "--role", "read-only")
+    training = service(first, KEYS["alice"]).create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    training.forward_backward([datum(s) for s in SEQS], "cross_entropy").result()
+    revoked = admin_json(server_bin, first, "create-key", "--tenant", "bob", "--role", "member")
+    admin_json(server_bin, first, "revoke-key", str(revoked["key_id"]))
+    first.stop()  # SIGTERM: the last usage counters are written on the way out
+
+    second = launch_server(overrides)
+    # The bootstrap is idempotent: config keys keep their ids; runtime keys and revocations persist.
+    assert key_id_of(second, KEYS["alice"]) == alice_id
+    assert http(second, "GET", "/auth/apikey/me", made["key"]).json()["role"] == "read-only"
+    assert http(second, "GET", "/auth/apikey/me", revoked["key"]).status_code == 401
+    assert usage_of(usage_rows(second), alice_id, "training") == sum(len(s) - 1 for s in SEQS)
