@@ -36,8 +36,6 @@
 #include "server/auth/authenticator.h"
 #include "server/auth/key_admin.h"
 #include "server/grpc/admin_service.h"
-#include "server/tinker/admin_routes.h"
-#include "server/usage_meter.h"
 #include "server/grpc/sampler_service.h"
 #include "server/grpc/tinker_service.h"
 #include "server/grpc/training_service.h"
@@ -46,7 +44,9 @@
 #include "server/http/request_guard.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
+#include "server/tinker/admin_routes.h"
 #include "server/tinker/http_routes.h"
+#include "server/usage_meter.h"
 #include "twinkle_version.h"
 
 namespace twinkle {
