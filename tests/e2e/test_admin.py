@@ -7,7 +7,7 @@ Covered (each asserting its effect):
   RestClient: get_session, list_sessions, search_sessions, assign_session_project,
     export_session_trace, list_training_runs, get_training_run
   AdminClient: get_audit_log, get_billing_usage, get_current_checkpoint_storage_usage
-  CLI: tinker run list, tinker run info; twinkle-server admin create-tenant / create-key /
+  CLI: tinker run list, tinker run info, tinker auth login; twinkle-server admin create-tenant / create-key /
     list-keys / rotate-key / revoke-key / set-role
   HTTP: GET/DELETE /api/v1/auth/apikey/me, the role refusals, limits at limit+1
   gRPC: AdminService refused to members, read-only refused AddAdapter
@@ -187,6 +187,21 @@ def test_whoami_and_roles(admin_server: ServerProcess) -> None:
     viewer = service(admin_server, VIEWER_KEY)
     with pytest.raises(tinker.PermissionDeniedError, match="read-only"):
         viewer.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+
+
+def test_tinker_auth_login_verifies_the_key(admin_server: ServerProcess, tmp_path: Path) -> None:
+    """`tinker auth login` (the real CLI) checks a pasted key with GET /auth/apikey/me."""
+    env = dict(os.environ, HOME=str(tmp_path), TINKER_BASE_URL=base_url(admin_server))
+    cli = [sys.executable, "-m", "tinker.cli", "auth", "login"]
+    ok = subprocess.run(cli, env=env, input=KEYS["alice"] + "\n", capture_output=True, text=True, timeout=scaled(120))
+    assert ok.returncode == 0, ok.stderr
+    assert "(alice)" in ok.stdout
+    stored = json.loads((tmp_path / ".tinker" / "credentials.json").read_text())
+    assert str(key_id_of(admin_server, KEYS["alice"])) in json.dumps(stored)
+    bad_home = tmp_path / "other"
+    bad = subprocess.run(cli, env=dict(env, HOME=str(bad_home)), input="tml-not-a-key\n", capture_output=True,
+                         text=True, timeout=scaled(120))
+    assert bad.returncode != 0 and "401" in bad.stdout + bad.stderr
 
 
 def test_key_lifecycle_audit_and_no_secrets(admin_server: ServerProcess, server_bin: Path) -> None:
