@@ -7,7 +7,8 @@ Covered (each asserting its effect):
   RestClient: get_session, list_sessions, search_sessions, assign_session_project,
     export_session_trace, list_training_runs, get_training_run
   AdminClient: get_audit_log, get_billing_usage, get_current_checkpoint_storage_usage
-  CLI: tinker run list, tinker run info, tinker auth login; twinkle-server admin create-tenant / create-key /
+  CLI: tinker run list, tinker run info, tinker auth login, tinker billing usage /
+    checkpoint-storage; twinkle-server admin create-tenant / create-key /
     list-keys / rotate-key / revoke-key / set-role
   HTTP: GET/DELETE /api/v1/auth/apikey/me, the role refusals, limits at limit+1
   gRPC: AdminService refused to members, read-only refused AddAdapter
@@ -385,6 +386,21 @@ def test_usage_counts_equal_what_was_sent(admin_server: ServerProcess) -> None:
     storage = admin_client(admin_server).get_current_checkpoint_storage_usage().result()
     alice_storage = [d for d in storage.data if d.org_user_urn == "tenant:alice"]
     assert alice_storage and alice_storage[0].checkpoint_count >= 1 and alice_storage[0].size_bytes > 0
+
+    # The same through the real `tinker billing` CLI (admin key), and refused to a member.
+    env = dict(os.environ, TINKER_BASE_URL=base_url(admin_server), TINKER_API_KEY=ADMIN_KEY)
+    cli = [sys.executable, "-m", "tinker.cli", "--format", "json", "billing"]
+    usage_cli = subprocess.run([*cli, "usage", start, end], env=env, capture_output=True, text=True,
+                               timeout=scaled(120))
+    assert usage_cli.returncode == 0, usage_cli.stderr
+    assert f"tenant:alice/key:{alice_id}" in usage_cli.stdout
+    storage_cli = subprocess.run([*cli, "checkpoint-storage"], env=env, capture_output=True, text=True,
+                                 timeout=scaled(120))
+    assert storage_cli.returncode == 0, storage_cli.stderr
+    assert "tenant:alice" in storage_cli.stdout
+    member = subprocess.run([*cli, "usage", start, end], env=dict(env, TINKER_API_KEY=KEYS["alice"]),
+                            capture_output=True, text=True, timeout=scaled(120))
+    assert member.returncode != 0 and "needs role admin" in member.stdout + member.stderr
 
     # The billing window's bounds.
     for params in ({"starting_on": start}, {"starting_on": start, "ending_before": start},
