@@ -8,7 +8,7 @@ Covered (each asserting its effect):
     export_session_trace, list_training_runs, get_training_run
   AdminClient: get_audit_log, get_billing_usage, get_current_checkpoint_storage_usage
   CLI: tinker run list, tinker run info, tinker auth login, tinker billing usage /
-    checkpoint-storage; twinkle-server admin create-tenant / create-key /
+    checkpoint-storage, tinker session export-trace; twinkle-server admin create-tenant / create-key /
     list-keys / rotate-key / revoke-key / set-role
   HTTP: GET/DELETE /api/v1/auth/apikey/me, the role refusals, limits at limit+1
   gRPC: AdminService refused to members, read-only refused AddAdapter
@@ -413,7 +413,7 @@ def test_usage_counts_equal_what_was_sent(admin_server: ServerProcess) -> None:
 # ---- sessions and runs ----------------------------------------------------------------------
 
 
-def test_session_metadata_search_project_trace_and_cli(admin_server: ServerProcess) -> None:
+def test_session_metadata_search_project_trace_and_cli(admin_server: ServerProcess, tmp_path: Path) -> None:
     meta = {"team": "rl", "exp": "e1"}
     svc = service(admin_server, KEYS["alice"], user_metadata=meta, project_id="proj-a", display_name="nightly sweep")
     training = svc.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
@@ -510,6 +510,11 @@ def test_session_metadata_search_project_trace_and_cli(admin_server: ServerProce
                           timeout=scaled(120))
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["training_run_id"] == model_id
+    trace_file = tmp_path / "trace.pftrace"
+    exported = subprocess.run([sys.executable, "-m", "tinker.cli", "session", "export-trace", session, "-o",
+                               str(trace_file)], env=env, capture_output=True, text=True, timeout=scaled(120))
+    assert exported.returncode == 0, exported.stderr
+    assert "POST /api/v1/forward_backward" in [e["name"] for e in json.loads(trace_file.read_text())["traceEvents"]]
     bob_env = dict(env, TINKER_API_KEY=KEYS["bob"])
     denied = subprocess.run([*cli, "run", "info", model_id], env=bob_env, capture_output=True, text=True,
                             timeout=scaled(120))
