@@ -34,6 +34,8 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
+#include "server/auth/key_admin.h"
+#include "server/grpc/admin_service.h"
 #include "server/grpc/sampler_service.h"
 #include "server/grpc/tinker_service.h"
 #include "server/grpc/training_service.h"
@@ -42,7 +44,9 @@
 #include "server/http/request_guard.h"
 #include "server/metrics.h"
 #include "server/serving_state.h"
+#include "server/tinker/admin_routes.h"
 #include "server/tinker/http_routes.h"
+#include "server/usage_meter.h"
 #include "twinkle_version.h"
 
 namespace twinkle {
@@ -197,7 +201,9 @@ void SampleGauges(ServingState& state) {
                             z.tokens_generated});
 }
 
-// Once a second: expire adapters and futures, and sample the gauges.
+// Once a second: expire adapters and futures, and sample the gauges; every
+// auth.usage_flush_interval_s write the usage counters; hourly drop audit rows past
+// auth.audit_retention_days.
 class Housekeeper {
  public:
   Housekeeper(ServingState& state) : state_(state), thread_([this] { Loop(); }) {}
@@ -215,8 +221,21 @@ class Housekeeper {
       // Journaled results outlive the process for the same retention.
       (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
       SampleGauges(state_);
+      const absl::Time now = absl::Now();
+      if (now - last_usage_flush_ >= absl::Seconds(state_.config.auth.usage_flush_interval_s)) {
+        last_usage_flush_ = now;
+        if (absl::Status s = state_.usage->Flush(now); !s.ok()) {
+          LogWarning(kLog, absl::StrCat("writing usage counters (kept for the next try): ", s.message()));
+        }
+      }
+      if (now - last_audit_sweep_ >= absl::Hours(1)) {
+        last_audit_sweep_ = now;
+        (void)state_.registry->ExpireAudit(now - absl::Hours(24) * state_.config.auth.audit_retention_days);
+      }
     }
   }
+  absl::Time last_usage_flush_ = absl::Now();
+  absl::Time last_audit_sweep_ = absl::InfinitePast();
   ServingState& state_;
   absl::Notification stop_;
   std::thread thread_;
@@ -367,6 +386,13 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (!recovered.ok()) {
     return fail(absl::StrCat(where, ": storage.data_dir: recovering checkpoints: ", recovered.status().message()));
   }
+  // The runtime key set: the config's keys become the bootstrap set in the registry, and
+  // the active keys (config and runtime) are what the authenticator answers from.
+  KeyAdmin key_admin(**registry, **authenticator, config.auth.max_keys_per_tenant);
+  if (absl::Status s = key_admin.Bootstrap(config); !s.ok()) {
+    return fail(absl::StrCat(where, ": auth: loading the API keys into the registry: ", s.message()));
+  }
+  UsageMeter usage(**registry);
   absl::StatusOr<std::unique_ptr<training::RegistryFutureJournal>> journal =
       training::RegistryFutureJournal::Open(**registry);
   if (!journal.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", journal.status().message()));
@@ -386,7 +412,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   coordinator_options.registry = registry->get();
   coordinator_options.checkpoints = &checkpoints;
   training::TrainingCoordinator coordinator(coordinator_options, engine_link, futures);
-  coordinator.scheduler().SetStepListener([&metrics](const sched::StepStats& step) {
+  coordinator.scheduler().SetStepListener([&metrics, &usage](const sched::StepStats& step) {
+    usage.RecordStep(step);
     std::vector<Metrics::StepOp> ops;
     for (size_t i = 0; i < step.waits.size(); ++i) {
       ops.push_back({step.waits[i].first, absl::ToDoubleSeconds(step.waits[i].second),
@@ -420,7 +447,13 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     sampling_engines.push_back(&engine_link);
   }
   sampling::SamplerCoordinator sampler(sampler_options, sampling_engines, coordinator, &checkpoints, futures);
+  sampler.SetUsageListener([&metrics, &usage](const sampling::SamplerCoordinator::SampleUsage& u) {
+    usage.RecordSample(u);
+    metrics.RecordSampleTokens(u.tenant, u.prefill_tokens, u.sampled_tokens);
+  });
   state.sampler = &sampler;
+  state.keys = &key_admin;
+  state.usage = &usage;
   state.authenticator = authenticator->get();
   state.rate_limiter = &rate_limiter;
   state.futures = &futures;
@@ -468,6 +501,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   TrainingServiceImpl training_service(state);
   SamplerServiceImpl sampler_service(state);
   TestingServiceImpl testing_service(state);
+  AdminServiceImpl admin_service(state);
   grpc::ServerBuilder builder;
   int grpc_port = 0;
   const std::string grpc_bind = HostPort(config.server.host, config.server.grpc_port);
@@ -483,6 +517,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   builder.RegisterService(&training_service);
   builder.RegisterService(&tinker_service);
   builder.RegisterService(&sampler_service);
+  builder.RegisterService(&admin_service);
   if (config.testing.hooks) builder.RegisterService(&testing_service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   if (!grpc_server || grpc_port == 0) {
@@ -503,6 +538,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   });
   AddHttpRoutes(http, state, grpc_address, tls);
   tinker::AddTinkerRoutes(http, tinker_api, state);
+  tinker::AddAdminRoutes(http, tinker_api, state);
   // The access log's tenant: the registry's lookup, which (unlike Authenticate*) counts no
   // failure; the handlers still authenticate the request themselves.
   http.SetLogTenant([&state](const HttpRequest& r) {
@@ -589,6 +625,10 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   coordinator.Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
   supervisor.Stop(absl::Seconds(5));
   if (sampler_supervisor != nullptr) sampler_supervisor->Stop(absl::Seconds(5));
+  // Usage counted since the last flush (a crash instead loses at most one flush interval).
+  if (absl::Status s = usage.Flush(); !s.ok()) {
+    LogWarning(kLog, absl::StrCat("writing the last usage counters: ", s.message()));
+  }
   LogInfo(kLog, exit_code == 0 ? "stopped cleanly" : "stopped after a startup error");
   return exit_code;
 }

@@ -2,12 +2,15 @@
 //   launch -c FILE [--port-file PATH]   serve until SIGTERM/SIGINT
 //   check-config -c FILE                validate a config (exit 2 on errors)
 //   print-config -c FILE [--format yaml|json]   the effective config, secrets masked
+//   admin --address HOST:PORT <command> ...      runtime tenants and API keys (AdminService;
+//                                                the admin key comes from TWINKLE_API_KEY)
 
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 
 #include "core/common/log.h"
+#include "server/admin_cli.h"
 #include "server/app.h"
 #include "server/config/config.h"
 #include "twinkle_version.h"
@@ -41,7 +44,37 @@ int main(int argc, char** argv) {
   CLI::App* print = app.add_subcommand("print-config", "print the effective config (secrets masked)");
   print->add_option("-c,--config", config_file, "YAML config file")->required();
   print->add_option("--format", format, "yaml or json")->check(CLI::IsMember({"yaml", "json"}));
+  twinkle::AdminCliOptions admin_options;
+  CLI::App* admin = app.add_subcommand("admin", "manage tenants and API keys of a running server (admin role)");
+  admin->add_option("--address", admin_options.address, "the server's gRPC host:port")->required();
+  admin->add_option("--ca-file", admin_options.ca_file, "TLS: verify the server against this CA (PEM)");
+  admin->add_option("--timeout", admin_options.timeout_s, "seconds to wait for the answer");
+  admin->require_subcommand(1);
+  CLI::App* create_tenant = admin->add_subcommand("create-tenant", "create a tenant");
+  create_tenant->add_option("tenant", admin_options.tenant, "tenant id ([a-z0-9_-]{1,64})")->required();
+  CLI::App* create_key = admin->add_subcommand("create-key", "create an API key (printed once)");
+  create_key->add_option("--tenant", admin_options.tenant, "its tenant")->required();
+  create_key->add_option("--role", admin_options.role, "admin, member or read-only")
+      ->check(CLI::IsMember({"admin", "member", "read-only"}))
+      ->required();
+  create_key->add_option("--name", admin_options.name, "a label for it");
+  CLI::App* list_keys = admin->add_subcommand("list-keys", "list API keys (never the keys themselves)");
+  list_keys->add_option("--tenant", admin_options.tenant, "only this tenant's");
+  CLI::App* revoke_key = admin->add_subcommand("revoke-key", "revoke an API key (401 from its next call)");
+  revoke_key->add_option("key_id", admin_options.key_id, "the key id")->required();
+  CLI::App* rotate_key = admin->add_subcommand("rotate-key", "revoke a key and issue its replacement (printed once)");
+  rotate_key->add_option("key_id", admin_options.key_id, "the key id")->required();
+  CLI::App* set_role = admin->add_subcommand("set-role", "change a key's role");
+  set_role->add_option("key_id", admin_options.key_id, "the key id")->required();
+  set_role->add_option("role", admin_options.role, "admin, member or read-only")
+      ->check(CLI::IsMember({"admin", "member", "read-only"}))
+      ->required();
   CLI11_PARSE(app, argc, argv);
+
+  if (admin->parsed()) {
+    for (CLI::App* sub : admin->get_subcommands()) admin_options.command = sub->get_name();
+    return twinkle::RunAdminCommand(admin_options);
+  }
 
   // Block the shutdown signals before any thread exists, so only the signal thread sees them.
   if (launch->parsed()) twinkle::BlockShutdownSignals();

@@ -46,7 +46,8 @@ Metrics::Metrics(bool tenant_labels)
                          .Register(*registry_)),
       tenant_tokens_(prometheus::BuildCounter()
                          .Name("twinkle_tenant_tokens_total")
-                         .Help("Tokens of each tenant's training ops (forward, forward_backward) run by the engine")
+                         .Help("Tokens of each tenant's ops run by the engine, by kind (forward, forward_backward, "
+                               "prefill and sampled of finished sampling requests)")
                          .Register(*registry_)),
       tokens_(prometheus::BuildCounter()
                   .Name("twinkle_tokens_total")
@@ -196,6 +197,13 @@ void Metrics::RecordStep(const std::string& kind, int32_t adapters, int64_t toke
       tenant_tokens_.Add({{"tenant", label}, {"kind", kind}}).Increment(static_cast<double>(op.tokens));
     }
   }
+}
+
+void Metrics::RecordSampleTokens(const std::string& tenant, int64_t prefill, int64_t sampled) {
+  absl::MutexLock lock(&mu_);
+  const std::string label = TenantLabel(tenant);
+  if (prefill > 0) tenant_tokens_.Add({{"tenant", label}, {"kind", "prefill"}}).Increment(static_cast<double>(prefill));
+  if (sampled > 0) tenant_tokens_.Add({{"tenant", label}, {"kind", "sampled"}}).Increment(static_cast<double>(sampled));
 }
 
 void Metrics::SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths) {

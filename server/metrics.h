@@ -47,6 +47,9 @@ class Metrics {
   // tokens it held, how long the engine took, and its ops (queue waits and tokens by tenant).
   void RecordStep(const std::string& kind, int32_t adapters, int64_t tokens, double duration_s,
                   const std::vector<StepOp>& ops);
+  // Sampling tokens of a finished request into the same twinkle_tenant_tokens_total, with
+  // kind "prefill" and "sampled".
+  void RecordSampleTokens(const std::string& tenant, int64_t prefill, int64_t sampled);
 
   // Gauges sampled by the housekeeping loop.
   // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.

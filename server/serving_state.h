@@ -13,10 +13,13 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
+#include "server/auth/key_admin.h"
 #include "server/config/config.h"
 #include "server/metrics.h"
 
 namespace twinkle {
+
+class UsageMeter;
 
 struct ServingState {
   ServingState(const Config& c, const Supervisor& s, Metrics& m)
@@ -49,6 +52,8 @@ struct ServingState {
   registry::Registry* registry = nullptr;
   training::CheckpointStore* checkpoints = nullptr;
   storage::FaultInjectingFileSystem* faults = nullptr;  // checkpoint I/O; armed by test hooks
+  KeyAdmin* keys = nullptr;     // the runtime key set (server/auth/key_admin.h)
+  UsageMeter* usage = nullptr;  // usage metering (server/usage_meter.h)
 };
 
 }  // namespace twinkle

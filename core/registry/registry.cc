@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 2> kMigrations = {
+constexpr std::array<const char*, 3> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (
@@ -88,6 +88,68 @@ INSERT INTO counters(name, value) VALUES ('max_future_id', 0);
     // v1 → v2: Tinker's run user_metadata (a JSON object; '' = none).
     R"sql(
 ALTER TABLE runs ADD COLUMN user_metadata_json TEXT NOT NULL DEFAULT '';
+)sql",
+    // v2 → v3: session metadata; tenants, API keys (digests only) and projects; usage
+    // buckets; the append-only audit log (registry_keys.cc, registry_usage.cc,
+    // registry_audit.cc). Self-contained: depends on no other migration's tables.
+    R"sql(
+ALTER TABLE sessions ADD COLUMN tags_json          TEXT    NOT NULL DEFAULT '[]';
+ALTER TABLE sessions ADD COLUMN user_metadata_json TEXT    NOT NULL DEFAULT '';
+ALTER TABLE sessions ADD COLUMN project_id         TEXT    NOT NULL DEFAULT '';
+ALTER TABLE sessions ADD COLUMN display_name       TEXT    NOT NULL DEFAULT '';
+ALTER TABLE sessions ADD COLUMN key_id             INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sessions ADD COLUMN finished_us        INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX sessions_by_tenant_created ON sessions(tenant, created_us, id);
+
+CREATE TABLE tenants (
+  id         TEXT    NOT NULL PRIMARY KEY,
+  source     TEXT    NOT NULL CHECK (source IN ('config', 'admin')),
+  created_us INTEGER NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE api_keys (
+  key_id     INTEGER PRIMARY KEY AUTOINCREMENT,
+  tenant     TEXT    NOT NULL REFERENCES tenants(id),
+  key_sha256 TEXT    NOT NULL UNIQUE,
+  role       TEXT    NOT NULL CHECK (role IN ('admin', 'member', 'read-only')),
+  name       TEXT    NOT NULL,
+  source     TEXT    NOT NULL CHECK (source IN ('config', 'admin')),
+  created_us INTEGER NOT NULL,
+  revoked_us INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX api_keys_by_tenant ON api_keys(tenant, key_id);
+
+CREATE TABLE projects (
+  tenant     TEXT    NOT NULL,
+  project_id TEXT    NOT NULL,
+  created_us INTEGER NOT NULL,
+  PRIMARY KEY (tenant, project_id)
+) WITHOUT ROWID;
+
+CREATE TABLE usage (
+  bucket_us  INTEGER NOT NULL,
+  tenant     TEXT    NOT NULL,
+  key_id     INTEGER NOT NULL,
+  session_id TEXT    NOT NULL,
+  run_id     TEXT    NOT NULL,
+  kind       TEXT    NOT NULL,
+  amount     INTEGER NOT NULL,
+  PRIMARY KEY (bucket_us, tenant, key_id, session_id, run_id, kind)
+) WITHOUT ROWID;
+
+CREATE TABLE audit (
+  seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+  at_us        INTEGER NOT NULL,
+  tenant       TEXT    NOT NULL,
+  key_id       INTEGER NOT NULL,
+  action       TEXT    NOT NULL,
+  object       TEXT    NOT NULL,
+  peer         TEXT    NOT NULL,
+  details_json TEXT    NOT NULL
+);
+CREATE INDEX audit_by_time ON audit(at_us);
+CREATE TRIGGER audit_append_only BEFORE UPDATE ON audit
+BEGIN SELECT RAISE(ABORT, 'audit rows are append-only'); END;
 )sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,

@@ -12,6 +12,14 @@
 //                result (opaque bytes, the caller's serialisation), error code + message,
 //                created, updated
 //   counters     max_future_id (a high-water mark that survives ExpireFutures)
+//   (v3) sessions also hold tags, user_metadata, project_id, display_name, key_id, finished;
+//   tenants      id, source ("config" | "admin"), created
+//   api_keys     key_id (never reused), tenant, key_sha256 (the digest, never the key), role,
+//                name, source, created, revoked
+//   projects     tenant, project_id, created
+//   usage        hourly counters: bucket, tenant, key_id, session_id, run_id, kind, amount
+//   audit        append-only (UPDATE is refused by a trigger): seq, at, tenant, key_id,
+//                action, object, peer, details (JSON); ExpireAudit is the only delete
 //
 // Every read and delete takes the tenant: another tenant's row is NotFound, with the same
 // message as an unknown one. A write that names an id another tenant owns (PutSession,
@@ -86,6 +94,67 @@ struct SessionRecord {
   std::string tenant;
   absl::Time created;
   absl::Time last_heartbeat;
+  // v3: what create_session carried (SetSessionMetadata) and where it stands.
+  std::string tags_json = "[]";     // a JSON array of strings
+  std::string user_metadata_json;   // a JSON object ("" = none)
+  std::string project_id;           // "" = none
+  std::string display_name;         // "" = none
+  int64_t key_id = 0;               // the API key that created it (0 = unknown / auth off)
+  absl::Time finished = absl::InfinitePast();  // InfinitePast: not finished
+};
+
+// ---- v3: runtime keys, usage and audit (registry_keys.cc, registry_usage.cc,
+// registry_audit.cc). Keys are stored as SHA-256 digests only.
+
+struct ApiKeyRecord {
+  int64_t key_id = 0;       // assigned by InsertKey (positive, never reused)
+  std::string tenant;
+  std::string key_sha256;   // 64 lower-case hex digits
+  std::string role;         // "admin" | "member" | "read-only"
+  std::string name;
+  std::string source;       // "config" (the bootstrap set) | "admin" (created at runtime)
+  absl::Time created;
+  absl::Time revoked = absl::InfinitePast();  // InfinitePast: active
+  bool active() const { return revoked == absl::InfinitePast(); }
+};
+
+struct TenantRecord {
+  std::string id;
+  std::string source;  // "config" | "admin"
+  absl::Time created;
+};
+
+// One usage counter: `amount` of `kind` in the hour starting at `bucket`.
+struct UsageRecord {
+  absl::Time bucket;  // a UTC hour boundary
+  std::string tenant;
+  int64_t key_id = 0;
+  std::string session_id;
+  std::string run_id;
+  std::string kind;  // training | forward | prefill | sampled | optim_steps | storage_byte_seconds
+  int64_t amount = 0;
+};
+
+struct AuditRecord {
+  int64_t seq = 0;  // assigned by AppendAudit
+  absl::Time at;
+  std::string tenant;  // whose key acted ("" when none)
+  int64_t key_id = 0;  // never the key
+  std::string action;  // e.g. "key_create", "checkpoint_delete"
+  std::string object;  // what it acted on
+  std::string peer;    // where the call came from
+  std::string details_json = "{}";
+};
+
+// SearchSessions' filters (all optional; every given one must hold).
+struct SessionFilter {
+  std::string session_id;      // exact; with display_name, either may match
+  std::string display_name;    // case-insensitive words, each a substring
+  std::vector<std::string> project_ids;
+  std::vector<std::pair<std::string, std::string>> user_metadata;  // exact string pairs
+  std::vector<std::string> statuses;  // "active" | "client_finished" (empty = any)
+  // Cursor: rows strictly older than (created, id) in (created desc, id desc) order.
+  std::optional<std::pair<absl::Time, std::string>> after;
 };
 
 // limit 0 returns no rows (only the total); a negative limit or offset is InvalidArgument.
@@ -96,7 +165,7 @@ struct Page {
 
 class Registry {
  public:
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
 
   // Opens (creating when absent) the database file and migrates it. NotFound naming the
   // path when its parent directory does not exist; FailedPrecondition when the file is not a
@@ -160,6 +229,54 @@ class Registry {
   // The largest future id ever recorded (0 when none), kept even after its row expired: ids
   // continue above it after a restart.
   absl::StatusOr<uint64_t> MaxFutureId();
+
+  // ---- v3: session metadata (registry_sessions.cc) ----
+  // Sets tags, user_metadata, project, display name and key of the tenant's session.
+  absl::Status SetSessionMetadata(const SessionRecord& meta);
+  absl::Status SetSessionProject(const std::string& id, const std::string& tenant, const std::string& project_id);
+  absl::Status FinishSession(const std::string& id, const std::string& tenant, absl::Time now);
+  // Newest first (created descending, then id descending); `total` (may be null) receives the
+  // tenant's session count.
+  absl::StatusOr<std::vector<SessionRecord>> ListSessions(const std::string& tenant, Page page, int32_t* total);
+  // Up to `limit` sessions of the tenant matching `filter`, newest first.
+  absl::StatusOr<std::vector<SessionRecord>> SearchSessions(const std::string& tenant, const SessionFilter& filter,
+                                                            int32_t limit);
+
+  // ---- v3: tenants, keys, projects (registry_keys.cc) ----
+  // Inserts the tenant when absent (an existing one keeps its source and created time).
+  absl::Status PutTenant(const std::string& id, const std::string& source, absl::Time now);
+  absl::StatusOr<std::vector<TenantRecord>> ListTenants();
+  // The bootstrap set: a config key is inserted when its digest is new, else its tenant and
+  // role follow the config (a revoked key stays revoked). Config keys whose digest is not in
+  // `digests` any more are revoked at `now`. Returns nothing; one transaction.
+  absl::Status BootstrapConfigKeys(const std::vector<ApiKeyRecord>& keys, absl::Time now);
+  // Inserts a new key (key_id assigned; source and created as given). AlreadyExists when the
+  // digest is already stored; NotFound when the tenant is unknown.
+  absl::StatusOr<ApiKeyRecord> InsertKey(ApiKeyRecord key);
+  // Every key (tenant "" = all tenants), revoked ones included, by key_id.
+  absl::StatusOr<std::vector<ApiKeyRecord>> ListKeys(const std::string& tenant);
+  absl::StatusOr<ApiKeyRecord> GetKey(int64_t key_id);
+  // Revokes the key (NotFound when unknown; a revoked key stays as it was). Returns the row.
+  absl::StatusOr<ApiKeyRecord> RevokeKey(int64_t key_id, absl::Time now);
+  absl::StatusOr<ApiKeyRecord> SetKeyRole(int64_t key_id, const std::string& role);
+  // One transaction: the active key `key_id` is revoked and a key with `new_sha256`, the same
+  // tenant, role and name is inserted (FailedPrecondition when `key_id` is revoked).
+  absl::StatusOr<ApiKeyRecord> RotateKey(int64_t key_id, const std::string& new_sha256, absl::Time now);
+  absl::Status PutProject(const std::string& tenant, const std::string& project_id, absl::Time now);
+
+  // ---- v3: usage (registry_usage.cc) ----
+  // Adds every row's amount to its counter (one transaction).
+  absl::Status AddUsage(const std::vector<UsageRecord>& rows);
+  // Counters with bucket in [from, to), tenant "" = all; by bucket, tenant, key, session, run, kind.
+  absl::StatusOr<std::vector<UsageRecord>> ListUsage(const std::string& tenant, absl::Time from, absl::Time to);
+
+  // ---- v3: audit (registry_audit.cc) ----
+  absl::StatusOr<int64_t> AppendAudit(const AuditRecord& record);
+  // Rows with at in [from, to), oldest first; tenant "" = all; at most `limit`.
+  absl::StatusOr<std::vector<AuditRecord>> ListAudit(const std::string& tenant, absl::Time from, absl::Time to,
+                                                     int32_t limit);
+  // Drops rows older than `cutoff` (retention); returns how many.
+  absl::StatusOr<int64_t> ExpireAudit(absl::Time cutoff);
 
  private:
   Registry(sqlite3* db, std::string path) : db_(db), path_(std::move(path)) {}

@@ -274,6 +274,17 @@ absl::StatusOr<std::string> SamplerCoordinator::ImplicitSession(const TenantCont
   return *id;
 }
 
+std::vector<std::string> SamplerCoordinator::SessionsOwnedBy(const std::string& tenant,
+                                                             const std::string& owner) const {
+  std::vector<std::string> out;
+  if (owner.empty()) return out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, session] : sessions_) {
+    if (session->tenant == tenant && session->owner == owner) out.push_back(id);
+  }
+  return out;
+}
+
 int64_t SamplerCoordinator::CloseOwnedBy(const TenantContext& tenant, const std::string& owner) {
   if (owner.empty()) return 0;
   std::vector<std::shared_ptr<Session>> keep;
@@ -404,6 +415,7 @@ absl::StatusOr<SamplingSessionInfo> SamplerCoordinator::GetSession(const TenantC
   info.id = (*session)->id;
   info.base_model = options_.base_model;
   info.model_path = (*session)->model_path;
+  info.owner = (*session)->owner;
   return info;
 }
 
@@ -598,6 +610,8 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   }
   auto request = std::make_shared<Request>();
   request->tenant = tenant.id;
+  request->key_id = tenant.key_id;
+  request->usage_session = (*session)->owner.empty() ? session_id : (*session)->owner;
   request->snapshot = (*session)->snapshot;
   request->prompts = std::move(prompts);
   request->params = std::move(params);

@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -90,6 +91,7 @@ struct SamplingSessionInfo {
   std::string id;
   std::string base_model;
   std::string model_path;  // "" = the base model; for a live snapshot, the adapter it came from
+  std::string owner;       // the training session it belongs to, or empty
 };
 
 struct SamplerOptions {
@@ -157,6 +159,8 @@ class SamplerCoordinator {
   // The one implicit session of (tenant, model_path), for requests that name no session:
   // made on first use, reused afterwards (and made again if it was closed).
   absl::StatusOr<std::string> ImplicitSession(const TenantContext& tenant, const std::string& model_path);
+  // The open sessions of the tenant owned by training session `owner`, by id.
+  std::vector<std::string> SessionsOwnedBy(const std::string& tenant, const std::string& owner) const;
   // Closes every session of the tenant owned by training session `owner`; returns how many.
   int64_t CloseOwnedBy(const TenantContext& tenant, const std::string& owner);
   absl::StatusOr<SamplingSessionInfo> GetSession(const TenantContext& tenant, const std::string& session_id);
@@ -176,6 +180,18 @@ class SamplerCoordinator {
   // the transports charge to the tenant's token rate (tokens_per_s), as for training.
   int64_t TokensOf(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& params) const;
 
+  // What a finished sampling request used, for usage metering: its prompts' tokens (counted
+  // once per prompt) and the tokens it generated (every sample). Failed requests report none.
+  struct SampleUsage {
+    std::string tenant;
+    int64_t key_id = 0;
+    std::string session_id;  // the training session that owns the sampling session, else the sampling session
+    int64_t prefill_tokens = 0;
+    int64_t sampled_tokens = 0;
+  };
+  // Called once per successful request, on a decode thread. Set before Start.
+  void SetUsageListener(std::function<void(const SampleUsage&)> listener) { usage_listener_ = std::move(listener); }
+
   // Closes sessions unused for session_timeout, and owned sessions whose training session
   // ended. Call periodically.
   void Housekeep();
@@ -187,6 +203,7 @@ class SamplerCoordinator {
   struct Request;
   struct Row;
   struct Lane;
+  std::function<void(const SampleUsage&)> usage_listener_;
 
   absl::StatusOr<std::shared_ptr<Session>> FindSession(const TenantContext& tenant, const std::string& id);
   std::shared_ptr<Snapshot> NewSnapshot(const std::string& tenant, const std::string& source,

@@ -158,7 +158,16 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
     absl::MutexLock lock(&mu_);
     done = --request.rows_left == 0;
   }
-  if (done) Finish(request, FutureValue(std::move(request.output)));
+  if (!done) return;
+  if (usage_listener_) {
+    SampleUsage usage{request.tenant, request.key_id, request.usage_session, 0, 0};
+    for (const std::vector<int64_t>& prompt : request.prompts) usage.prefill_tokens += static_cast<int64_t>(prompt.size());
+    for (const PromptOutput& p : request.output.prompts) {
+      for (const SampledSequence& s : p.sequences) usage.sampled_tokens += static_cast<int64_t>(s.tokens.size());
+    }
+    usage_listener_(usage);
+  }
+  Finish(request, FutureValue(std::move(request.output)));
 }
 
 absl::Status SamplerCoordinator::EnsureOnEngine(Lane& lane, Snapshot& snapshot) {

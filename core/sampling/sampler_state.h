@@ -48,6 +48,8 @@ struct SamplerCoordinator::Session {
 struct SamplerCoordinator::Request {
   uint64_t future_id = 0;
   std::string tenant;
+  int64_t key_id = 0;      // usage metering
+  std::string usage_session;
   std::shared_ptr<Snapshot> snapshot;
   std::vector<std::vector<int64_t>> prompts;
   SamplingParams params;

@@ -34,6 +34,13 @@ struct Op {
   std::string idempotency_key;
   std::string name;             // what the op is ("forward_backward", "optim_step", ...)
   uint64_t fingerprint = 0;     // a hash of the request's body; 0 = not given (not compared)
+  // Whom the op is billed to (usage metering): reported back in StepStats::op_usage, never
+  // read by the scheduler.
+  struct Usage {
+    int64_t key_id = 0;  // the API key that submitted it (0: unknown, auth off)
+    std::string run_id;
+    std::string session_id;
+  } usage;
   std::any payload;             // the executor's
 };
 

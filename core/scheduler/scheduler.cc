@@ -399,6 +399,8 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
                                    ops.size(), " ops")));
   }
   const absl::Duration duration = clock_.Now() - start;
+  std::vector<bool> ok(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) ok[i] = results[i].ok();  // before the results move out
   for (size_t i = 0; i < ops.size(); ++i) {
     // A Deferred result: the executor completes this future itself, later.
     if (results[i].ok() && std::holds_alternative<Deferred>(*results[i])) continue;
@@ -411,11 +413,15 @@ void Scheduler::RunStep(std::vector<Queued>& batch, absl::Time picked_at,
   stats.ops = static_cast<int32_t>(ops.size());
   stats.duration = duration;
   absl::flat_hash_set<std::string> tenants;
-  for (const Queued& q : batch) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Queued& q = batch[i];
     stats.tokens += BudgetTokens(*q.op);
     tenants.insert(q.op->tenant);
     stats.waits.emplace_back(q.op->tenant, picked_at - q.enqueued);
     stats.op_tokens.push_back(BudgetTokens(*q.op));
+    stats.op_usage.push_back(q.op->usage);
+    stats.op_names.push_back(q.op->name);
+    stats.op_ok.push_back(ok[i]);
   }
   stats.tenants = static_cast<int32_t>(tenants.size());
   listener(stats);

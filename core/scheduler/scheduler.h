@@ -77,6 +77,10 @@ struct StepStats {
   absl::Duration duration;
   std::vector<std::pair<std::string, absl::Duration>> waits;  // (tenant, queue wait) per op
   std::vector<int64_t> op_tokens;                              // per op, in the order of waits
+  // Per op, in the order of waits: its billing attribution, name and whether it succeeded.
+  std::vector<Op::Usage> op_usage;
+  std::vector<std::string> op_names;
+  std::vector<bool> op_ok;
 };
 
 // Future ids continue from `next` (never moving backwards): a server that persists futures

@@ -20,9 +20,37 @@ struct Quotas {
   int64_t burst_tokens = 65536;            // token bucket size (tokens usable at once)
 };
 
+// What an API key may do (docs/security.md): admin manages keys, tenants and reads usage
+// and audit for every tenant; member trains, samples and manages its tenant's objects;
+// read-only may list, get, sample and download, never train, save or delete.
+enum class Role { kAdmin, kMember, kReadOnly };
+
+inline const char* RoleName(Role role) {
+  switch (role) {
+    case Role::kAdmin: return "admin";
+    case Role::kReadOnly: return "read-only";
+    default: return "member";
+  }
+}
+
+// The role named `name` ("admin", "member", "read-only"), or false.
+inline bool ParseRole(const std::string& name, Role* role) {
+  if (name == "admin") *role = Role::kAdmin;
+  else if (name == "member") *role = Role::kMember;
+  else if (name == "read-only") *role = Role::kReadOnly;
+  else return false;
+  return true;
+}
+
+// Who is calling. TenantRegistry::Authenticate returns one of these per API key (the key's
+// tenant id and quotas, plus key_id and role); Find and tenants() return the tenant itself
+// (key_id 0, role member). Objects live as long as their registry, so a pointer held by
+// in-flight work stays valid after its key is revoked.
 struct Tenant {
   std::string id;  // [a-z0-9_-]{1,64}; "default" when authentication is off
   Quotas quotas;
+  int64_t key_id = 0;          // the registry's key id (0: not a key, or auth off)
+  Role role = Role::kMember;   // auth off: admin
 };
 
 // The one tenant every request belongs to when authentication is off.

@@ -2,11 +2,37 @@
 
 #include <openssl/crypto.h>
 
+#include <deque>
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
 namespace twinkle::tenancy {
+
+// Everything behind a pointer, so the registry moves while its objects (and the mutex) stay.
+struct TenantRegistry::State {
+  mutable absl::Mutex mu;
+  // Tenants in order of addition; principals ever made (never freed: in-flight work may hold
+  // one after its key is revoked). Deques keep element addresses stable.
+  std::deque<std::unique_ptr<Tenant>> tenants ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, const Tenant*> by_id ABSL_GUARDED_BY(mu);
+  std::deque<std::unique_ptr<Tenant>> principals ABSL_GUARDED_BY(mu);
+  // The active keys: scanned in full on every Authenticate.
+  std::vector<std::pair<Sha256Digest, const Tenant*>> keys ABSL_GUARDED_BY(mu);
+
+  const Tenant* AddTenantLocked(absl::string_view id, const Quotas& quotas) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = by_id.find(id);
+    if (it != by_id.end()) return it->second;
+    tenants.push_back(std::make_unique<Tenant>(Tenant{std::string(id), quotas}));
+    by_id[tenants.back()->id] = tenants.back().get();
+    return tenants.back().get();
+  }
+  const Tenant* NewPrincipalLocked(const Tenant& tenant, int64_t key_id, Role role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    principals.push_back(std::make_unique<Tenant>(Tenant{tenant.id, tenant.quotas, key_id, role}));
+    return principals.back().get();
+  }
+};
 
 bool IsValidTenantId(absl::string_view id) {
   if (id.empty() || id.size() > 64) return false;
@@ -17,11 +43,18 @@ bool IsValidTenantId(absl::string_view id) {
   return true;
 }
 
+TenantRegistry::TenantRegistry() : state_(std::make_unique<State>()) {}
+TenantRegistry::TenantRegistry(TenantRegistry&&) noexcept = default;
+TenantRegistry& TenantRegistry::operator=(TenantRegistry&&) noexcept = default;
+TenantRegistry::~TenantRegistry() = default;
+
 TenantRegistry TenantRegistry::Open(const Quotas& quotas) {
   TenantRegistry registry;
   registry.auth_enabled_ = false;
-  registry.tenants_.push_back(std::make_unique<Tenant>(Tenant{kDefaultTenantId, quotas}));
-  registry.by_id_[kDefaultTenantId] = registry.tenants_.back().get();
+  State& st = *registry.state_;
+  absl::MutexLock lock(&st.mu);
+  st.tenants.push_back(std::make_unique<Tenant>(Tenant{kDefaultTenantId, quotas, 0, Role::kAdmin}));
+  st.by_id[kDefaultTenantId] = st.tenants.back().get();
   return registry;
 }
 
@@ -31,20 +64,22 @@ absl::StatusOr<TenantRegistry> TenantRegistry::WithKeys(std::vector<TenantSpec> 
   }
   TenantRegistry registry;
   registry.auth_enabled_ = true;
+  State& st = *registry.state_;
+  absl::MutexLock lock(&st.mu);
   absl::flat_hash_set<std::string> seen_digests;
   for (TenantSpec& spec : tenants) {
     if (!IsValidTenantId(spec.id)) {
       return absl::InvalidArgumentError(
           absl::StrCat("tenant id '", spec.id.substr(0, 80), "' is not 1-64 of [a-z0-9_-]"));
     }
-    if (registry.by_id_.contains(spec.id)) {
+    if (st.by_id.contains(spec.id)) {
       return absl::InvalidArgumentError(absl::StrCat("tenant '", spec.id, "' is defined twice"));
     }
     if (spec.key_sha256.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("tenant '", spec.id, "' has no key"));
     }
-    registry.tenants_.push_back(std::make_unique<Tenant>(Tenant{spec.id, spec.quotas}));
-    const size_t index = registry.tenants_.size();  // 1-based: 0 means "no match"
+    const Tenant* tenant = st.AddTenantLocked(spec.id, spec.quotas);
+    const Tenant* principal = st.NewPrincipalLocked(*tenant, 0, spec.role);
     for (const std::string& hex : spec.key_sha256) {
       std::optional<Sha256Digest> digest = ParseSha256Hex(hex);
       if (!digest) {
@@ -56,39 +91,72 @@ absl::StatusOr<TenantRegistry> TenantRegistry::WithKeys(std::vector<TenantSpec> 
         return absl::InvalidArgumentError(absl::StrCat(
             "tenant '", spec.id, "': a key_sha256 digest is listed more than once"));
       }
-      registry.keys_.emplace_back(*digest, index);
+      st.keys.emplace_back(*digest, principal);
     }
-    registry.by_id_[spec.id] = registry.tenants_.back().get();
   }
   return registry;
 }
 
 absl::StatusOr<const Tenant*> TenantRegistry::Authenticate(absl::string_view api_key) const {
-  if (!auth_enabled_) return tenants_.front().get();
+  State& st = *state_;
+  absl::ReaderMutexLock lock(&st.mu);
+  if (!auth_enabled_) return st.tenants.front().get();
   if (api_key.empty()) return absl::UnauthenticatedError("missing API key");
   const Sha256Digest presented = Sha256(api_key);
   // Every digest is compared, and the match is selected with a mask rather than a branch,
   // so the time taken depends only on how many digests there are.
-  size_t found = 0;
-  for (const auto& [digest, index] : keys_) {
-    const size_t equal =
-        static_cast<size_t>(CRYPTO_memcmp(digest.data(), presented.data(), digest.size()) == 0);
-    const size_t mask = size_t{0} - equal;  // all ones on a match, else zero
-    found = (found & ~mask) | (index & mask);
+  uintptr_t found = 0;
+  for (const auto& [digest, principal] : st.keys) {
+    const uintptr_t equal =
+        static_cast<uintptr_t>(CRYPTO_memcmp(digest.data(), presented.data(), digest.size()) == 0);
+    const uintptr_t mask = uintptr_t{0} - equal;  // all ones on a match, else zero
+    found = (found & ~mask) | (reinterpret_cast<uintptr_t>(principal) & mask);
   }
   if (found == 0) return absl::UnauthenticatedError("invalid API key");
-  return tenants_[found - 1].get();
+  return reinterpret_cast<const Tenant*>(found);
+}
+
+void TenantRegistry::SetKeys(const std::vector<KeyEntry>& keys, const Quotas& default_quotas) {
+  if (!auth_enabled_) return;
+  State& st = *state_;
+  absl::MutexLock lock(&st.mu);
+  // Reuse the principal of a key whose (id, role) did not change.
+  absl::flat_hash_map<int64_t, const Tenant*> current;
+  for (const auto& [digest, principal] : st.keys) {
+    if (principal->key_id != 0) current[principal->key_id] = principal;
+  }
+  std::vector<std::pair<Sha256Digest, const Tenant*>> next;
+  next.reserve(keys.size());
+  for (const KeyEntry& k : keys) {
+    const Tenant* tenant = st.AddTenantLocked(k.tenant, default_quotas);
+    auto it = current.find(k.key_id);
+    const Tenant* principal = it != current.end() && it->second->role == k.role && it->second->id == k.tenant
+                                  ? it->second
+                                  : st.NewPrincipalLocked(*tenant, k.key_id, k.role);
+    next.emplace_back(k.digest, principal);
+  }
+  st.keys = std::move(next);
+}
+
+const Tenant* TenantRegistry::AddTenant(absl::string_view id, const Quotas& default_quotas) {
+  State& st = *state_;
+  absl::MutexLock lock(&st.mu);
+  return st.AddTenantLocked(id, default_quotas);
 }
 
 const Tenant* TenantRegistry::Find(absl::string_view id) const {
-  auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second;
+  State& st = *state_;
+  absl::ReaderMutexLock lock(&st.mu);
+  auto it = st.by_id.find(id);
+  return it == st.by_id.end() ? nullptr : it->second;
 }
 
 std::vector<const Tenant*> TenantRegistry::tenants() const {
+  State& st = *state_;
+  absl::ReaderMutexLock lock(&st.mu);
   std::vector<const Tenant*> out;
-  out.reserve(tenants_.size());
-  for (const auto& t : tenants_) out.push_back(t.get());
+  out.reserve(st.tenants.size());
+  for (const auto& t : st.tenants) out.push_back(t.get());
   return out;
 }
 

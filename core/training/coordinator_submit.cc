@@ -121,6 +121,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitTask(const TenantContext& te
   sched::Op op;
   op.tenant = tenant.id;
   op.adapter = TaskQueue(tenant.id, queue);
+  op.usage.key_id = tenant.key_id;
   op.kind = sched::OpKind::kOther;
   op.tokens = tokens;
   op.deadline = options.deadline;
@@ -140,6 +141,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitControlOp(const TenantContex
   sched::Op op;
   op.tenant = tenant.id;
   op.adapter = adapter->key;
+  op.usage = {tenant.key_id, adapter->run_id, adapter->session_id};
   op.kind = sched::OpKind::kOther;
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
@@ -167,6 +169,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
   sched::Op op;
   op.tenant = tenant.id;
   op.adapter = (*adapter)->key;
+  op.usage = {tenant.key_id, (*adapter)->run_id, (*adapter)->session_id};
   op.kind = mode == ForwardMode::kForwardBackward ? sched::OpKind::kForwardBackward : sched::OpKind::kForward;
   op.tokens = packed->tokens;
   op.deadline = options.deadline;
@@ -188,6 +191,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitBackward(const TenantContext
   sched::Op op;
   op.tenant = tenant.id;
   op.adapter = (*adapter)->key;
+  op.usage = {tenant.key_id, (*adapter)->run_id, (*adapter)->session_id};
   op.kind = sched::OpKind::kForwardBackward;
   op.tokens = 1;
   op.deadline = options.deadline;

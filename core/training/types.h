@@ -17,6 +17,7 @@ namespace twinkle::training {
 // The caller, already authenticated, with the limits that apply to it.
 struct TenantContext {
   std::string id;
+  int64_t key_id = 0;  // the calling API key (usage metering; 0 = unknown)
   int32_t max_adapters = 64;
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;
@@ -29,6 +30,7 @@ struct TenantContext {
 inline TenantContext ContextOf(const tenancy::Tenant& tenant) {
   TenantContext t;
   t.id = tenant.id;
+  t.key_id = tenant.key_id;
   t.max_adapters = tenant.quotas.max_adapters;
   t.max_lora_rank = tenant.quotas.max_lora_rank;
   t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;

@@ -35,7 +35,9 @@ absl::StatusOr<tenancy::TenantRegistry> TenantRegistryFromConfig(const Config& c
   std::vector<tenancy::TenantSpec> specs;
   specs.reserve(config.auth.tenants.size());
   for (const TenantConfig& t : config.auth.tenants) {
-    specs.push_back({t.id, t.key_sha256, QuotasFromLimits(t.quotas)});
+    tenancy::Role role = tenancy::Role::kMember;
+    tenancy::ParseRole(t.role, &role);  // validated by the config parser
+    specs.push_back({t.id, t.key_sha256, QuotasFromLimits(t.quotas), role});
   }
   return tenancy::TenantRegistry::WithKeys(std::move(specs));
 }
@@ -68,7 +70,9 @@ Authenticator::Authenticator(tenancy::TenantRegistry registry) : registry_(std::
 absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromConfig(const Config& config) {
   absl::StatusOr<tenancy::TenantRegistry> registry = TenantRegistryFromConfig(config);
   if (!registry.ok()) return registry.status();
-  return std::make_unique<Authenticator>(std::move(*registry));
+  auto authenticator = std::make_unique<Authenticator>(std::move(*registry));
+  authenticator->default_quotas_ = QuotasFromLimits(config.limits);
+  return authenticator;
 }
 
 absl::StatusOr<const tenancy::Tenant*> Authenticator::Finish(

@@ -60,6 +60,10 @@ class Authenticator {
 
   bool enabled() const { return registry_.auth_enabled(); }
   const tenancy::TenantRegistry& registry() const { return registry_; }
+  // For the runtime key set (KeyAdmin), which replaces the active keys after each change.
+  tenancy::TenantRegistry& mutable_registry() { return registry_; }
+  // The quotas of tenants created at runtime: the config's `limits`.
+  const tenancy::Quotas& default_quotas() const { return default_quotas_; }
 
   // Failed authentications so far (missing, malformed or unknown keys).
   int64_t failures() const { return failures_.load(std::memory_order_relaxed); }
@@ -73,6 +77,7 @@ class Authenticator {
   absl::StatusOr<const tenancy::Tenant*> Finish(absl::StatusOr<const tenancy::Tenant*> result) const;
 
   tenancy::TenantRegistry registry_;
+  tenancy::Quotas default_quotas_;
   mutable std::atomic<int64_t> failures_{0};
   std::function<void(const absl::Status&)> on_failure_;
 };

@@ -98,11 +98,15 @@ template <typename V> void VisitFields(V& v, TenantConfig& c) {
   v.Field("id", c.id, Required());
   v.Field("key_sha256", c.key_sha256, Secret());
   v.Section("quotas", c.quotas);
+  v.Field("role", c.role, OneOf({"admin", "member", "read-only"}));
 }
 template <typename V> void VisitFields(V& v, AuthSection& c) {
   v.Field("enabled", c.enabled, Spec{});
   v.Field("tenants_file", c.tenants_file, Path());
   v.List("tenants", c.tenants);
+  v.Field("audit_retention_days", c.audit_retention_days, Range(1, 36500));
+  v.Field("usage_flush_interval_s", c.usage_flush_interval_s, Range(0.1, 3600));
+  v.Field("max_keys_per_tenant", c.max_keys_per_tenant, Range(1, 100000));
 }
 template <typename V> void VisitFields(V& v, SchedulerSection& c) {
   v.Field("max_tokens_per_step", c.max_tokens_per_step, Range(1, 1e9));

@@ -83,6 +83,7 @@ struct TenantConfig {
   std::string id;                       // [a-z0-9_-]{1,64}, unique
   std::vector<std::string> key_sha256;  // hex SHA-256 of each API key (lower-cased); secret
   LimitsSection quotas;                 // keys left out take the value from `limits`
+  std::string role = "member";          // of its keys: admin | member | read-only
 };
 
 struct AuthSection {
@@ -90,6 +91,13 @@ struct AuthSection {
   std::string tenants_file;           // optional YAML file with a top-level `tenants:` list
   // Inline tenants followed by those of tenants_file (after parsing, both are here).
   std::vector<TenantConfig> tenants;
+  // Audit rows older than this are deleted (hourly sweep).
+  double audit_retention_days = 90;
+  // Usage counters are kept in memory and written to the registry this often (and at a
+  // clean shutdown); a crash loses at most this much usage.
+  double usage_flush_interval_s = 10;
+  // API keys the registry may hold per tenant (active ones; create/rotate beyond: 429).
+  int32_t max_keys_per_tenant = 100;
 };
 
 // The fair fusing scheduler (core/scheduler).

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "core/common/log.h"
 #include "core/tenancy/rate_limiter.h"
+#include "server/auth/roles.h"
 #include "server/status_map.h"
 
 namespace twinkle {
@@ -88,10 +89,14 @@ const std::string& CodeName(absl::StatusCode code) {
   return *unknown;
 }
 
-// Draining and authentication, shared by both kinds of handler.
-absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state) {
+// Draining, authentication and the caller's role, shared by both kinds of handler.
+absl::StatusOr<const tenancy::Tenant*> Admit(grpc::CallbackServerContext* context, ServingState& state,
+                                             const char* method) {
   if (state.draining.load()) return absl::UnavailableError("server is shutting down");
-  return state.authenticator->AuthenticateGrpc(*context);
+  absl::StatusOr<const tenancy::Tenant*> who = state.authenticator->AuthenticateGrpc(*context);
+  if (!who.ok()) return who;
+  if (absl::Status s = CheckGrpcRole(**who, method); !s.ok()) return s;
+  return who;
 }
 
 }  // namespace
@@ -101,7 +106,7 @@ grpc::ServerUnaryReactor* HandleNow(grpc::CallbackServerContext* context, Servin
                                     const std::function<absl::Status(const tenancy::Tenant&)>& body) {
   RequestTimer timer(state.metrics, method);
   CallLog log{RequestIdOf(*context), "", method, absl::Now()};
-  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state, method);
   if (tenant.ok()) log.tenant = (*tenant)->id;
   const absl::Status status = tenant.ok() ? body(**tenant) : tenant.status();
   timer.set_code(CodeName(status.code()));
@@ -121,7 +126,7 @@ grpc::ServerUnaryReactor* HandleQueuedAny(
     timer->set_code(CodeName(status.code()));
     FinishCallLogged(context, reactor, status, *log);
   };
-  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state, method);
   if (tenant.ok()) log->tenant = (*tenant)->id;
   absl::StatusOr<uint64_t> id = tenant.ok() ? submit(**tenant) : absl::StatusOr<uint64_t>(tenant.status());
   if (!id.ok()) {

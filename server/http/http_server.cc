@@ -194,6 +194,13 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     }
   }
 
+  std::string Peer() {
+    beast::error_code ec;
+    const tcp::endpoint remote = beast::get_lowest_layer(stream_).socket().remote_endpoint(ec);
+    if (ec) return std::string();
+    return absl::StrCat(remote.address().to_string(), ":", remote.port());
+  }
+
   void OnRead(beast::error_code ec) {
     if (core_->stopped.load()) return;
     if (ec == http::error::end_of_stream) return Close();
@@ -201,6 +208,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     http::request<http::string_body> req = parser_->release();
     HttpRequest request = RequestHead(req);
     request.body = std::move(req.body());
+    request.peer = Peer();
     Dispatch(request, req.version(), req.keep_alive());
   }
 

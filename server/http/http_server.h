@@ -32,6 +32,8 @@ struct HttpRequest {
   HttpHeaders headers;
   // Prefix routes: the part of `path` after the prefix (URL-decoded); empty otherwise.
   std::string path_tail;
+  // The client's address ("ip:port"; audit rows' "from where"); empty in tests without sockets.
+  std::string peer;
   // Returns the header's value, or nullptr; `lower_name` must be lower-case.
   const std::string* Header(const std::string& lower_name) const {
     auto it = headers.find(lower_name);

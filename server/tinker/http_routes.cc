@@ -9,7 +9,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "core/tenancy/rate_limiter.h"
+#include "server/auth/roles.h"
 #include "server/tinker/tinker_json.h"
 
 namespace twinkle::tinker {
@@ -19,7 +21,9 @@ constexpr char kApi[] = "/api/v1";
 
 std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
-HttpResponse JsonResponse(const Json& j, int status = 200) { return {status, "application/json", Dump(j)}; }
+}  // namespace
+
+HttpResponse JsonResponse(const Json& j, int status) { return {status, "application/json", Dump(j)}; }
 
 // Every error has a JSON body with an explicit length (the SDK treats an empty 400 as a
 // proxy failure and retries it) and says whether a retry can help.
@@ -37,6 +41,8 @@ HttpResponse ErrorResponse(const absl::Status& status) {
   }
   return r;
 }
+
+namespace {
 
 HttpResponse Answer(const absl::StatusOr<Json>& result) {
   return result.ok() ? JsonResponse(*result) : ErrorResponse(result.status());
@@ -74,7 +80,13 @@ class Routes {
       if (!tenant.ok()) return ErrorResponse(tenant.status());
       absl::StatusOr<Json> body = ParseBody(request);
       if (!body.ok()) return ErrorResponse(body.status());
-      return Answer(fn(**tenant, *body));
+      const absl::Time start = absl::Now();
+      HttpResponse response = Answer(fn(**tenant, *body));
+      ctx->api.traces().Record((*tenant)->id, ctx->api.TraceSessionOf(**tenant, *body),
+                               {request.method + " " + request.path, start, absl::Now() - start,
+                                static_cast<int64_t>(request.body.size()),
+                                static_cast<int64_t>(response.body.size()), response.status});
+      return response;
     });
   }
 
@@ -119,9 +131,17 @@ class Routes {
       }
       return api.FinishSession(t, parts[0]);
     });
-    Get("/sessions", [&api](const tenancy::Tenant& t, const HttpRequest&) { return api.ListSessions(t); });
-    Prefix("GET", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+    Get("/sessions", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
+      return api.ListSessions(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0));
+    });
+    // sessions/{id} only; sessions/{id}/trace_export and PUT sessions/{id}/project are
+    // admin_routes.cc's (an unknown tail is 404, never another session's answer).
+    Prefix("GET", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       std::vector<std::string> parts = absl::StrSplit(r.path_tail, '/');
+      if (parts.size() == 2 && parts[1] == "trace_export") return api.TraceExport(t, parts[0]);
+      if (parts.size() != 1 || parts[0].empty()) {
+        return absl::NotFoundError(absl::StrCat("no route GET /api/v1/sessions/", r.path_tail));
+      }
       return api.GetSession(t, parts[0]);
     });
 
@@ -145,7 +165,13 @@ class Routes {
       if (!proto.ParseFromString(request.body)) {
         return ErrorResponse(absl::InvalidArgumentError("body: not a ForwardBackwardRequest protobuf"));
       }
-      return Answer(ctx->api.ForwardBackward(**tenant, proto));
+      const absl::Time start = absl::Now();
+      HttpResponse response = Answer(ctx->api.ForwardBackward(**tenant, proto));
+      ctx->api.traces().Record((*tenant)->id, ctx->api.TraceSessionOf(**tenant, Json{{"model_id", proto.model_id()}}),
+                               {request.method + " " + request.path, start, absl::Now() - start,
+                                static_cast<int64_t>(request.body.size()),
+                                static_cast<int64_t>(response.body.size()), response.status});
+      return response;
     });
     Post("/forward", [&api](const tenancy::Tenant& t, const Json& b) { return api.ForwardBackwardJson(t, b, true); });
     Post("/optim_step", [&api](const tenancy::Tenant& t, const Json& b) { return api.OptimStep(t, b); });
@@ -233,8 +259,9 @@ void AddTinkerRoutes(HttpServer& http, TinkerApi& api, ServingState& state) {
         absl::StrCat(kApi, "/telemetry"), absl::StrCat(kApi, "/healthz"), absl::StrCat(kApi, "/twinkle/endpoints")};
     if (!absl::StartsWith(head.path, absl::StrCat(kApi, "/")) || kOpen.contains(head.path)) return std::nullopt;
     absl::StatusOr<const tenancy::Tenant*> tenant = state.authenticator->AuthenticateHttp(head.headers);
-    if (tenant.ok()) return std::nullopt;
-    return ErrorResponse(tenant.status());
+    if (!tenant.ok()) return ErrorResponse(tenant.status());
+    if (absl::Status s = CheckHttpRole(**tenant, head.method, head.path); !s.ok()) return ErrorResponse(s);
+    return std::nullopt;
   });
 }
 

@@ -11,4 +11,9 @@ namespace twinkle::tinker {
 // Adds every route; call before HttpServer::Start. `api` and `state` outlive the server.
 void AddTinkerRoutes(HttpServer& http, TinkerApi& api, ServingState& state);
 
+// The routes' JSON answers: a body, or an error {"detail", "code", "category"} with the
+// status map's HTTP status (and x-should-retry / Retry-After). Shared by admin_routes.cc.
+HttpResponse JsonResponse(const Json& j, int status = 200);
+HttpResponse ErrorResponse(const absl::Status& status);
+
 }  // namespace twinkle::tinker

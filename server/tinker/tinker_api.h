@@ -54,6 +54,7 @@
 #include "core/training/checkpoints.h"
 #include "core/training/coordinator.h"
 #include "server/tinker/stability_store.h"
+#include "server/tinker/trace_store.h"
 #include "tinker/v1/tinker_public.pb.h"
 
 namespace twinkle::sampling {
@@ -93,8 +94,15 @@ struct Poll {
   std::string queue_state = "active";
 };
 
-// The largest create_model user_metadata, as serialised JSON (docs/config.md).
+// The largest create_model / create_session user_metadata, as serialised JSON (docs/config.md).
 inline constexpr size_t kMaxUserMetadataBytes = 16 * 1024;
+// create_session's other metadata (docs/api.md): tags per session and bytes per tag, the
+// display name's bytes, a project id's bytes ([A-Za-z0-9_.:-]); search pages.
+inline constexpr size_t kMaxSessionTags = 64;
+inline constexpr size_t kMaxTagBytes = 128;
+inline constexpr size_t kMaxDisplayNameBytes = 256;
+inline constexpr size_t kMaxProjectIdBytes = 128;
+inline constexpr int32_t kMaxSearchLimit = 200;
 
 struct TinkerOptions {
   std::string base_model;          // the served model's name (config model.name)
@@ -168,8 +176,24 @@ class TinkerApi {
   absl::StatusOr<Json> ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
   absl::StatusOr<Json> DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
                                         const std::string& checkpoint_id);
-  absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant);
+  // ---- sessions (tinker_sessions.cc) ----
+  // Newest first, from the registry (finished sessions included).
+  absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
+  // training_run_ids, sampler_ids, user_metadata, display_name (+ tags, project_id); another
+  // tenant's or an unknown session is 404.
   absl::StatusOr<Json> GetSession(const tenancy::Tenant& tenant, const std::string& session_id);
+  // POST /sessions/search (SessionSearchRequest → SessionSearchResponse).
+  absl::StatusOr<Json> SearchSessions(const tenancy::Tenant& tenant, const Json& body);
+  // PUT /sessions/{id}/project: the project is created for the tenant when new.
+  absl::StatusOr<Json> SetSessionProject(const tenancy::Tenant& tenant, const std::string& session_id,
+                                         const Json& body, const std::string& peer);
+  // GET /sessions/{id}/trace_export: {"status": "ready", "url": a data: URL holding the
+  // session's requests as a Chrome/Perfetto JSON trace} (timings and sizes only).
+  absl::StatusOr<Json> TraceExport(const tenancy::Tenant& tenant, const std::string& session_id);
+  // The session a request body belongs to (session_id, a model_id's session, a sampling
+  // session's owner), or "" — for the trace.
+  std::string TraceSessionOf(const tenancy::Tenant& tenant, const Json& body);
+  TraceStore& traces() { return traces_; }
 
   const TinkerOptions& options() const { return options_; }
 
@@ -240,6 +264,7 @@ class TinkerApi {
   // which may run on a sampler thread after this object is gone (shutdown).
   const std::shared_ptr<StabilityStore> stability_ = std::make_shared<StabilityStore>();
 
+  TraceStore traces_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);  // by ModelKey

@@ -1,6 +1,6 @@
 // TinkerApi's direct calls that involve no training op: the client configuration
 // (ClientConfig, DynamicConfig, Capabilities, Telemetry), sessions (CreateSession,
-// SessionHeartbeat, ListSessions, GetSession) and the REST listings of training runs and
+// SessionHeartbeat, FinishSession; the rest is in tinker_sessions.cc) and the REST listings of training runs and
 // checkpoints over the run registry (ListTrainingRuns, GetTrainingRun, ListCheckpoints,
 // ListUserCheckpoints, DeleteCheckpoint).
 #include "server/tinker/tinker_api.h"
@@ -47,12 +47,6 @@ Json TinkerApi::Capabilities() const {
 
 Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; }
 
-absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, const Json&) {
-  absl::StatusOr<std::string> id = coordinator_.CreateSession(ContextOf(tenant));
-  if (!id.ok()) return id.status();
-  return Json{{"session_id", *id}, {"type", "create_session"}};
-}
-
 absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {
   absl::StatusOr<std::string> session = GetString(body, "session_id");
   if (!session.ok()) return session.status();
@@ -79,6 +73,7 @@ absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, con
         finished_order_.pop_front();
       }
     }
+    if (registry_ != nullptr) (void)registry_->FinishSession(session_id, tenant.id, absl::Now());
     for (auto it = models_.begin(); it != models_.end();) {
       auto next = std::next(it);
       if (it->second->tenant == tenant.id && it->second->session_id == session_id) models_.erase(it);
@@ -185,27 +180,6 @@ absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, 
   if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
   if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
   return Json::object();
-}
-
-absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> sessions;
-  for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id &&
-        std::find(sessions.begin(), sessions.end(), m->session_id) == sessions.end()) {
-      sessions.push_back(m->session_id);
-    }
-  }
-  return Json{{"sessions", sessions}};
-}
-
-absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const std::string& session_id) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> runs;
-  for (const auto& [id, m] : models_) {
-    if (m->tenant == tenant.id && m->session_id == session_id) runs.push_back(m->model_id);
-  }
-  return Json{{"training_run_ids", runs}, {"sampler_ids", Json::array()}};
 }
 
 }  // namespace twinkle::tinker

@@ -400,7 +400,9 @@ TEST(ConfigTest, TenantShapeErrors) {
   EXPECT_THAT(pasted_key, HasSubstr("test.yaml:7: auth.tenants[0].key_sha256: entry 1 is not 64 hex digits"));
   EXPECT_THAT(pasted_key, Not(HasSubstr("tml-secret-key")));
   EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest + "]\n      colour: red\n"),
-              HasSubstr("test.yaml:8: auth.tenants[0].colour: unknown key (known: id, key_sha256, quotas)"));
+              HasSubstr("test.yaml:8: auth.tenants[0].colour: unknown key (known: id, key_sha256, quotas, role)"));
+  EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest + "]\n      role: root\n"),
+              HasSubstr("auth.tenants[0].role"));
   EXPECT_THAT(ErrorOf(head + "    - id: alice\n      key_sha256: [" + kAliceDigest +
                       "]\n      quotas:\n        max_adapter: 1\n"),
               HasSubstr("auth.tenants[0].quotas.max_adapter: unknown key"));

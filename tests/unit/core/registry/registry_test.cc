@@ -819,5 +819,164 @@ TEST_F(RegistryTest, InjectionLookingInputsAreStoredVerbatim) {
   EXPECT_EQ(RawInt("SELECT COUNT(*) FROM checkpoints"), 1);
 }
 
+// ---- schema v3: keys, usage, audit, session metadata ----------------------------------------
+
+ApiKeyRecord ConfigKey(const std::string& tenant, const std::string& digest, const std::string& role) {
+  ApiKeyRecord k;
+  k.tenant = tenant;
+  k.key_sha256 = digest;
+  k.role = role;
+  k.name = tenant;
+  return k;
+}
+
+TEST_F(RegistryTest, BootstrapKeysIsIdempotentAndKeepsRevocations) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  const std::string a(64, 'a'), b(64, 'b'), c(64, 'c');
+  const absl::Time t = absl::FromUnixSeconds(1000);
+  ASSERT_TRUE(reg->BootstrapConfigKeys({ConfigKey("alice", a, "member"), ConfigKey("ops", b, "admin")}, t).ok());
+  ASSERT_TRUE(reg->BootstrapConfigKeys({ConfigKey("alice", a, "member"), ConfigKey("ops", b, "admin")}, t).ok());
+  absl::StatusOr<std::vector<ApiKeyRecord>> keys = reg->ListKeys("");
+  ASSERT_TRUE(keys.ok());
+  ASSERT_EQ(keys->size(), 2u);
+  const int64_t alice_id = (*keys)[0].key_id;
+  EXPECT_TRUE((*keys)[0].active());
+  // An admin revocation survives the next bootstrap; a role change in the config applies.
+  ASSERT_TRUE(reg->RevokeKey(alice_id, t).ok());
+  ASSERT_TRUE(reg->BootstrapConfigKeys({ConfigKey("alice", a, "read-only"), ConfigKey("ops", b, "admin")}, t).ok());
+  absl::StatusOr<ApiKeyRecord> alice = reg->GetKey(alice_id);
+  ASSERT_TRUE(alice.ok());
+  EXPECT_FALSE(alice->active());
+  EXPECT_EQ(alice->role, "read-only");
+  // A key dropped from the config is revoked.
+  ASSERT_TRUE(reg->BootstrapConfigKeys({ConfigKey("alice", a, "member"), ConfigKey("bob", c, "member")}, t).ok());
+  keys = reg->ListKeys("ops");
+  ASSERT_TRUE(keys.ok());
+  ASSERT_EQ(keys->size(), 1u);
+  EXPECT_FALSE((*keys)[0].active());
+  EXPECT_EQ(RawInt("SELECT COUNT(*) FROM tenants"), 3);
+  EXPECT_EQ(RawInt("PRAGMA user_version"), Registry::kSchemaVersion);
+}
+
+TEST_F(RegistryTest, InsertRotateAndRoleOfRuntimeKeys) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  const absl::Time t = absl::FromUnixSeconds(2000);
+  ApiKeyRecord k = ConfigKey("carol", std::string(64, 'd'), "member");
+  k.source = "admin";
+  k.created = t;
+  EXPECT_EQ(reg->InsertKey(k).status().code(), absl::StatusCode::kNotFound);  // no such tenant
+  ASSERT_TRUE(reg->PutTenant("carol", "admin", t).ok());
+  absl::StatusOr<ApiKeyRecord> inserted = reg->InsertKey(k);
+  ASSERT_TRUE(inserted.ok()) << inserted.status();
+  EXPECT_GT(inserted->key_id, 0);
+  EXPECT_EQ(reg->InsertKey(k).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(reg->SetKeyRole(inserted->key_id, "root").status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<ApiKeyRecord> rotated = reg->RotateKey(inserted->key_id, std::string(64, 'e'), t);
+  ASSERT_TRUE(rotated.ok()) << rotated.status();
+  EXPECT_NE(rotated->key_id, inserted->key_id);
+  EXPECT_EQ(rotated->tenant, "carol");
+  EXPECT_FALSE(reg->GetKey(inserted->key_id)->active());
+  EXPECT_EQ(reg->RotateKey(inserted->key_id, std::string(64, 'f'), t).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg->GetKey(999).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(RegistryTest, UsageAddsUpPerBucketAndKind) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  const absl::Time hour = absl::FromUnixSeconds(3600 * 10);
+  UsageRecord u{hour, "alice", 1, "s1", "run", "training", 7};
+  ASSERT_TRUE(reg->AddUsage({u, u}).ok());
+  u.kind = "sampled";
+  u.amount = 3;
+  ASSERT_TRUE(reg->AddUsage({u}).ok());
+  absl::StatusOr<std::vector<UsageRecord>> rows = reg->ListUsage("alice", hour, hour + absl::Hours(1));
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].kind, "sampled");
+  EXPECT_EQ((*rows)[0].amount, 3);
+  EXPECT_EQ((*rows)[1].amount, 14);
+  EXPECT_TRUE(reg->ListUsage("bob", hour, hour + absl::Hours(1))->empty());
+  EXPECT_TRUE(reg->ListUsage("", hour + absl::Hours(1), hour + absl::Hours(2))->empty());
+}
+
+TEST_F(RegistryTest, AuditRowsAreAppendOnlyAndExpire) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  AuditRecord a;
+  a.at = absl::FromUnixSeconds(100);
+  a.tenant = "ops";
+  a.key_id = 3;
+  a.action = "key_create";
+  a.object = "key:4";
+  a.peer = "127.0.0.1:5";
+  ASSERT_TRUE(reg->AppendAudit(a).ok());
+  a.at = absl::FromUnixSeconds(200);
+  ASSERT_TRUE(reg->AppendAudit(a).ok());
+  a.action = "";
+  EXPECT_EQ(reg->AppendAudit(a).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::vector<AuditRecord>> rows =
+      reg->ListAudit("", absl::FromUnixSeconds(0), absl::FromUnixSeconds(1000), 10);
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].details_json, "{}");
+  // UPDATE is refused by the schema itself.
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(path_.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  char* err = nullptr;
+  EXPECT_NE(sqlite3_exec(db, "UPDATE audit SET action = 'x'", nullptr, nullptr, &err), SQLITE_OK);
+  EXPECT_THAT(std::string(err ? err : ""), HasSubstr("append-only"));
+  sqlite3_free(err);
+  sqlite3_close(db);
+  absl::StatusOr<int64_t> expired = reg->ExpireAudit(absl::FromUnixSeconds(150));
+  ASSERT_TRUE(expired.ok());
+  EXPECT_EQ(*expired, 1);
+}
+
+TEST_F(RegistryTest, SessionMetadataListAndSearchPaging) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  for (int i = 0; i < 5; ++i) {
+    const std::string id = absl::StrCat("s", i);
+    ASSERT_TRUE(reg->PutSession(id, "alice", absl::FromUnixSeconds(100 + i)).ok());
+    SessionRecord m;
+    m.id = id;
+    m.tenant = "alice";
+    m.user_metadata_json = i % 2 == 0 ? R"({"team":"rl"})" : R"({"team":"sft"})";
+    m.display_name = absl::StrCat("Run number ", i);
+    ASSERT_TRUE(reg->SetSessionMetadata(m).ok());
+  }
+  ASSERT_TRUE(reg->PutSession("b0", "bob", absl::FromUnixSeconds(50)).ok());
+  SessionRecord other;
+  other.id = "s0";
+  other.tenant = "bob";
+  EXPECT_EQ(reg->SetSessionMetadata(other).code(), absl::StatusCode::kNotFound);
+  int32_t total = 0;
+  absl::StatusOr<std::vector<SessionRecord>> page = reg->ListSessions("alice", {2, 1}, &total);
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(total, 5);
+  ASSERT_EQ(page->size(), 2u);
+  EXPECT_EQ((*page)[0].id, "s3");  // newest first
+  SessionFilter f;
+  f.user_metadata = {{"team", "rl"}};
+  std::vector<std::string> seen;
+  for (;;) {
+    absl::StatusOr<std::vector<SessionRecord>> rows = reg->SearchSessions("alice", f, 1);
+    ASSERT_TRUE(rows.ok());
+    if (rows->empty()) break;
+    seen.push_back(rows->front().id);
+    f.after = std::make_pair(rows->front().created, rows->front().id);
+  }
+  EXPECT_THAT(seen, ElementsAre("s4", "s2", "s0"));
+  SessionFilter name;
+  name.display_name = "NUMBER 3";
+  EXPECT_EQ(reg->SearchSessions("alice", name, 10)->size(), 1u);
+  EXPECT_TRUE(reg->SearchSessions("bob", name, 10)->empty());
+  ASSERT_TRUE(reg->SetSessionProject("s1", "alice", "p").ok());
+  ASSERT_TRUE(reg->FinishSession("s1", "alice", absl::FromUnixSeconds(900)).ok());
+  absl::StatusOr<SessionRecord> s1 = reg->GetSession("s1", "alice");
+  ASSERT_TRUE(s1.ok());
+  EXPECT_EQ(s1->project_id, "p");
+  EXPECT_EQ(s1->finished, absl::FromUnixSeconds(900));
+  EXPECT_EQ(reg->SearchSessions("alice", name, -1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace twinkle::registry

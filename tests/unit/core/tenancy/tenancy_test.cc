@@ -83,8 +83,9 @@ TEST(TenantRegistryTest, TenantsAreIsolated) {
   ASSERT_NE(alice, nullptr);
   ASSERT_NE(bob, nullptr);
   EXPECT_NE(alice, bob);
-  EXPECT_EQ(*r->Authenticate("tml-alice-1"), alice);
-  EXPECT_EQ(*r->Authenticate("tml-bob"), bob);
+  // Authenticate answers the key's principal: its tenant's id and quotas.
+  EXPECT_EQ((*r->Authenticate("tml-alice-1"))->id, alice->id);
+  EXPECT_EQ((*r->Authenticate("tml-bob"))->id, bob->id);
   EXPECT_EQ(r->Find("carol"), nullptr);
   EXPECT_EQ(r->Find("default"), nullptr);
   ASSERT_EQ(r->tenants().size(), 2u);
@@ -93,7 +94,7 @@ TEST(TenantRegistryTest, TenantsAreIsolated) {
   // Pointers survive moving the registry.
   TenantRegistry moved = std::move(*r);
   EXPECT_EQ(moved.Find("alice"), alice);
-  EXPECT_EQ(*moved.Authenticate("tml-bob"), bob);
+  EXPECT_EQ((*moved.Authenticate("tml-bob"))->id, "bob");
 }
 
 TEST(TenantRegistryTest, BadSpecsAreRefusedWithoutDigestsInMessages) {
@@ -139,6 +140,38 @@ TEST(TenantRegistryTest, AuthOffHasOnlyTheDefaultTenant) {
   }
   EXPECT_EQ(r.Find("default"), *r.Authenticate(""));
   EXPECT_EQ(r.tenants().size(), 1u);
+}
+
+TEST(TenantRegistryTest, SetKeysAddsRevokesAndKeepsPrincipalsAlive) {
+  absl::StatusOr<TenantRegistry> r = TenantRegistry::WithKeys(TwoTenants());
+  ASSERT_TRUE(r.ok());
+  Quotas defaults;
+  defaults.max_adapters = 3;
+  r->SetKeys({{*ParseSha256Hex(Sha256Hex("tml-alice-1")), "alice", 1, Role::kMember},
+              {*ParseSha256Hex(Sha256Hex("tml-carol")), "carol", 7, Role::kReadOnly}},
+             defaults);
+  absl::StatusOr<const Tenant*> alice = r->Authenticate("tml-alice-1");
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ((*alice)->key_id, 1);
+  EXPECT_EQ((*alice)->role, Role::kMember);
+  absl::StatusOr<const Tenant*> carol = r->Authenticate("tml-carol");
+  ASSERT_TRUE(carol.ok());
+  EXPECT_EQ((*carol)->id, "carol");
+  EXPECT_EQ((*carol)->role, Role::kReadOnly);
+  EXPECT_EQ((*carol)->quotas.max_adapters, 3);  // a runtime tenant gets the defaults
+  ASSERT_NE(r->Find("carol"), nullptr);
+  // Keys left out no longer authenticate; the old principal stays readable.
+  EXPECT_EQ(r->Authenticate("tml-bob").status().message(), "invalid API key");
+  EXPECT_EQ(r->Authenticate("tml-alice-2").status().message(), "invalid API key");
+  const Tenant* held = *carol;
+  r->SetKeys({{*ParseSha256Hex(Sha256Hex("tml-alice-1")), "alice", 1, Role::kMember}}, defaults);
+  EXPECT_EQ(r->Authenticate("tml-carol").status().message(), "invalid API key");
+  EXPECT_EQ(held->id, "carol");
+  EXPECT_EQ(*r->Authenticate("tml-alice-1"), *alice);  // unchanged (id, role): same principal
+  // A role change makes a new principal.
+  r->SetKeys({{*ParseSha256Hex(Sha256Hex("tml-alice-1")), "alice", 1, Role::kAdmin}}, defaults);
+  EXPECT_EQ((*r->Authenticate("tml-alice-1"))->role, Role::kAdmin);
+  EXPECT_EQ((*alice)->role, Role::kMember);
 }
 
 TEST(TenantIdTest, Pattern) {

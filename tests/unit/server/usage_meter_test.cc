@@ -1,0 +1,111 @@
+#include "server/usage_meter.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "core/registry/registry.h"
+
+namespace twinkle {
+namespace {
+
+class UsageMeterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "twinkle-usage-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    absl::StatusOr<std::unique_ptr<registry::Registry>> r = registry::Registry::Open(dir_ + "/registry.sqlite");
+    ASSERT_TRUE(r.ok()) << r.status();
+    registry_ = std::move(*r);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // kind → amount for the tenant, over all time.
+  std::map<std::string, int64_t> Totals(const std::string& tenant) {
+    std::map<std::string, int64_t> out;
+    absl::StatusOr<std::vector<registry::UsageRecord>> rows =
+        registry_->ListUsage(tenant, absl::FromUnixSeconds(0), absl::FromUnixSeconds(int64_t{1} << 40));
+    EXPECT_TRUE(rows.ok());
+    for (const auto& r : *rows) out[r.kind] += r.amount;
+    return out;
+  }
+
+  std::string dir_;
+  std::unique_ptr<registry::Registry> registry_;
+};
+
+sched::StepStats Step(sched::OpKind kind, std::vector<std::tuple<std::string, int64_t, std::string, bool>> ops) {
+  sched::StepStats s;
+  s.kind = kind;
+  for (const auto& [tenant, tokens, name, ok] : ops) {
+    s.waits.emplace_back(tenant, absl::ZeroDuration());
+    s.op_tokens.push_back(tokens);
+    s.op_usage.push_back({7, "run", "sess"});
+    s.op_names.push_back(name);
+    s.op_ok.push_back(ok);
+  }
+  return s;
+}
+
+TEST_F(UsageMeterTest, StepsAndSamplesAreCountedExactly) {
+  UsageMeter meter(*registry_);
+  const absl::Time t = absl::FromUnixSeconds(3600 * 100 + 5);
+  meter.RecordStep(Step(sched::OpKind::kForwardBackward,
+                        {{"alice", 11, "forward_backward", true}, {"alice", 5, "forward_backward", false},
+                         {"alice", 1, "backward", true}, {"bob", 3, "forward_backward", true}}),
+                   t);
+  meter.RecordStep(Step(sched::OpKind::kForward, {{"alice", 4, "forward", true}}), t);
+  meter.RecordStep(Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "step", true},
+                                                {"alice", 0, "zero_grad", true}, {"alice", 0, "optim_step", false}}),
+                   t);
+  meter.RecordSample({"alice", 7, "sess", 6, 9}, t);
+  ASSERT_TRUE(meter.Flush(t).ok());
+  EXPECT_EQ(Totals("alice"), (std::map<std::string, int64_t>{
+                                 {"training", 11}, {"forward", 4}, {"optim_steps", 2}, {"prefill", 6}, {"sampled", 9}}));
+  EXPECT_EQ(Totals("bob")["training"], 3);
+  // Counters are written once: a second flush adds nothing.
+  ASSERT_TRUE(meter.Flush(t).ok());
+  EXPECT_EQ(Totals("alice")["training"], 11);
+  absl::StatusOr<std::vector<registry::UsageRecord>> rows =
+      registry_->ListUsage("alice", absl::FromUnixSeconds(3600 * 100), absl::FromUnixSeconds(3600 * 101));
+  ASSERT_TRUE(rows.ok());
+  for (const auto& r : *rows) {
+    EXPECT_EQ(r.bucket, absl::FromUnixSeconds(3600 * 100));  // the hour's start
+    EXPECT_EQ(r.key_id, 7);
+  }
+}
+
+TEST_F(UsageMeterTest, StorageAccruesWholeSecondsWithTheRemainderCarried) {
+  registry::RunRecord run;
+  run.run_id = "s1-a";
+  run.tenant = "alice";
+  run.adapter_name = "a";
+  run.base_model = "m";
+  run.lora_config_json = "{}";
+  ASSERT_TRUE(registry_->PutRun(run).ok());
+  registry::CheckpointRecord c;
+  c.tenant = "alice";
+  c.run_id = "s1-a";
+  c.checkpoint_id = "weights/x";
+  c.kind = "training";
+  c.path = "/tmp/x";
+  c.size_bytes = 1000;
+  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  UsageMeter meter(*registry_);
+  const absl::Time t0 = absl::FromUnixSeconds(3600 * 200);
+  ASSERT_TRUE(meter.Flush(t0).ok());  // starts the clock
+  EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 0);
+  ASSERT_TRUE(meter.Flush(t0 + absl::Milliseconds(10500)).ok());
+  EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 10000);
+  ASSERT_TRUE(meter.Flush(t0 + absl::Seconds(11)).ok());  // 0.5 s carried + 0.5 s = 1 s
+  EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 11000);
+}
+
+}  // namespace
+}  // namespace twinkle
