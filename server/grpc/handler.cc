@@ -157,7 +157,7 @@ grpc::ServerUnaryReactor* HandleWait(grpc::CallbackServerContext* context, Servi
     timer->set_code(CodeName(status.code()));
     FinishCallLogged(context, reactor, status, *log);
   };
-  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state);
+  absl::StatusOr<const tenancy::Tenant*> tenant = Admit(context, state, method);
   if (!tenant.ok()) {
     finish(tenant.status());
     return reactor;

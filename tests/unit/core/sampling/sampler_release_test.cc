@@ -63,7 +63,9 @@ class SamplerReleaseTest : public ::testing::Test {
 
   // A session and an adapter in it for `tenant`; returns the session id.
   std::string SessionWithAdapter(const training::TenantContext& tenant) {
-    const std::string session = training_.CreateSession(tenant);
+    absl::StatusOr<std::string> created = training_.CreateSession(tenant);
+    EXPECT_TRUE(created.ok()) << created.status();
+    const std::string session = created.value_or("");
     training::AddAdapterArgs args;
     args.name = "a";
     args.session_id = session;
