@@ -1,0 +1,350 @@
+#include "server/openai/openai_routes.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/common/log.h"
+#include "core/sampling/sampler_coordinator.h"
+#include "core/tenancy/rate_limiter.h"
+#include "core/tokenizer/tokenizer.h"
+#include "server/status_map.h"
+#include "server/tinker/tinker_internal.h"
+#include "server/tinker/tinker_json.h"
+
+namespace twinkle::openai {
+namespace {
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// Every error in OpenAI's shape, its HTTP status from the one Status map.
+HttpResponse ErrorResponse(const absl::Status& status) {
+  const int code = ToHttpStatus(status);
+  HttpResponse r{code, "application/json", Dump(ErrorBody(status, code))};
+  if (code == 429) {
+    r.headers.emplace_back("Retry-After", absl::StrCat(std::max<int64_t>(tenancy::RetryAfterSeconds(status).value_or(1), 1)));
+  }
+  return r;
+}
+
+// 413: a body over kMaxBodyBytes (from its Content-Length, or read whole when it had none).
+HttpResponse TooLarge(size_t bytes) {
+  HttpResponse r = ErrorResponse(ParamError(
+      "", absl::StrCat("the request body has ", bytes, " bytes; the limit is ", kMaxBodyBytes), absl::StatusCode::kInvalidArgument,
+      "request_too_large"));
+  r.status = 413;
+  return r;
+}
+
+std::string Event(const Json& j) { return absl::StrCat("data: ", Dump(j), "\n\n"); }
+
+std::string RandomId(const char* prefix) { return absl::StrCat(prefix, NewRequestId()); }
+
+// A streamed request's shared state: the events its decode-thread callback makes before the
+// response head is out wait here (the callback may run before the handler has the stream).
+class EventSink {
+ public:
+  void Send(std::string event) {
+    absl::MutexLock lock(&mu_);
+    if (http_ != nullptr) {
+      http_->Write(std::move(event));
+    } else {
+      early_.push_back(std::move(event));
+    }
+  }
+  void End() {
+    absl::MutexLock lock(&mu_);
+    if (http_ != nullptr) {
+      http_->End();
+    } else {
+      ended_ = true;
+    }
+  }
+  void Attach(std::shared_ptr<HttpStream> http) {
+    absl::MutexLock lock(&mu_);
+    for (std::string& e : early_) http->Write(std::move(e));
+    early_.clear();
+    if (ended_) http->End();
+    http_ = std::move(http);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::shared_ptr<HttpStream> http_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> early_ ABSL_GUARDED_BY(mu_);
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// One streamed request: turns the sampler's deltas into chunk events.
+struct StreamCall {
+  Request request;
+  std::string id, model;
+  int64_t created = 0;
+  TextCodec codec;
+  EventSink sink;
+  absl::Mutex mu;  // deltas of different lanes may interleave
+  std::vector<bool> started ABSL_GUARDED_BY(mu);
+
+  void OnDelta(const sampling::StreamDelta& d) {
+    const int64_t index = static_cast<int64_t>(d.prompt_index) * request.n + d.sample;
+    bool first = false;
+    {
+      absl::MutexLock lock(&mu);
+      if (static_cast<size_t>(index) >= started.size()) started.resize(index + 1, false);
+      first = !started[index];
+      started[index] = true;
+    }
+    std::optional<std::string> finish;
+    if (!d.finish_reason.empty()) finish = d.finish_reason == "stop" ? "stop" : "length";
+    sink.Send(Event(StreamChunk(request, id, created, model, index, "", d.tokens, finish, first)));
+  }
+};
+
+class Handlers {
+ public:
+  Handlers(ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options)
+      : state_(state), tinker_(tinker), options_(std::move(options)) {}
+
+  HttpResponse Models(const HttpRequest& http) {
+    absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
+    if (!tenant.ok()) return ErrorResponse(tenant.status());
+    Json data = Json::array();
+    data.push_back({{"id", options_.base_model}, {"object", "model"}, {"created", 0}, {"owned_by", "twinkle"},
+                    {"root", options_.base_model}, {"parent", nullptr}});
+    absl::StatusOr<Json> checkpoints = tinker_.ListUserCheckpoints(**tenant, 1 << 20, 0);
+    if (checkpoints.ok()) {
+      for (const Json& c : (*checkpoints)["checkpoints"]) {
+        if (c.value("checkpoint_type", "") != "sampler") continue;
+        data.push_back({{"id", c.value("tinker_path", "")}, {"object", "model"}, {"created", 0},
+                        {"owned_by", (*tenant)->id}, {"root", options_.base_model}, {"parent", options_.base_model}});
+      }
+    } else if (checkpoints.status().code() != absl::StatusCode::kUnimplemented) {
+      return ErrorResponse(checkpoints.status());
+    }
+    return {200, "application/json", Dump({{"object", "list"}, {"data", std::move(data)}})};
+  }
+
+  void Generate(Endpoint endpoint, const HttpRequest& http, HttpResponder respond, HttpStreamer streamer) {
+    absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
+    if (!tenant.ok()) return respond(ErrorResponse(tenant.status()));
+    if (state_.sampler == nullptr) return respond(ErrorResponse(absl::UnimplementedError("sampling is not available")));
+    if (http.body.size() > kMaxBodyBytes) return respond(TooLarge(http.body.size()));
+    absl::StatusOr<Json> body = tinker::ParseJsonBody(http.body);
+    if (!body.ok()) return respond(ErrorResponse(absl::InvalidArgumentError(absl::StrCat("invalid JSON body: ", body.status().message()))));
+    absl::StatusOr<Request> request = ParseRequest(*body, endpoint, options_.limits);
+    if (!request.ok()) return respond(ErrorResponse(request.status()));
+    absl::StatusOr<std::vector<std::vector<int64_t>>> prompts = PromptIds(*request);
+    if (!prompts.ok()) return respond(ErrorResponse(prompts.status()));
+    absl::StatusOr<std::string> session = Session(**tenant, request->model);
+    if (!session.ok()) return respond(ErrorResponse(session.status()));
+    sampling::SamplingParams params = ParamsOf(*request);
+    // Charged to the tenant's token rate exactly as Tinker's asample (429 with Retry-After).
+    const int64_t tokens = state_.sampler->TokensOf(*prompts, params);
+    if (state_.rate_limiter != nullptr) {
+      if (absl::Status s = state_.rate_limiter->Acquire(**tenant, tokens); !s.ok()) return respond(ErrorResponse(s));
+    }
+    auto refund = [&] {
+      if (state_.rate_limiter != nullptr) state_.rate_limiter->Refund(**tenant, tokens);
+    };
+    const std::string tenant_id = (*tenant)->id;
+    TextCodec codec{options_.tokenizer.get(), request->skip_special_tokens};
+    const std::string id = RandomId(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
+    const int64_t created = absl::ToUnixSeconds(absl::Now());
+    if (!request->stream) {
+      absl::StatusOr<uint64_t> future =
+          state_.sampler->SubmitSample(tinker::ContextOf(**tenant), *session, *prompts, params, {});
+      if (!future.ok()) {
+        refund();
+        return respond(ErrorResponse(future.status()));
+      }
+      auto req = std::make_shared<Request>(*std::move(request));
+      OnDone(*future, tenant_id, [req, prompts = *prompts, id, created, codec, respond](const FutureResult& result) {
+        if (!result.ok()) return respond(ErrorResponse(result.status()));
+        const auto* out = std::get_if<sampling::SampleOutput>(&*result);
+        if (out == nullptr) return respond(ErrorResponse(absl::InternalError("the sampler returned no result")));
+        Result r{id, created, req->model, prompts, out};
+        respond({200, "application/json", Dump(CompletionResponse(*req, r, codec, req->stop_token_ids))});
+      });
+      return;
+    }
+    auto call = std::make_shared<StreamCall>();
+    call->request = *std::move(request);
+    call->id = id;
+    call->model = call->request.model;
+    call->created = created;
+    call->codec = codec;
+    auto stream = std::make_shared<sampling::SampleStream>(
+        [call](const sampling::StreamDelta& d) { call->OnDelta(d); });
+    absl::StatusOr<uint64_t> future =
+        state_.sampler->SubmitSample(tinker::ContextOf(**tenant), *session, *prompts, params, {}, stream);
+    if (!future.ok()) {
+      refund();
+      return respond(ErrorResponse(future.status()));
+    }
+    std::shared_ptr<HttpStream> http_stream = streamer({200, "text/event-stream", ""});
+    // A client that leaves cancels its rows (capacity goes back at the next decode step).
+    http_stream->OnClientGone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(stream)] {
+      if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
+    });
+    call->sink.Attach(http_stream);
+    int64_t prompt_tokens = 0;
+    for (const std::vector<int64_t>& p : *prompts) prompt_tokens += static_cast<int64_t>(p.size());
+    OnDone(*future, tenant_id, [call, prompt_tokens](const FutureResult& result) {
+      if (!result.ok()) {
+        if (result.status().code() != absl::StatusCode::kCancelled) {
+          call->sink.Send(Event(ErrorBody(result.status(), ToHttpStatus(result.status()))));
+        }
+        return call->sink.End();
+      }
+      if (call->request.include_usage) {
+        int64_t completion = 0;
+        if (const auto* out = std::get_if<sampling::SampleOutput>(&*result)) {
+          for (const sampling::PromptOutput& p : out->prompts) {
+            for (const sampling::SampledSequence& s : p.sequences) completion += static_cast<int64_t>(s.tokens.size());
+          }
+        }
+        call->sink.Send(Event(UsageChunk(call->request, call->id, call->created, call->model, prompt_tokens, completion)));
+      }
+      call->sink.Send("data: [DONE]\n\n");
+      call->sink.End();
+    });
+  }
+
+  // Runs `done` once the future completes, then lets the future go.
+  void OnDone(uint64_t future, const std::string& tenant, std::function<void(const FutureResult&)> done) {
+    FutureStore* store = state_.futures;
+    absl::Status s = store->OnComplete(future, tenant, [store, future, done](const FutureResult& result) {
+      store->Release(future);
+      done(result);
+    });
+    if (!s.ok()) done(s);
+  }
+
+  absl::StatusOr<const tenancy::Tenant*> Admit(const HttpRequest& request) const {
+    if (state_.draining.load()) return absl::UnavailableError("server is shutting down");
+    return state_.authenticator->AuthenticateHttp(request.headers);
+  }
+
+ private:
+  // The sampling session of a model name: the base model's id, a sampler checkpoint path
+  // (tinker://… or twinkle://…), or "<base>;<path>". Another tenant's path is unknown.
+  absl::StatusOr<std::string> Session(const tenancy::Tenant& tenant, const std::string& model) {
+    auto unknown = [&model] {
+      return ParamError("model", absl::StrCat("The model '", model.substr(0, 200), "' does not exist"),
+                        absl::StatusCode::kNotFound, "model_not_found");
+    };
+    auto is_base = [this](const std::string& m) { return m == options_.base_model || m == options_.model_dir; };
+    std::string path;
+    if (!is_base(model)) {
+      path = model;
+      if (const size_t semi = model.find(';'); semi != std::string::npos) {
+        if (!is_base(model.substr(0, semi))) return unknown();
+        path = model.substr(semi + 1);
+      }
+      if (!absl::StartsWith(path, "tinker://") && !absl::StartsWith(path, "twinkle://")) return unknown();
+    }
+    absl::StatusOr<std::string> id = state_.sampler->ImplicitSession(tinker::ContextOf(tenant), tinker::InternalPath(path));
+    if (id.status().code() == absl::StatusCode::kNotFound) return unknown();
+    return id;
+  }
+
+  absl::StatusOr<std::vector<std::vector<int64_t>>> PromptIds(const Request& request) const {
+    const tokenizer::Tokenizer* tok = options_.tokenizer.get();
+    auto encode = [tok](const std::string& text, const char* param) -> absl::StatusOr<std::vector<int64_t>> {
+      if (tok == nullptr) {
+        return ParamError(param, absl::StrCat(param, ": text needs the model's tokenizer, which this server has not "
+                                               "loaded; send token ids"),
+                          absl::StatusCode::kUnimplemented);
+      }
+      absl::StatusOr<std::vector<int32_t>> ids = tok->Encode(text);
+      if (!ids.ok()) return ParamError(param, absl::StrCat(param, ": ", ids.status().message()));
+      return std::vector<int64_t>(ids->begin(), ids->end());
+    };
+    std::vector<std::vector<int64_t>> out;
+    if (request.endpoint == Endpoint::kChat) {
+      if (options_.renderer == nullptr) {
+        return ParamError("messages", "messages: this server has no chat renderer for its model",
+                          absl::StatusCode::kUnimplemented);
+      }
+      absl::StatusOr<std::string> text = options_.renderer->Render(request.messages, request.render);
+      if (!text.ok()) return ParamError("messages", std::string(text.status().message()));
+      absl::StatusOr<std::vector<int64_t>> ids = encode(*text, "messages");
+      if (!ids.ok()) return ids.status();
+      out.push_back(*std::move(ids));
+      return out;
+    }
+    for (const Prompt& p : request.prompts) {
+      if (!p.is_text) {
+        out.push_back(p.ids);
+        continue;
+      }
+      absl::StatusOr<std::vector<int64_t>> ids = encode(p.text, "prompt");
+      if (!ids.ok()) return ids.status();
+      if (ids->empty()) return ParamError("prompt", "prompt: encodes to no tokens");
+      out.push_back(*std::move(ids));
+    }
+    return out;
+  }
+
+  static sampling::SamplingParams ParamsOf(const Request& r) {
+    sampling::SamplingParams p;
+    p.max_tokens = r.max_tokens;  // 0 = the sampler's default
+    p.temperature = r.temperature;
+    p.top_p = r.top_p;
+    p.top_k = r.top_k;
+    p.seed = r.seed;
+    p.stop_strings = r.stop;
+    p.stop_token_ids = r.stop_token_ids;
+    p.ignore_eos = r.ignore_eos;
+    p.num_samples = r.n;
+    p.top_logprobs = r.logprobs ? r.top_logprobs : 0;
+    return p;
+  }
+
+  ServingState& state_;
+  tinker::TinkerApi& tinker_;
+  const OpenAiOptions options_;
+};
+
+}  // namespace
+
+OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_dir) {
+  OpenAiOptions options;
+  options.base_model = config.model.name;
+  options.model_dir = model_dir;
+  options.limits.max_n = config.sampler.max_num_samples;
+  return options;
+}
+
+void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options) {
+  auto handlers = std::make_shared<Handlers>(state, tinker, std::move(options));
+  http.Route("GET", "/v1/models", [handlers](const HttpRequest& r) { return handlers->Models(r); });
+  for (auto [path, endpoint] : {std::pair{"/v1/completions", Endpoint::kCompletions},
+                                std::pair{"/v1/chat/completions", Endpoint::kChat}}) {
+    http.RouteStreaming("POST", path, [handlers, endpoint](const HttpRequest& r, HttpResponder respond,
+                                                           HttpStreamer streamer) {
+      handlers->Generate(endpoint, r, std::move(respond), std::move(streamer));
+    });
+  }
+  // Before the body is read: a caller without a valid key, or with a body over the limit, is
+  // answered at once (and the body never read).
+  http.AddHeaderCheck([handlers](const HttpRequest& head) -> std::optional<HttpResponse> {
+    if (!absl::StartsWith(head.path, "/v1/")) return std::nullopt;
+    absl::StatusOr<const tenancy::Tenant*> tenant = handlers->Admit(head);
+    if (!tenant.ok()) return ErrorResponse(tenant.status());
+    size_t length = 0;
+    if (const std::string* cl = head.Header("content-length");
+        cl != nullptr && absl::SimpleAtoi(*cl, &length) && length > kMaxBodyBytes) {
+      return TooLarge(length);
+    }
+    return std::nullopt;
+  });
+}
+
+}  // namespace twinkle::openai

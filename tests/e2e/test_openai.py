@@ -1,0 +1,337 @@
+"""The OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) driven by
+the official openai SDK (pinned in scripts/requirements.txt) against a real server on the tiny
+model, with the tinker SDK's sampler as the reference for the same prompt tokens.
+
+Token ids come back in each choice's `token_ids` (vLLM's field), so every output is checked
+against the Tinker sampler's tokens, not against a re-implementation in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import requests
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "1")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from e2e_support import configs, prom  # noqa: E402
+from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
+from e2e_support.training import KEYS, auth_overrides  # noqa: E402
+from e2e_support.waiting import scaled  # noqa: E402
+
+MODEL = "tiny-qwen3"
+PROMPT = [11, 42, 7, 99, 123, 5, 64, 300]
+MAX_N = 4  # sampler.max_num_samples on the test server
+MAX_POSITIONS = 512  # the tiny model's max_position_embeddings
+MAX_BODY_BYTES = 4 << 20  # server/openai/openai_routes.h kMaxBodyBytes
+
+
+@pytest.fixture(scope="module")
+def oa_server(server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("openai-server")
+    overrides = auth_overrides(storage={"data_dir": str(workdir / "data")}, sampler={"max_num_samples": MAX_N})
+    config = configs.merged(configs.base_config(tiny_model), overrides)
+    config_path = configs.write_config(workdir / "twinkle.yaml", config)
+    server = launch(server_bin, config_path, config, workdir)
+    try:
+        server.wait_ports(scaled(120))
+        server.wait_health("SERVING", scaled(120))
+        yield server
+    finally:
+        stop_all([server])
+
+
+def client(server: ServerProcess, key: str = KEYS["alice"]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http_url("/v1"), api_key=key, max_retries=0, timeout=120)
+
+
+def tinker_service(server: ServerProcess, key: str = KEYS["alice"]) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=key)
+
+
+def token_ids(choice: Any) -> list[int]:
+    return list((choice.model_extra or {})["token_ids"])
+
+
+def tinker_greedy(server: ServerProcess, prompt: list[int], max_tokens: int) -> Any:
+    sampler = tinker_service(server).create_sampling_client(base_model=MODEL)
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
+    return out.sequences[0]
+
+
+def metrics(server: ServerProcess) -> list[prom.Sample]:
+    return prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+
+
+def sampler_idle(server: ServerProcess) -> bool:
+    samples = metrics(server)
+    return (
+        prom.value(samples, "twinkle_sampler_rows", state="running") == 0
+        and prom.value(samples, "twinkle_sampler_rows", state="waiting") == 0
+        and prom.value(samples, "twinkle_sampler_kv_blocks", state="in_use") == 0
+    )
+
+
+def wait_idle(server: ServerProcess, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not sampler_idle(server):
+        assert time.monotonic() < deadline, "the sampler did not return to idle"
+        time.sleep(0.05)
+
+
+def post(server: ServerProcess, path: str, body: bytes | dict[str, Any], key: str | None = KEYS["alice"]) -> requests.Response:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(server.http_url(path), data=data, headers=headers, timeout=60)
+
+
+def assert_openai_error(response: requests.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# ---- routes, with the SDK ---------------------------------------------------------------------
+
+
+def test_greedy_completion_equals_tinker_sampler_and_usage_is_exact(oa_server: ServerProcess) -> None:
+    reference = tinker_greedy(oa_server, PROMPT, 24)
+    out = client(oa_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+    (choice,) = out.choices
+    assert token_ids(choice) == list(reference.tokens)
+    assert choice.finish_reason == ("length" if reference.stop_reason == "length" else "stop")
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.usage.completion_tokens == len(reference.tokens)
+    assert out.usage.total_tokens == len(PROMPT) + len(reference.tokens)
+
+
+def test_n_and_several_prompts_and_seed(oa_server: ServerProcess) -> None:
+    oa = client(oa_server)
+    prompts = [PROMPT, PROMPT[:3]]
+    out = oa.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=8, temperature=1.0, seed=7)
+    assert [c.index for c in out.choices] == list(range(6))
+    generated = [token_ids(c) for c in out.choices]
+    assert out.usage.prompt_tokens == len(PROMPT) + 3
+    assert out.usage.completion_tokens == sum(len(g) for g in generated)
+    again = oa.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=8, temperature=1.0, seed=7)
+    assert [token_ids(c) for c in again.choices] == generated  # seeded: reproducible
+
+
+def test_logprobs_match_tinker(oa_server: ServerProcess) -> None:
+    reference = tinker_greedy(oa_server, PROMPT, 10)
+    out = client(oa_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert lp is not None and len(lp.tokens) == len(reference.tokens)
+    assert lp.token_logprobs == pytest.approx(list(reference.logprobs), abs=1e-4)
+    assert lp.tokens == [f"token_id:{t}" for t in reference.tokens] or all(isinstance(t, str) for t in lp.tokens)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the chosen is the top one
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_stop_token_ids_and_stop_strings(oa_server: ServerProcess, tiny_model: Path) -> None:
+    from tokenizers import Tokenizer
+
+    reference = list(tinker_greedy(oa_server, PROMPT, 24).tokens)
+    assert len(reference) >= 6, "the tiny model stopped too early for this test"
+    oa = client(oa_server)
+    at = reference[4]
+    first = reference.index(at)
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                extra_body={"stop_token_ids": [at]})
+    assert token_ids(out.choices[0]) == reference[: first + 1]
+    assert out.choices[0].finish_reason == "stop"
+    # A stop string: the text of tokens 3..4; generation ends with the token that completes it.
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    text = tok.decode(reference, skip_special_tokens=False)
+    piece = tok.decode(reference[:5], skip_special_tokens=False)[len(tok.decode(reference[:3], skip_special_tokens=False)):]
+    if not piece.strip():
+        pytest.skip("the greedy text has no usable stop string")  # pragma: no cover
+    cut = text.index(piece) + len(piece)
+    expected = next(n for n in range(1, len(reference) + 1) if len(tok.decode(reference[:n], skip_special_tokens=False)) >= cut)
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[piece])
+    assert token_ids(out.choices[0]) == reference[:expected]
+    assert out.choices[0].finish_reason == "stop"
+    assert piece not in out.choices[0].text
+
+
+def test_stream_chunks_usage_and_done(oa_server: ServerProcess) -> None:
+    reference = tinker_greedy(oa_server, PROMPT, 32)
+    arrivals: list[tuple[float, Any]] = []
+    stream = client(oa_server).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": False},
+    )
+    for chunk in stream:
+        arrivals.append((time.monotonic(), chunk))
+    chunks = [c for _, c in arrivals]
+    content = [c for c in chunks if c.choices]
+    usage = [c for c in chunks if c.usage is not None]
+    streamed = [t for c in content for t in token_ids(c.choices[0])]
+    assert streamed == list(reference.tokens)
+    # Flushed per decode step: several chunks, the first before the one that finishes.
+    assert len([c for c in content if token_ids(c.choices[0])]) >= 2
+    finish = [i for i, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason is not None]
+    assert len(finish) == 1
+    first_tokens = next(i for i, c in enumerate(chunks) if c.choices and token_ids(c.choices[0]))
+    assert first_tokens < finish[0]
+    assert arrivals[first_tokens][0] <= arrivals[finish[0]][0]
+    # The usage chunk is last, with no choices, and exact.
+    assert len(usage) == 1 and chunks[-1] is usage[0] and not usage[0].choices
+    assert usage[0].usage.prompt_tokens == len(PROMPT)
+    assert usage[0].usage.completion_tokens == len(reference.tokens)
+
+
+def test_stream_raw_sse_ends_with_done(oa_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True, "n": 2}
+    with requests.post(oa_server.http_url("/v1/completions"), json=body, stream=True, timeout=60,
+                       headers={"Authorization": f"Bearer {KEYS['alice']}"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert sum(1 for c in chunks if c["choices"][0]["finish_reason"]) == 2
+
+
+def test_disconnect_mid_stream_frees_the_rows(oa_server: ServerProcess) -> None:
+    wait_idle(oa_server)
+    oa = client(oa_server)
+    received = 0
+    with oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_POSITIONS - len(PROMPT), temperature=0,
+                               stream=True, extra_body={"ignore_eos": True}) as stream:
+        for chunk in stream:
+            received += len(token_ids(chunk.choices[0])) if chunk.choices else 0
+            if received >= 2:
+                break
+        assert not sampler_idle(oa_server)  # still decoding while the client holds the stream
+    # The client closed its connection: the rows leave the batch and their KV blocks go back.
+    wait_idle(oa_server)
+    # And the server still serves.
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert len(token_ids(out.choices[0])) >= 1
+
+
+def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None:
+    alice = client(oa_server)
+    assert MODEL in [m.id for m in alice.models.list()]
+    training = tinker_service(oa_server).create_lora_training_client(base_model=MODEL, rank=4)
+    training = training.result() if hasattr(training, "result") else training
+    path = training.save_weights_for_sampler("oa1").result().path
+    assert path.startswith("tinker://") and "/sampler_weights/" in path
+    assert path in [m.id for m in alice.models.list()]
+    bob = client(oa_server, KEYS["bob"])
+    assert path not in [m.id for m in bob.models.list()]
+    # The checkpoint as the model, alone and as <base>;<path>: a fresh LoRA (B = 0) samples like the base.
+    base = alice.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    for name in (path, f"{MODEL};{path}"):
+        out = alice.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert out.model == name
+        assert token_ids(out.choices[0]) == token_ids(base.choices[0])
+    # Another tenant's checkpoint is unknown to bob.
+    with pytest.raises(openai.NotFoundError) as err:
+        bob.completions.create(model=path, prompt=PROMPT, max_tokens=2)
+    assert err.value.code == "model_not_found"
+
+
+# ---- hostile ----------------------------------------------------------------------------------
+
+
+def test_auth(oa_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    assert_openai_error(post(oa_server, "/v1/completions", body, key=None), 401)
+    assert_openai_error(post(oa_server, "/v1/completions", body, key="sk-wrong"), 401)
+    r = requests.get(oa_server.http_url("/v1/models"), timeout=10)
+    assert_openai_error(r, 401)
+    with pytest.raises(openai.AuthenticationError):
+        client(oa_server, "sk-wrong").models.list()
+
+
+def test_malformed_and_wrong_types(oa_server: ServerProcess) -> None:
+    assert_openai_error(post(oa_server, "/v1/completions", b'{"model": "tiny-qwen3", "prompt": [1, 2'), 400)
+    assert_openai_error(post(oa_server, "/v1/completions", b"[1, 2, 3]"), 400)
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    for key, value in (("n", "two"), ("max_tokens", 1.5), ("temperature", "hot"), ("stream", "yes"),
+                       ("stop", 5), ("logprobs", True), ("seed", "x")):
+        assert_openai_error(post(oa_server, "/v1/completions", {**base, key: value}), 400, key)
+    assert_openai_error(post(oa_server, "/v1/completions", {**base, "prompt": [1, "a"]}), 400, "prompt")
+    assert_openai_error(post(oa_server, "/v1/completions", {**base, "prompt": []}), 400, "prompt")
+    assert_openai_error(post(oa_server, "/v1/completions", {**base, "prompt": [[1, 2], [900000]]}), 400)
+    assert_openai_error(post(oa_server, "/v1/completions", {"prompt": PROMPT}), 400, "model")
+    assert_openai_error(post(oa_server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"}), 400, "messages")
+    assert_openai_error(post(oa_server, "/v1/chat/completions",
+                             {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400, "messages")
+
+
+def test_limits_at_limit_plus_one(oa_server: ServerProcess) -> None:
+    oa = client(oa_server)
+    ok = oa.completions.create(model=MODEL, prompt=PROMPT, n=MAX_N, max_tokens=1)
+    assert len(ok.choices) == MAX_N
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.completions.create(model=MODEL, prompt=PROMPT, n=MAX_N + 1, max_tokens=1)
+    assert err.value.param == "n"
+    fits = MAX_POSITIONS - len(PROMPT)
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=fits + 1)
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=MODEL, prompt=[5] * (MAX_POSITIONS + 1), max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=21)
+    assert err.value.param == "logprobs"
+    wait_idle(oa_server)  # nothing was started
+
+
+def test_huge_body_is_refused_before_it_is_read(oa_server: ServerProcess) -> None:
+    # Content-Length over the limit: 413 from the header, the body never read.
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {oa_server.host}\r\nAuthorization: Bearer {KEYS['alice']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n")
+    with httpx.Client(timeout=30) as http:
+        r = http.post(oa_server.http_url("/v1/completions"), content=b" " * (MAX_BODY_BYTES + 1),
+                      headers={"Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json"})
+    assert r.status_code == 413, head
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_model_names_and_unsupported_parameters(oa_server: ServerProcess) -> None:
+    oa = client(oa_server)
+    for name in ("no-such-model", "tinker://nope/sampler_weights/x", f"other;tinker://a/sampler_weights/b"):
+        with pytest.raises(openai.NotFoundError) as err:
+            oa.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+        assert err.value.code == "model_not_found"
+    for key, value in (("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("logit_bias", {"5": 1}),
+                       ("suffix", "x"), ("best_of", 3)):
+        with pytest.raises(openai.BadRequestError) as err:
+            oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, **{key: value})
+        assert err.value.param == key and err.value.code == "unsupported_parameter"
+    for key, value in (("min_p", 0.1), ("repetition_penalty", 1.2)):
+        with pytest.raises(openai.BadRequestError) as err:
+            oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={key: value})
+        assert err.value.param == key
+    # No-op values of those, and unknown parameters, are accepted.
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, presence_penalty=0, frequency_penalty=0,
+                                user="u1", extra_body={"no_such_parameter": {"x": 1}, "min_p": 0})
+    assert len(out.choices) == 1
