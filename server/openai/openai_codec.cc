@@ -237,7 +237,7 @@ absl::Status ParamError(const std::string& param, const std::string& message, ab
 }
 
 std::string ParamOf(const absl::Status& status) {
-  std::optional<absl::Cord> p = status.GetPayload(kParamPayload);
+  auto p = status.GetPayload(kParamPayload);
   return p ? std::string(*p) : "";
 }
 
@@ -249,7 +249,7 @@ Json ErrorBody(const absl::Status& status, int http_status) {
   if (http_status == 429) type = "rate_limit_error";
   if (http_status >= 500) type = "server_error";
   std::string code;
-  if (std::optional<absl::Cord> c = status.GetPayload(kCodePayload)) code = std::string(*c);
+  if (auto c = status.GetPayload(kCodePayload)) code = std::string(*c);
   if (code.empty() && http_status == 401) code = "invalid_api_key";
   if (code.empty() && http_status == 429) code = "rate_limit_exceeded";
   const std::string param = ParamOf(status);

@@ -27,7 +27,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from e2e_support import configs, prom  # noqa: E402
-from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
+from e2e_support.server import LaunchServer, ServerProcess, launch, stop_all  # noqa: E402
 from e2e_support.training import KEYS, auth_overrides  # noqa: E402
 from e2e_support.waiting import scaled  # noqa: E402
 
@@ -67,6 +67,7 @@ def token_ids(choice: Any) -> list[int]:
 
 def tinker_greedy(server: ServerProcess, prompt: list[int], max_tokens: int) -> Any:
     sampler = tinker_service(server).create_sampling_client(base_model=MODEL)
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
     params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     return out.sequences[0]
@@ -115,7 +116,11 @@ def assert_openai_error(response: requests.Response, status: int, param: str | N
 
 def test_greedy_completion_equals_tinker_sampler_and_usage_is_exact(oa_server: ServerProcess) -> None:
     reference = tinker_greedy(oa_server, PROMPT, 24)
+    generated_before = prom.value(metrics(oa_server), "twinkle_sampler_tokens_total")
     out = client(oa_server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    # Metered like Tinker's sampling: the sampler's generated-token counter moves by exactly this.
+    generated = prom.value(metrics(oa_server), "twinkle_sampler_tokens_total") - generated_before
+    assert generated == len(reference.tokens)
     assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
     (choice,) = out.choices
     assert token_ids(choice) == list(reference.tokens)
@@ -307,12 +312,10 @@ def test_limits_at_limit_plus_one(oa_server: ServerProcess) -> None:
 
 def test_huge_body_is_refused_before_it_is_read(oa_server: ServerProcess) -> None:
     # Content-Length over the limit: 413 from the header, the body never read.
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {oa_server.host}\r\nAuthorization: Bearer {KEYS['alice']}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n")
     with httpx.Client(timeout=30) as http:
         r = http.post(oa_server.http_url("/v1/completions"), content=b" " * (MAX_BODY_BYTES + 1),
                       headers={"Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json"})
-    assert r.status_code == 413, head
+    assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
 
 
@@ -335,3 +338,22 @@ def test_model_names_and_unsupported_parameters(oa_server: ServerProcess) -> Non
     out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, presence_penalty=0, frequency_penalty=0,
                                 user="u1", extra_body={"no_such_parameter": {"x": 1}, "min_p": 0})
     assert len(out.choices) == 1
+
+
+def test_rate_limit_and_quota_as_tinker(launch_server: LaunchServer) -> None:
+    """The tenant's token bucket (429 + Retry-After) and max_tokens_per_request (403), in
+    OpenAI's error shape, on a server of its own."""
+    server = launch_server(auth_overrides(limits={"tokens_per_s": 0.01, "burst_tokens": 40,
+                                                  "max_tokens_per_request": 100}))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16}  # (8 + 16) x 1 = 24 tokens
+    assert post(server, "/v1/completions", body).status_code == 200
+    limited = post(server, "/v1/completions", body)  # 16 tokens left in the bucket
+    error = assert_openai_error(limited, 429)
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["Retry-After"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=16)
+    # One over the request quota: refused before the bucket is charged.
+    over = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 100 - len(PROMPT) + 1},
+                key=KEYS["bob"])
+    assert_openai_error(over, 403)
