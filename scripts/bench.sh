@@ -36,6 +36,6 @@ case "$what" in
   *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N] [--family qwen3|qwen3_5] [--ranks N]" >&2
      echo "       scripts/bench.sh sampler [--layers N] [--steps N] [--max-tokens N] [--repeats N] [--seconds S] [--load X] [--threads N]" >&2
      echo "       scripts/bench.sh scheduler [--seconds S] [--rounds N] [--tenants N] [--tokens N] [--noop-calls N]" >&2
-     echo "       scripts/bench.sh openai [--clients N] [--requests N] [--max-tokens N] [--prompt-tokens N]" >&2
+     echo "       scripts/bench.sh openai [--clients N] [--requests N] [--max-tokens N] [--prompt-tokens N] [--rounds N]" >&2
      exit 2 ;;
 esac

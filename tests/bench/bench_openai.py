@@ -5,7 +5,7 @@ A real server on the tiny model (models/tiny-qwen3, CPU), N concurrent clients o
 official openai SDK, each sending `--requests` completions of `--max-tokens` tokens
 (ignore_eos, so every one generates exactly that many) on token-id prompts; once streaming
 (stream: true, time to first token = the first chunk that carries a token) and once not (the
-whole answer: its time to first token is its latency). Figures: time to first token p50 /
+whole answer: its time to first token is its latency), in alternating rounds. Figures: time to first token p50 /
 p90, end-to-end tokens/s over all clients, per mode. Figures only: no goals, no assertions.
 """
 
@@ -110,12 +110,25 @@ def run(server: ServerProcess, model: str, stream: bool, args: argparse.Namespac
     }
 
 
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one mode: summed counts and times; the TTFT figures of the median round."""
+    seconds = sum(r["seconds"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    mid = sorted(runs, key=lambda r: r["ttft_p50_ms"])[len(runs) // 2]
+    return {"requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
+            "first_error": next((r["first_error"] for r in runs if r["first_error"]), ""),
+            "seconds": round(seconds, 2), "tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
+            "ttft_p50_ms": mid["ttft_p50_ms"], "ttft_p90_ms": mid["ttft_p90_ms"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4, help="requests per client, per mode")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per mode")
     args = parser.parse_args()
     model_dir = paths.reusable_model()
     if model_dir is None or not paths.looks_like_model(model_dir):
@@ -126,8 +139,12 @@ def main() -> int:
         try:
             model = openai.OpenAI(base_url=server.http_url("/v1"), api_key=KEY).models.list().data[0].id
             run(server, model, True, argparse.Namespace(**{**vars(args), "requests": 1}))  # warm-up
-            streamed = run(server, model, True, args)
-            whole = run(server, model, False, args)
+            # Alternating rounds, so a change in the (shared) machine's load falls on both modes.
+            rounds = {True: [], False: []}
+            for _ in range(args.rounds):
+                for stream in (True, False):
+                    rounds[stream].append(run(server, model, stream, args))
+            streamed, whole = merge(rounds[True]), merge(rounds[False])
         except BaseException:
             print(server.logs(), file=sys.stderr)
             raise
@@ -135,7 +152,8 @@ def main() -> int:
             server.stop()
     load_after = os.getloadavg()
     print(f"server: {binary('twinkle-server')}, model {model_dir.name} (CPU), {args.clients} concurrent openai SDK "
-          f"clients x {args.requests} completions of {args.prompt_tokens} prompt + {args.max_tokens} generated tokens")
+          f"clients x {args.requests} completions of {args.prompt_tokens} prompt + {args.max_tokens} generated tokens, "
+          f"{args.rounds} alternating rounds per mode")
     for name, r in (("stream", streamed), ("no stream", whole)):
         print(f"{name:>10}: TTFT p50 {r['ttft_p50_ms']:.1f} ms, p90 {r['ttft_p90_ms']:.1f} ms; "
               f"{r['tokens_per_s']:.0f} tokens/s ({r['requests']} requests, {r['tokens']} tokens in {r['seconds']:.1f} s"
