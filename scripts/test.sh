@@ -44,6 +44,11 @@ echo "== test: pytest tests/deploy (k8s manifests, dashboard + alert rules on a 
 echo "== test: pytest tests/deploy took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
+echo "== test: pytest tests/tokenizer (the C++ tokenizer and chat renderers vs HF tokenizers / transformers)"
+"$ROOT/.venv/bin/python" -m pytest tests/tokenizer -q "$@"
+echo "== test: pytest tests/tokenizer took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
 echo "== test: pytest tests/engine (numerics vs transformers, PEFT, torch.optim)"
 "$ROOT/.venv/bin/python" -m pytest tests/engine -q "$@"
 echo "== test: pytest tests/engine took $(( $(date +%s) - t )) s"

@@ -241,6 +241,11 @@ void FutureStore::Release(uint64_t id) {
   Journal(drops);
 }
 
+bool FutureStore::Holds(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  return entries_.contains(id);
+}
+
 int64_t FutureStore::pending() const {
   absl::MutexLock lock(&mu_);
   return pending_;

@@ -107,6 +107,11 @@ class FutureStore {
   // transport has copied into a future of its own. A pending or unknown id is left alone.
   void Release(uint64_t id);
 
+  // Whether the store still holds `id` (pending, or finished and not yet dropped or expired):
+  // what a transport's side tables keyed by the same ids follow, so they are bounded by
+  // exactly the store's bounds.
+  bool Holds(uint64_t id) const;
+
   // Futures created and not yet completed.
   int64_t pending() const;
   // A tenant's finished results held in memory: (count, approximate bytes).

@@ -407,6 +407,12 @@ absl::StatusOr<SamplingSessionInfo> SamplerCoordinator::GetSession(const TenantC
   return info;
 }
 
+bool SamplerCoordinator::SessionOpen(const std::string& tenant, const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  return it != sessions_.end() && it->second->tenant == tenant;
+}
+
 absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const std::string& session_id) {
   std::shared_ptr<Session> closed;  // released after the lock
   {

@@ -188,6 +188,9 @@ class SamplerCoordinator {
   // Closes every session of the tenant owned by training session `owner`; returns how many.
   int64_t CloseOwnedBy(const TenantContext& tenant, const std::string& owner);
   absl::StatusOr<SamplingSessionInfo> GetSession(const TenantContext& tenant, const std::string& session_id);
+  // Whether the tenant's session is open, without counting as a use (GetSession does: it
+  // moves the session up the LRU order and resets its idle timer).
+  bool SessionOpen(const std::string& tenant, const std::string& session_id) const;
   absl::Status CloseSession(const TenantContext& tenant, const std::string& session_id);
 
   // Future value: SampleOutput. Bad input → INVALID_ARGUMENT naming the field, before

@@ -1,49 +1,14 @@
 #include "core/sampling/token_text.h"
 
 #include <algorithm>
-#include <array>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "core/tokenizer/tokenizer.h"
 
 namespace twinkle::sampling {
 namespace {
-
-// GPT-2's bytes_to_unicode, inverted: code point → byte (-1 where no byte maps there).
-std::array<int, 512> ByteLevelInverse() {
-  std::array<int, 512> inverse;
-  inverse.fill(-1);
-  int next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-    inverse[printable ? b : next++] = b;
-  }
-  return inverse;
-}
-
-// Decodes one UTF-8 code point at `i`, advancing it; -1 on malformed input.
-int32_t NextCodePoint(const std::string& s, size_t& i) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  int len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-  if (len == 0 || i + len > s.size()) {
-    ++i;
-    return -1;
-  }
-  int32_t cp = len == 1 ? c : c & (0x7F >> len);
-  for (int k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-  i += len;
-  return cp;
-}
-
-std::string ByteLevelBytes(const std::string& token, const std::array<int, 512>& inverse) {
-  std::string out;
-  for (size_t i = 0; i < token.size();) {
-    const int32_t cp = NextCodePoint(token, i);
-    if (cp >= 0 && cp < 512 && inverse[cp] >= 0) out.push_back(static_cast<char>(inverse[cp]));
-  }
-  return out;
-}
 
 std::string SentencePieceBytes(const std::string& token) {
   // <0xNN>: one raw byte (byte fallback).
@@ -66,21 +31,29 @@ std::string SentencePieceBytes(const std::string& token) {
 }  // namespace
 
 absl::StatusOr<TokenText> TokenText::FromTokenizerJson(const std::string& tokenizer_json) {
+  // Byte-level BPE (Qwen, Llama 3, GPT-2): the server's tokenizer says what each id stands for,
+  // so stop strings see exactly the bytes the OpenAI routes decode.
+  absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> tok = tokenizer::Tokenizer::FromJson(tokenizer_json);
+  if (tok.ok()) {
+    TokenText text;
+    text.bytes_.resize(static_cast<size_t>((*tok)->vocab_size()));
+    for (int32_t id = 0; id < (*tok)->vocab_size(); ++id) text.bytes_[id] = (*tok)->TokenBytes(id);
+    return text;
+  }
   nlohmann::json j = nlohmann::json::parse(tokenizer_json, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("tokenizer.json: not a JSON object");
+  // A byte-level file the tokenizer refused: its reason (the unsupported part) is the answer.
+  for (const char* key : {"decoder", "pre_tokenizer"}) {
+    if (auto p = j.find(key); p != j.end() && p->is_object() && p->dump().find("\"ByteLevel\"") != std::string::npos) {
+      return tok.status();
+    }
+  }
+  // SentencePiece-style vocabularies (Llama 2, Mistral), which the tokenizer does not load.
   const nlohmann::json* vocab = nullptr;
   if (auto m = j.find("model"); m != j.end() && m->is_object()) {
     if (auto v = m->find("vocab"); v != m->end() && v->is_object()) vocab = &*v;
   }
   if (vocab == nullptr) return absl::InvalidArgumentError("tokenizer.json: no model.vocab object (not a BPE vocabulary)");
-  bool byte_level = false;
-  if (auto d = j.find("decoder"); d != j.end() && d->is_object()) {
-    byte_level = d->value("type", "") == "ByteLevel";
-  }
-  if (auto p = j.find("pre_tokenizer"); !byte_level && p != j.end() && p->is_object()) {
-    byte_level = p->dump().find("\"ByteLevel\"") != std::string::npos;
-  }
-  const std::array<int, 512> inverse = ByteLevelInverse();
   TokenText text;
   auto put = [&text](int64_t id, std::string bytes) {
     if (id < 0 || id > (1 << 24)) return;
@@ -89,7 +62,7 @@ absl::StatusOr<TokenText> TokenText::FromTokenizerJson(const std::string& tokeni
   };
   for (const auto& [token, id] : vocab->items()) {
     if (!id.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: vocab['", token, "'] is not an id"));
-    put(id.get<int64_t>(), byte_level ? ByteLevelBytes(token, inverse) : SentencePieceBytes(token));
+    put(id.get<int64_t>(), SentencePieceBytes(token));
   }
   if (auto added = j.find("added_tokens"); added != j.end() && added->is_array()) {
     for (const nlohmann::json& t : *added) {

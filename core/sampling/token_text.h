@@ -1,10 +1,10 @@
 #pragma once
 // The bytes each token id stands for, read from an HF tokenizer.json, so the coordinator can
-// match stop strings on generated text without a tokenizer runtime. Two vocabulary styles:
-//  - byte-level BPE (GPT-2, Llama 3, Qwen): token strings spell bytes through GPT-2's
-//    bytes_to_unicode table, inverted here;
-//  - SentencePiece-style (Llama 2, Mistral): U+2581 is a space and <0xNN> a raw byte.
-// Added tokens (special tokens included) decode to their literal content.
+// match stop strings on generated text. Two vocabulary styles:
+//  - byte-level BPE (GPT-2, Llama 3, Qwen): core/tokenizer's Tokenizer::TokenBytes, the same
+//    bytes the OpenAI routes decode;
+//  - SentencePiece-style (Llama 2, Mistral), which that tokenizer does not load: U+2581 is a
+//    space and <0xNN> a raw byte; added tokens decode to their literal content.
 
 #include <cstdint>
 #include <optional>

@@ -12,6 +12,7 @@ struct Quotas {
   int32_t max_adapters = 64;               // adapters the tenant may hold at once
   int32_t max_lora_rank = 64;              // largest LoRA rank it may request
   int64_t max_tokens_per_request = 32768;  // largest single request, in tokens
+  int32_t max_sessions = 256;              // sessions (Twinkle and Tinker) open at once
   int32_t max_pending_ops = 256;           // ops queued for it over all its adapters (and
                                            // Tinker ops buffered ahead of a seq_id gap)
   int64_t max_buffered_tokens = 262144;    // tokens of its Tinker ops buffered ahead of gaps

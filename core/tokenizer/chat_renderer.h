@@ -7,7 +7,8 @@
 //   "llama3"   Llama 3 (<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>)
 //   "chatml"   the generic ChatML renderer, used only when the config asks for it
 //
-// INTERFACE ONLY in this commit: the renderers land with chat_renderer.cc.
+// An empty reasoning_content counts as absent (the templates then look for <think> in the
+// content); ToolCall::arguments_json must be a JSON object for the families that expand it.
 
 #include <memory>
 #include <string>
@@ -37,6 +38,9 @@ struct RenderOptions {
   bool add_generation_prompt = true;
   bool enable_thinking = true;  // families with a thinking switch (Qwen3, Qwen3.5)
   std::string tools_json;  // OpenAI "tools" array as JSON text; empty = none
+  // Assistant prefill: the final message is left open for the model to continue (transformers'
+  // continue_final_message). Exclusive with add_generation_prompt.
+  bool continue_final_message = false;
 };
 
 class ChatRenderer {
@@ -51,6 +55,10 @@ class ChatRenderer {
 
 // By name (above); NotFound listing the known names otherwise.
 absl::StatusOr<std::unique_ptr<ChatRenderer>> MakeChatRenderer(std::string_view name);
+
+// The renderer name whose family template `chat_template` is (compared modulo whitespace), or
+// "" when it is none of them.
+std::string_view RecognizeChatTemplate(std::string_view chat_template);
 
 // Picks the renderer for a model directory from its config.json model_type and its chat
 // template (chat_template.jinja or tokenizer_config.json's chat_template). FailedPrecondition

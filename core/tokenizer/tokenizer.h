@@ -3,9 +3,8 @@
 // OpenAI-compatible routes use to turn text into token ids and generated ids back into text,
 // and what stop strings are matched on. No Python, no tokenizers runtime.
 //
-// INTERFACE ONLY in this commit: the implementation (byte-level BPE as Qwen and Llama 3 use
-// it, the pre-tokenizer regex through PCRE2, merges by rank, added and special tokens) lands
-// with core/tokenizer/tokenizer.cc. Callers may code against this header now.
+// Byte-level BPE as Qwen and Llama 3 use it: the pre-tokenizer regex through PCRE2, NFC
+// through utf8proc, merges by rank, added and special tokens (docs/tokenizer.md).
 //
 // Equality target: for every supported family, Encode(text) equals HF
 // `tokenizers.Tokenizer.encode(text, add_special_tokens=False).ids` and Decode(ids) equals

@@ -90,11 +90,19 @@ int32_t TrainingCoordinator::adapter_count() const {
 
 // ---- sessions ------------------------------------------------------------------------------
 
-std::string TrainingCoordinator::CreateSession(const TenantContext& tenant) {
+absl::StatusOr<std::string> TrainingCoordinator::CreateSession(const TenantContext& tenant) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   std::string id;
   {
     absl::MutexLock lock(&mu_);
+    // Bounded by tenants x max_sessions, so counting is cheap next to the registry write.
+    const auto open = std::count_if(sessions_.begin(), sessions_.end(),
+                                    [&](const auto& s) { return s.second.tenant == tenant.id; });
+    if (open >= tenant.max_sessions) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tenant '", tenant.id, "' has ", open, " open sessions, its limit (max_sessions) is ", tenant.max_sessions,
+          ": end one (Tinker: ServiceClient close / sessions/{id}/finish) or let one stop heartbeating"));
+    }
     id = absl::StrCat("s", next_session_++, "-", Hex8(rng()));
     sessions_[id] = Session{tenant.id, clock_.Now()};
   }

@@ -99,7 +99,9 @@ class TrainingCoordinator {
   void Stop();
 
   // Sessions (Twinkle's create_session / heartbeat). Unknown or another tenant's: NotFound.
-  std::string CreateSession(const TenantContext& tenant);
+  // A tenant holding max_sessions live sessions gets FAILED_PRECONDITION naming the limit
+  // (it does not clear by itself while they heartbeat: end one, or let one expire).
+  absl::StatusOr<std::string> CreateSession(const TenantContext& tenant);
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
   // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
   bool SessionAlive(const std::string& tenant, const std::string& session_id) const;

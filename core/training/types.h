@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "core/tenancy/tenant.h"
 
 namespace twinkle::training {
 
@@ -20,7 +21,21 @@ struct TenantContext {
   int32_t max_lora_rank = 64;
   int64_t max_tokens_per_request = 32768;
   int32_t max_pending_ops = 256;
+  int32_t max_sessions = 256;
 };
+
+// The one mapping from an authenticated tenant to the coordinator's view of it (every
+// transport calls this).
+inline TenantContext ContextOf(const tenancy::Tenant& tenant) {
+  TenantContext t;
+  t.id = tenant.id;
+  t.max_adapters = tenant.quotas.max_adapters;
+  t.max_lora_rank = tenant.quotas.max_lora_rank;
+  t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
+  t.max_pending_ops = tenant.quotas.max_pending_ops;
+  t.max_sessions = tenant.quotas.max_sessions;
+  return t;
+}
 
 // The one LoRA alpha default of every API (Twinkle's AddAdapter with lora_alpha unset,
 // Tinker's create_model, which has no alpha): PEFT-style scaling alpha / rank.

@@ -23,6 +23,7 @@ tenancy::Quotas QuotasFromLimits(const LimitsSection& limits) {
   q.max_lora_rank = limits.max_lora_rank;
   q.max_tokens_per_request = limits.max_tokens_per_request;
   q.max_pending_ops = limits.max_pending_ops;
+  q.max_sessions = limits.max_sessions;
   q.max_buffered_tokens = limits.max_buffered_tokens;
   q.tokens_per_s = limits.tokens_per_s;
   q.burst_tokens = limits.burst_tokens;

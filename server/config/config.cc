@@ -89,6 +89,7 @@ template <typename V> void VisitFields(V& v, LimitsSection& c) {
   v.Field("max_lora_rank", c.max_lora_rank, Range(1, 1024));
   v.Field("max_tokens_per_request", c.max_tokens_per_request, Range(1, 1e9));
   v.Field("max_pending_ops", c.max_pending_ops, Range(1, 1e6));
+  v.Field("max_sessions", c.max_sessions, Range(1, 1e6));
   v.Field("max_buffered_tokens", c.max_buffered_tokens, Range(1, 1e12));
   v.Field("tokens_per_s", c.tokens_per_s, Range(0, 1e12));
   v.Field("burst_tokens", c.burst_tokens, Range(1, 1e12));
@@ -403,6 +404,7 @@ class YamlReader {
     check("max_tokens_per_request", static_cast<double>(q.max_tokens_per_request),
           static_cast<double>(limits.max_tokens_per_request), false);
     check("max_pending_ops", q.max_pending_ops, limits.max_pending_ops, false);
+    check("max_sessions", q.max_sessions, limits.max_sessions, false);
     check("max_buffered_tokens", static_cast<double>(q.max_buffered_tokens),
           static_cast<double>(limits.max_buffered_tokens), false);
     check("tokens_per_s", q.tokens_per_s, limits.tokens_per_s, true);

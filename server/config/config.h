@@ -73,6 +73,7 @@ struct LimitsSection {
   int32_t max_lora_rank = 128;  // the cookbook recipes ask for up to 128 (on-policy distillation)
   int64_t max_tokens_per_request = 32768;
   int32_t max_pending_ops = 256;           // queued (and Tinker-buffered) ops per tenant
+  int32_t max_sessions = 256;              // open sessions per tenant (Twinkle and Tinker)
   int64_t max_buffered_tokens = 262144;    // tokens of Tinker ops buffered ahead of seq gaps
   double tokens_per_s = 0;                 // per-tenant token rate; 0 = unlimited
   int64_t burst_tokens = 65536;            // per-tenant token bucket size

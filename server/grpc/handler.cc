@@ -12,16 +12,6 @@
 
 namespace twinkle {
 
-training::TenantContext ToTenantContext(const tenancy::Tenant& tenant) {
-  training::TenantContext t;
-  t.id = tenant.id;
-  t.max_adapters = tenant.quotas.max_adapters;
-  t.max_lora_rank = tenant.quotas.max_lora_rank;
-  t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
-  t.max_pending_ops = tenant.quotas.max_pending_ops;
-  return t;
-}
-
 absl::Time ClientDeadline(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
   // gRPC reports "no deadline" as a time far in the future.

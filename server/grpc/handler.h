@@ -19,9 +19,6 @@
 
 namespace twinkle {
 
-// The tenant a call belongs to, with the quotas the coordinator enforces.
-training::TenantContext ToTenantContext(const tenancy::Tenant& tenant);
-
 // The client's deadline as an absl::Time (InfiniteFuture when it set none).
 absl::Time ClientDeadline(const grpc::CallbackServerContext& context);
 

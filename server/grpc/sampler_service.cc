@@ -74,7 +74,7 @@ absl::Status FillSample(const FutureValue& value, v1::SampleResponse* response) 
 
 TWINKLE_RPC_DEF(CreateSamplingSession, CreateSamplingSessionRequest, SamplingSession) {
   return HandleNow(context, state_, "SamplerService/CreateSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
-    const training::TenantContext tenant = ToTenantContext(t);
+    const training::TenantContext tenant = training::ContextOf(t);
     absl::StatusOr<std::string> id = state_.sampler->CreateSession(tenant, request->model_path());
     if (!id.ok()) return id.status();
     absl::StatusOr<sampling::SamplingSessionInfo> info = state_.sampler->GetSession(tenant, *id);
@@ -89,7 +89,7 @@ TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
   return HandleQueuedAny(
       context, state_, "SamplerService/SnapshotAdapter", false,
       [&](const tenancy::Tenant& t) {
-        *tenant = ToTenantContext(t);
+        *tenant = training::ContextOf(t);
         return state_.sampler->SubmitSnapshotSession(*tenant, request->adapter_name(),
                                                      ToSubmitOptions(context, request->options(), request));
       },
@@ -109,7 +109,7 @@ TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
 TWINKLE_RPC_DEF(GetSamplingSession, SamplingSessionRequest, SamplingSession) {
   return HandleNow(context, state_, "SamplerService/GetSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
     absl::StatusOr<sampling::SamplingSessionInfo> info =
-        state_.sampler->GetSession(ToTenantContext(t), request->sampling_session_id());
+        state_.sampler->GetSession(training::ContextOf(t), request->sampling_session_id());
     if (!info.ok()) return info.status();
     FillSession(*info, response);
     return absl::OkStatus();
@@ -118,7 +118,7 @@ TWINKLE_RPC_DEF(GetSamplingSession, SamplingSessionRequest, SamplingSession) {
 
 TWINKLE_RPC_DEF(CloseSamplingSession, SamplingSessionRequest, Empty) {
   return HandleNow(context, state_, "SamplerService/CloseSamplingSession", [&](const tenancy::Tenant& t) {
-    return state_.sampler->CloseSession(ToTenantContext(t), request->sampling_session_id());
+    return state_.sampler->CloseSession(training::ContextOf(t), request->sampling_session_id());
   });
 }
 
@@ -132,7 +132,7 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
         // Charged to the tenant's token rate like training.
         const int64_t tokens = state_.sampler->TokensOf(prompts, params);
         if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return absl::StatusOr<uint64_t>(s);
-        absl::StatusOr<uint64_t> id = state_.sampler->SubmitSample(ToTenantContext(t), request->sampling_session_id(),
+        absl::StatusOr<uint64_t> id = state_.sampler->SubmitSample(training::ContextOf(t), request->sampling_session_id(),
                                                                    std::move(prompts), params,
                                                                    ToSubmitOptions(context, request->options(), request));
         if (!id.ok()) state_.rate_limiter->Refund(t, tokens);

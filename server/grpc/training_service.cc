@@ -53,14 +53,16 @@ std::map<std::string, double> ToMap(const google::protobuf::Map<std::string, dou
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, CreateSession, CreateSessionRequest, CreateSessionResponse) {
   return HandleNow(context, state_, "TrainingService/CreateSession", [&](const tenancy::Tenant& t) {
-    response->set_session_id(state_.coordinator->CreateSession(ToTenantContext(t)));
+    absl::StatusOr<std::string> id = state_.coordinator->CreateSession(training::ContextOf(t));
+    if (!id.ok()) return id.status();
+    response->set_session_id(*id);
     return absl::OkStatus();
   });
 }
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, SessionHeartbeat, SessionHeartbeatRequest, SessionHeartbeatResponse) {
   return HandleNow(context, state_, "TrainingService/SessionHeartbeat", [&](const tenancy::Tenant& t) {
-    return state_.coordinator->Heartbeat(ToTenantContext(t), request->session_id());
+    return state_.coordinator->Heartbeat(training::ContextOf(t), request->session_id());
   });
 }
 
@@ -79,7 +81,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
     args.gradient_accumulation_steps =
         request->gradient_accumulation_steps() == 0 ? 1 : request->gradient_accumulation_steps();
     args.session_id = request->session_id();
-    absl::StatusOr<training::AddAdapterResult> r = state_.coordinator->AddAdapter(ToTenantContext(t), args);
+    absl::StatusOr<training::AddAdapterResult> r = state_.coordinator->AddAdapter(training::ContextOf(t), args);
     if (!r.ok()) return r.status();
     response->set_adapter_name(r->name);
     response->set_num_parameters(r->num_parameters);
@@ -90,7 +92,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, RemoveAdapter, AdapterRequest, Empty) {
   return HandleNow(context, state_, "TrainingService/RemoveAdapter", [&](const tenancy::Tenant& t) {
-    return state_.coordinator->RemoveAdapter(ToTenantContext(t), request->adapter_name());
+    return state_.coordinator->RemoveAdapter(training::ContextOf(t), request->adapter_name());
   });
 }
 
@@ -98,7 +100,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetLoss, SetLossRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/SetLoss", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetLoss(ToTenantContext(t), request->adapter_name(), request->loss_cls(),
+        return state_.coordinator->SubmitSetLoss(training::ContextOf(t), request->adapter_name(), request->loss_cls(),
                                                  ToMap(request->config()),
                                                  {request->string_config().begin(), request->string_config().end()});
       },
@@ -109,7 +111,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetOptimizer, SetOptimizerRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/SetOptimizer", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetOptimizer(ToTenantContext(t), request->adapter_name(),
+        return state_.coordinator->SubmitSetOptimizer(training::ContextOf(t), request->adapter_name(),
                                                       request->optimizer_cls(), ToMap(request->config()));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -119,7 +121,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetLrScheduler, SetLrSchedulerRequest, Empt
   return HandleQueued(
       context, state_, "TrainingService/SetLrScheduler", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetLrScheduler(ToTenantContext(t), request->adapter_name(),
+        return state_.coordinator->SubmitSetLrScheduler(training::ContextOf(t), request->adapter_name(),
                                                         request->scheduler_cls(), ToMap(request->config()));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -136,7 +138,7 @@ grpc::ServerUnaryReactor* TrainingServiceImpl::RunForward(grpc::CallbackServerCo
         for (const auto& f : args.inputs) tokens += static_cast<int64_t>(f.input_ids.size());
         if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return s;
         absl::StatusOr<uint64_t> id = state_.coordinator->SubmitForward(
-            ToTenantContext(t), request->adapter_name(), static_cast<ForwardMode>(mode), args,
+            training::ContextOf(t), request->adapter_name(), static_cast<ForwardMode>(mode), args,
             request->disable_lora(), ToSubmitOptions(context, request->options(), request));
         if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
         return id;
@@ -164,7 +166,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CalculateLoss, AdapterRequest, ScalarRespon
   return HandleQueued(
       context, state_, "TrainingService/CalculateLoss", request->options().return_future(),
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitCalculateLoss(ToTenantContext(t), request->adapter_name(),
+        return state_.coordinator->SubmitCalculateLoss(training::ContextOf(t), request->adapter_name(),
                                                        ToSubmitOptions(context, request->options(), request));
       },
       [response](uint64_t id) { response->set_future_id(id); },
@@ -178,7 +180,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Backward, AdapterRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/Backward", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitBackward(ToTenantContext(t), request->adapter_name(),
+        return state_.coordinator->SubmitBackward(training::ContextOf(t), request->adapter_name(),
                                                   ToSubmitOptions(context, request->options(), request));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -192,7 +194,7 @@ grpc::ServerUnaryReactor* TrainingServiceImpl::RunControl(grpc::CallbackServerCo
   return HandleQueued(
       context, state_, method, options.return_future(),
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitControl(ToTenantContext(t), adapter, static_cast<Control>(control), max_norm,
+        return state_.coordinator->SubmitControl(training::ContextOf(t), adapter, static_cast<Control>(control), max_norm,
                                                  norm_type, ToSubmitOptions(context, options));
       },
       [response](uint64_t id) { response->set_future_id(id); },
@@ -231,7 +233,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CalculateMetric, CalculateMetricRequest, Me
   return HandleQueued(
       context, state_, "TrainingService/CalculateMetric", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitCalculateMetric(ToTenantContext(t), request->adapter_name(),
+        return state_.coordinator->SubmitCalculateMetric(training::ContextOf(t), request->adapter_name(),
                                                          request->is_training());
       },
       [](uint64_t) {},
@@ -245,7 +247,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, GetTrainConfigs, AdapterRequest, TextRespon
   return HandleQueued(
       context, state_, "TrainingService/GetTrainConfigs", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitGetTrainConfigs(ToTenantContext(t), request->adapter_name());
+        return state_.coordinator->SubmitGetTrainConfigs(training::ContextOf(t), request->adapter_name());
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -258,7 +260,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, GetStateDict, AdapterRequest, StateDictResp
   return HandleQueued(
       context, state_, "TrainingService/GetStateDict", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitGetStateDict(ToTenantContext(t), request->adapter_name());
+        return state_.coordinator->SubmitGetStateDict(training::ContextOf(t), request->adapter_name());
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -281,7 +283,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Save, SaveRequest, SaveResponse) {
         args.save_optimizer = request->save_optimizer();
         args.is_sampler = request->is_sampler();
         args.consumed_train_samples = request->consumed_train_samples();
-        return state_.coordinator->SubmitSave(ToTenantContext(t), request->adapter_name(), args);
+        return state_.coordinator->SubmitSave(training::ContextOf(t), request->adapter_name(), args);
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -297,7 +299,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Load, LoadRequest, Empty) {
       context, state_, "TrainingService/Load", false,
       [&](const tenancy::Tenant& t) {
         return state_.coordinator->SubmitLoad(
-            ToTenantContext(t), request->adapter_name(), request->name(),
+            training::ContextOf(t), request->adapter_name(), request->name(),
             request->load_optimizer() ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -308,7 +310,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeRe
       context, state_, "TrainingService/ResumeFromCheckpoint", false,
       [&](const tenancy::Tenant& t) {
         return state_.coordinator->SubmitLoad(
-            ToTenantContext(t), request->adapter_name(), request->name(),
+            training::ContextOf(t), request->adapter_name(), request->name(),
             request->resume_only_model() ? training::LoadMode::kResumeOnlyModel : training::LoadMode::kResume);
       },
       [](uint64_t) {},

@@ -227,7 +227,7 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::ExportMergedModel(grpc::CallbackSe
   return HandleQueued(
       context, state_, "UtilityService/ExportMergedModel", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitExport(ToTenantContext(t), request->checkpoint_path(), request->name());
+        return state_.coordinator->SubmitExport(training::ContextOf(t), request->checkpoint_path(), request->name());
       },
       [](uint64_t) {},
       [response](const training::OpOutput& out) {

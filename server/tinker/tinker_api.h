@@ -247,8 +247,14 @@ class TinkerApi {
   absl::flat_hash_map<std::string, std::string> dedupe_ ABSL_GUARDED_BY(mu_);
   // Tinker ops buffered ahead of seq gaps, per tenant: (count, tokens).
   absl::flat_hash_map<std::string, std::pair<int64_t, int64_t>> buffered_ ABSL_GUARDED_BY(mu_);
-  // Direct answers that must be idempotent: create_sampling_session.
-  absl::flat_hash_map<std::string, Json> direct_dedupe_ ABSL_GUARDED_BY(mu_);
+  // Direct answers that must be idempotent: create_sampling_session (key → the session it
+  // made and the reply), kept while that sampling session is open.
+  struct DirectAnswer {
+    tenancy::Tenant tenant;
+    std::string sampling_session_id;
+    Json reply;
+  };
+  absl::flat_hash_map<std::string, DirectAnswer> direct_dedupe_ ABSL_GUARDED_BY(mu_);
   // Sessions finished with /finish (tenant + "\n" + id, oldest first, at most 4096): their
   // heartbeat answers 410, which stops the SDK's heartbeat loop.
   std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);

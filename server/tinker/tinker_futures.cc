@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/common/log.h"
+#include "core/sampling/sampler_coordinator.h"
 #include "server/status_map.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
@@ -59,26 +61,34 @@ Json Outcome::ToJson() const {
 }
 
 void TinkerApi::Housekeep() {
-  // Results live in the FutureStore (bounded and expired there); an entry only answers a
-  // replayed request with its promise, for as long as its result is kept.
+  // Results live in the FutureStore (bounded and expired there: count, bytes and age per
+  // tenant); every table here that is keyed by a request follows it, so none of them grows
+  // past the store's bounds however long a model or a loop lives.
   const absl::Time cutoff = absl::Now() - options_.retention;
+  std::vector<std::shared_ptr<Model>> models;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->second->created < cutoff) {
-        entries_.erase(it++);
-      } else {
-        ++it;
-      }
-    }
+    // An entry answers a replayed request with its promise, while its future is held.
+    absl::erase_if(entries_, [&](const auto& e) {
+      return e.second->created < cutoff || !futures_.Holds(e.second->future);
+    });
     // A dedupe key outlives nothing it points at (asample adds one per call).
-    for (auto it = dedupe_.begin(); it != dedupe_.end();) {
-      if (entries_.contains(it->second)) {
-        ++it;
-      } else {
-        dedupe_.erase(it++);
-      }
-    }
+    absl::erase_if(dedupe_, [&](const auto& d) { return !entries_.contains(d.second); });
+    // create_sampling_session's answer is replayed while its sampling session is open.
+    absl::erase_if(direct_dedupe_, [&](const auto& d) {
+      return sampler_ == nullptr || !sampler_->SessionOpen(d.second.tenant.id, d.second.sampling_session_id);
+    });
+    for (const auto& [key, model] : models_) models.push_back(model);
+  }
+  // A seq_id's record (for idempotent replays) goes with its request's future. Taken after
+  // mu_ is released: Sequenced locks a model before mu_.
+  for (const std::shared_ptr<Model>& model : models) {
+    absl::MutexLock lock(&model->mu);
+    std::erase_if(model->by_seq, [&](const auto& r) {
+      uint64_t id = 0;
+      return absl::SimpleAtoi(absl::string_view(r.second.request_id).substr(sizeof(kRequestIdPrefix) - 1), &id) &&
+             !futures_.Holds(id);
+    });
   }
   timers_->After(absl::Seconds(60), [this] { Housekeep(); });
 }

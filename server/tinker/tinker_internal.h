@@ -25,15 +25,7 @@ namespace twinkle::tinker {
 
 inline constexpr char kLog[] = "tinker";
 
-inline training::TenantContext ContextOf(const tenancy::Tenant& tenant) {
-  training::TenantContext t;
-  t.id = tenant.id;
-  t.max_adapters = tenant.quotas.max_adapters;
-  t.max_lora_rank = tenant.quotas.max_lora_rank;
-  t.max_tokens_per_request = tenant.quotas.max_tokens_per_request;
-  t.max_pending_ops = tenant.quotas.max_pending_ops;
-  return t;
-}
+using training::ContextOf;
 
 // Tinker model ids are "{session_id}:train:{model_seq_id}" (the SDK derives them itself when
 // it creates a model through load_weights). The adapter is "{session_id}.t{model_seq_id}", so

@@ -48,8 +48,9 @@ Json TinkerApi::Capabilities() const {
 Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; }
 
 absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, const Json&) {
-  const std::string id = coordinator_.CreateSession(ContextOf(tenant));
-  return Json{{"session_id", id}, {"type", "create_session"}};
+  absl::StatusOr<std::string> id = coordinator_.CreateSession(ContextOf(tenant));
+  if (!id.ok()) return id.status();
+  return Json{{"session_id", *id}, {"type", "create_session"}};
 }
 
 absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {

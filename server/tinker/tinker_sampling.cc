@@ -94,7 +94,7 @@ absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& ten
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);
     auto it = direct_dedupe_.find(key);
-    if (it != direct_dedupe_.end()) return it->second;
+    if (it != direct_dedupe_.end()) return it->second.reply;
   }
   // Owned by the caller's session when it names a live one: released when that one finishes.
   const std::string owner = coordinator_.SessionAlive(tenant.id, *session) ? *session : "";
@@ -103,7 +103,7 @@ absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& ten
   Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
   if (*seq >= 0) {
     absl::MutexLock lock(&mu_);
-    direct_dedupe_[key] = reply;
+    direct_dedupe_[key] = DirectAnswer{tenant, *id, reply};
   }
   return reply;
 }

@@ -382,3 +382,37 @@ def test_finishing_a_session_restores_the_figures_within_a_second(server: Server
     assert alice.post("/session_heartbeat", {"session_id": "no-such-session"}).status_code == 404
     # Bob's model is untouched.
     assert served_forward_backward(bob, bob_model, 1) > 0
+
+
+# ---- sessions per tenant -------------------------------------------------------------------
+
+def test_sessions_are_bounded_per_tenant_over_both_apis(launch_server: LaunchServer, tmp_path: Path) -> None:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")})
+    for tenant in overrides["auth"]["tenants"]:
+        if tenant["id"] == "bob":
+            tenant["quotas"] = {"max_sessions": 2}
+    server = launch_server(overrides)
+    alice, bob = Api(server, KEYS["alice"]), Api(server, KEYS["bob"])
+    bob_grpc = Client(server.grpc_address, KEYS["bob"])
+    try:
+        # One Tinker session and one Twinkle session fill bob's two...
+        first = bob.post("/create_session", {"tags": []})
+        assert first.status_code == 200, first.text
+        bob_grpc.training.CreateSession(tpb.CreateSessionRequest(), metadata=bob_grpc.metadata, timeout=10)
+        # ...so the third, over either API, is refused naming the limit (403: not retryable).
+        r = bob.post("/create_session", {"tags": []})
+        assert r.status_code == 403 and "max_sessions" in r.json()["detail"], r.text
+        assert r.headers["x-should-retry"] == "false"
+        with pytest.raises(grpc.RpcError) as err:
+            bob_grpc.training.CreateSession(tpb.CreateSessionRequest(), metadata=bob_grpc.metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "max_sessions" in (err.value.details() or "")
+        # alice (default quota) is served meanwhile, and bob gets room back by finishing one.
+        for _ in range(3):
+            assert alice.post("/create_session", {"tags": []}).status_code == 200
+        # (finish ends the session on the blocking thread: a create may see it a moment later)
+        assert bob.post(f"/sessions/{first.json()['session_id']}/finish").status_code == 200
+        wait_until(lambda: bob.post("/create_session", {"tags": []}).status_code == 200 or None, 2.0,
+                   "a session created after finishing one")
+    finally:
+        bob_grpc.close()

@@ -376,6 +376,13 @@ auth:
   EXPECT_THAT(ErrorOf(AuthYaml("      quotas: {tokens_per_s: 1001}\n")),
               HasSubstr("limits.tokens_per_s (1000)"));
   EXPECT_TRUE(Parse(AuthYaml("      quotas: {tokens_per_s: 999, burst_tokens: 10}\n")).ok());
+  // max_sessions: the server's default (256) bounds a tenant's, limit + 1 is refused.
+  EXPECT_THAT(ErrorOf(AuthYaml("      quotas: {max_sessions: 257}\n")),
+              HasSubstr("auth.tenants[1].quotas.max_sessions: 257 exceeds the server limit limits.max_sessions (256)"));
+  absl::StatusOr<Config> sessions = Parse(AuthYaml("      quotas: {max_sessions: 2}\n"));
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  EXPECT_EQ(sessions->auth.tenants[1].quotas.max_sessions, 2);
+  EXPECT_EQ(sessions->auth.tenants[0].quotas.max_sessions, 256);
 }
 
 TEST(ConfigTest, TenantShapeErrors) {

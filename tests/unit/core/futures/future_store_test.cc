@@ -249,6 +249,13 @@ TEST(FutureStoreTest, RetainedResultsAreBoundedPerTenantByCountOldestFirst) {
   // Bob's results are his own budget.
   EXPECT_EQ(ValueOf(store.Wait(10, "bob", kLong)), 10);
   EXPECT_EQ(store.retained("bob").first, 1);
+  // Holds follows the bound (what transports' side tables key on): the dropped one is gone,
+  // pending, kept and unknown ones answer as they are.
+  EXPECT_FALSE(store.Holds(1));
+  for (uint64_t id : {2, 3, 4, 10}) EXPECT_TRUE(store.Holds(id)) << id;
+  store.Create(5, "alice");
+  EXPECT_TRUE(store.Holds(5));
+  EXPECT_FALSE(store.Holds(99));
 }
 
 TEST(FutureStoreTest, RetainedResultsAreBoundedPerTenantByBytes) {

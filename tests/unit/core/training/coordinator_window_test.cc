@@ -242,5 +242,23 @@ TEST_F(CoordinatorWindowTest, QueuedOpsDedupeByKeyFuseAcrossAdaptersAndRespectTh
   EXPECT_EQ(calls[0].size(), 2u);
 }
 
+// Sessions are bounded per tenant (max_sessions): the first over the limit is refused naming
+// it, another tenant is unaffected, and ending one makes room again.
+TEST_F(CoordinatorWindowTest, SessionsAreBoundedPerTenant) {
+  TenantContext alice{"alice"};
+  alice.max_sessions = 2;
+  TenantContext bob{"bob"};
+  bob.max_sessions = 2;
+  absl::StatusOr<std::string> first = coordinator_->CreateSession(alice);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(coordinator_->CreateSession(alice).ok());
+  absl::StatusOr<std::string> third = coordinator_->CreateSession(alice);
+  ASSERT_EQ(third.status().code(), absl::StatusCode::kFailedPrecondition) << third.status();
+  EXPECT_NE(third.status().message().find("max_sessions"), std::string::npos) << third.status();
+  EXPECT_TRUE(coordinator_->CreateSession(bob).ok());
+  ASSERT_TRUE(coordinator_->EndSession(alice, *first).ok());
+  EXPECT_TRUE(coordinator_->CreateSession(alice).ok());
+}
+
 }  // namespace
 }  // namespace twinkle::training
