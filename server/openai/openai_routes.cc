@@ -1,5 +1,6 @@
 #include "server/openai/openai_routes.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -81,6 +82,16 @@ class EventSink {
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// A streamed choice's text: decoded as tokens arrive (partial UTF-8 held back by the
+// StreamDecoder), and held back further where a stop string may be starting.
+struct ChoiceText {
+  bool started = false;
+  std::unique_ptr<tokenizer::StreamDecoder> decoder;
+  std::string text;   // decoded so far
+  size_t sent = 0;    // bytes of `text` already sent
+  bool cut = false;   // a stop string matched: nothing more is sent
+};
+
 // One streamed request: turns the sampler's deltas into chunk events.
 struct StreamCall {
   Request request;
@@ -89,20 +100,60 @@ struct StreamCall {
   TextCodec codec;
   EventSink sink;
   absl::Mutex mu;  // deltas of different lanes may interleave
-  std::vector<bool> started ABSL_GUARDED_BY(mu);
+  std::vector<ChoiceText> choices ABSL_GUARDED_BY(mu);
+
+  // The new text of delta `d` of choice `c`; the same text, in the end, as MakeChoice's.
+  std::string NewText(ChoiceText& c, const sampling::StreamDelta& d) const {
+    if (codec.tokenizer == nullptr || c.cut) return "";
+    if (c.decoder == nullptr) {
+      c.decoder = std::make_unique<tokenizer::StreamDecoder>(*codec.tokenizer, codec.skip_special_tokens);
+    }
+    const bool last = !d.finish_reason.empty();
+    for (size_t i = 0; i < d.tokens.size(); ++i) {
+      const bool stop_token = last && d.finish_reason == "stop" && i + 1 == d.tokens.size() &&
+                              std::find(request.stop_token_ids.begin(), request.stop_token_ids.end(), d.tokens[i]) !=
+                                  request.stop_token_ids.end();
+      if (!stop_token) c.text += c.decoder->Push(static_cast<int32_t>(d.tokens[i]));
+    }
+    if (last) c.text += c.decoder->Finish();
+    size_t end = c.text.size();
+    size_t found = std::string::npos;
+    for (const std::string& stop : request.stop) found = std::min(found, c.text.find(stop));
+    if (found != std::string::npos) {
+      end = found;
+      c.cut = true;
+    } else if (!last) {
+      // The longest end of the text that begins some stop string waits for the next tokens.
+      for (const std::string& stop : request.stop) {
+        for (size_t k = std::min(stop.size() - 1, c.text.size()); k > 0; --k) {
+          if (absl::EndsWith(c.text, absl::string_view(stop).substr(0, k))) {
+            end = std::min(end, c.text.size() - k);
+            break;
+          }
+        }
+      }
+    }
+    if (end <= c.sent) return "";
+    std::string out = c.text.substr(c.sent, end - c.sent);
+    c.sent = end;
+    return out;
+  }
 
   void OnDelta(const sampling::StreamDelta& d) {
     const int64_t index = static_cast<int64_t>(d.prompt_index) * request.n + d.sample;
     bool first = false;
+    std::string text;
     {
       absl::MutexLock lock(&mu);
-      if (static_cast<size_t>(index) >= started.size()) started.resize(index + 1, false);
-      first = !started[index];
-      started[index] = true;
+      if (static_cast<size_t>(index) >= choices.size()) choices.resize(index + 1);
+      ChoiceText& c = choices[index];
+      first = !c.started;
+      c.started = true;
+      text = NewText(c, d);
     }
     std::optional<std::string> finish;
     if (!d.finish_reason.empty()) finish = d.finish_reason == "stop" ? "stop" : "length";
-    sink.Send(Event(StreamChunk(request, id, created, model, index, "", d.tokens, finish, first)));
+    sink.Send(Event(StreamChunk(request, id, created, model, index, text, d.tokens, finish, first)));
   }
 };
 
@@ -319,6 +370,20 @@ OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_d
   options.base_model = config.model.name;
   options.model_dir = model_dir;
   options.limits.max_n = config.sampler.max_num_samples;
+  // Text in and out: the model's tokenizer.json and chat renderer. Without them the routes
+  // still serve token ids (text prompts and chat answer 501 naming what is missing).
+  absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> tok = tokenizer::Tokenizer::FromModelDir(model_dir);
+  if (tok.ok()) {
+    options.tokenizer = *std::move(tok);
+  } else {
+    LogWarning("openai", absl::StrCat("no tokenizer for the OpenAI routes (token ids only): ", tok.status().message()));
+  }
+  absl::StatusOr<std::unique_ptr<tokenizer::ChatRenderer>> renderer = tokenizer::ChatRendererForModel(model_dir, "");
+  if (renderer.ok()) {
+    options.renderer = *std::move(renderer);
+  } else {
+    LogWarning("openai", absl::StrCat("no chat renderer for /v1/chat/completions: ", renderer.status().message()));
+  }
   return options;
 }
 

@@ -263,6 +263,101 @@ def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None
     assert err.value.code == "model_not_found"
 
 
+# ---- text: the server's tokenizer and chat renderer -----------------------------------------
+
+TEXT = "def add(a, b): return a + b. The quick brown fox"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to the fox."}]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def visible_text(hf: Any, tokens: list[int], finish_reason: str) -> str:
+    """What a choice's text must be: the tokens decoded by HF tokenizers, special ones skipped."""
+    return hf.decode(tokens, skip_special_tokens=True)
+
+
+def test_text_prompt_is_tokenized_and_output_detokenized(oa_server: ServerProcess, hf_tokenizer: Any) -> None:
+    ids = hf_tokenizer.encode(TEXT, add_special_tokens=False).ids
+    reference = tinker_greedy(oa_server, ids, 16)
+    out = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=16, temperature=0)
+    (choice,) = out.choices
+    assert out.usage.prompt_tokens == len(ids)
+    assert token_ids(choice) == list(reference.tokens)
+    assert choice.text == visible_text(hf_tokenizer, token_ids(choice), choice.finish_reason)
+    echoed = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=16, temperature=0, echo=True)
+    assert echoed.choices[0].text == TEXT + choice.text
+
+
+def test_chat_completion_renders_like_apply_chat_template(oa_server: ServerProcess, tiny_model: Path,
+                                                          hf_tokenizer: Any) -> None:
+    from transformers import AutoTokenizer
+
+    rendered = AutoTokenizer.from_pretrained(str(tiny_model)).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = hf_tokenizer.encode(rendered, add_special_tokens=False).ids
+    reference = tinker_greedy(oa_server, ids, 20)
+    out = client(oa_server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    (choice,) = out.choices
+    assert choice.message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids)
+    assert token_ids(choice) == list(reference.tokens)
+    assert choice.message.content == visible_text(hf_tokenizer, token_ids(choice), choice.finish_reason)
+    assert out.usage.completion_tokens == len(reference.tokens)
+
+
+def test_chat_stream_equals_whole_answer(oa_server: ServerProcess) -> None:
+    oa = client(oa_server)
+    whole = oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, n=2, seed=3)
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, n=2,
+                                             seed=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk"
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[index].message.content
+        assert [t for c in mine for t in token_ids(c)] == token_ids(whole.choices[index])
+        assert [c.finish_reason for c in mine if c.finish_reason] == [whole.choices[index].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stop_string_cuts_text_streamed_and_whole(oa_server: ServerProcess, hf_tokenizer: Any) -> None:
+    oa = client(oa_server)
+    free = oa.completions.create(model=MODEL, prompt=TEXT, max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    candidates = [text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i]
+    if not candidates:
+        pytest.skip("the greedy text has no usable stop string")  # pragma: no cover
+    stop = candidates[0]
+    expected = text[: text.index(stop)]
+    whole = oa.completions.create(model=MODEL, prompt=TEXT, max_tokens=32, temperature=0, stop=stop,
+                                  extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+    streamed = oa.completions.create(model=MODEL, prompt=TEXT, max_tokens=32, temperature=0, stop=[stop], stream=True,
+                                     extra_body={"ignore_eos": True})
+    pieces = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(p.text for p in pieces) == expected
+    assert pieces[-1].finish_reason == "stop"
+
+
+def test_chat_logprobs_shape(oa_server: ServerProcess) -> None:
+    out = client(oa_server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                    logprobs=True, top_logprobs=2)
+    (choice,) = out.choices
+    content = choice.logprobs.content
+    assert len(content) == len(token_ids(choice))
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
+        assert entry.bytes == list(entry.token.encode())
+
+
 # ---- hostile ----------------------------------------------------------------------------------
 
 
