@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "core/common/log.h"
@@ -307,10 +308,10 @@ class Handlers {
 
   absl::StatusOr<std::vector<std::vector<int64_t>>> PromptIds(const Request& request) const {
     const tokenizer::Tokenizer* tok = options_.tokenizer.get();
-    auto encode = [tok](const std::string& text, const char* param) -> absl::StatusOr<std::vector<int64_t>> {
+    auto encode = [tok, this](const std::string& text, const char* param) -> absl::StatusOr<std::vector<int64_t>> {
       if (tok == nullptr) {
-        return ParamError(param, absl::StrCat(param, ": text needs the model's tokenizer, which this server has not "
-                                               "loaded; send token ids"),
+        return ParamError(param, absl::StrCat(param, ": text needs the model's tokenizer, which this server could not "
+                                               "load (", options_.tokenizer_error, "); send token ids"),
                           absl::StatusCode::kUnimplemented);
       }
       absl::StatusOr<std::vector<int32_t>> ids = tok->Encode(text);
@@ -320,7 +321,8 @@ class Handlers {
     std::vector<std::vector<int64_t>> out;
     if (request.endpoint == Endpoint::kChat) {
       if (options_.renderer == nullptr) {
-        return ParamError("messages", "messages: this server has no chat renderer for its model",
+        return ParamError("messages", absl::StrCat("messages: this server has no chat renderer for its model (",
+                                                   options_.renderer_error, ")"),
                           absl::StatusCode::kUnimplemented);
       }
       absl::StatusOr<std::string> text = options_.renderer->Render(request.messages, request.render);
@@ -376,12 +378,15 @@ OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_d
   if (tok.ok()) {
     options.tokenizer = *std::move(tok);
   } else {
+    // Clients are told what is missing, not where the server keeps its files.
+    options.tokenizer_error = absl::StrReplaceAll(tok.status().message(), {{model_dir, options.base_model}});
     LogWarning("openai", absl::StrCat("no tokenizer for the OpenAI routes (token ids only): ", tok.status().message()));
   }
   absl::StatusOr<std::unique_ptr<tokenizer::ChatRenderer>> renderer = tokenizer::ChatRendererForModel(model_dir, "");
   if (renderer.ok()) {
     options.renderer = *std::move(renderer);
   } else {
+    options.renderer_error = absl::StrReplaceAll(renderer.status().message(), {{model_dir, options.base_model}});
     LogWarning("openai", absl::StrCat("no chat renderer for /v1/chat/completions: ", renderer.status().message()));
   }
   return options;

@@ -31,6 +31,9 @@ struct OpenAiOptions {
   // token_ids and empty text).
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
   std::shared_ptr<const tokenizer::ChatRenderer> renderer;
+  // Why they are missing (the loader's error), for the 501 that text and chat then answer.
+  std::string tokenizer_error = "no tokenizer was loaded";
+  std::string renderer_error = "no chat renderer was loaded";
 };
 
 // The options a config describes: model.name, the model directory, sampler.max_num_samples.

@@ -257,6 +257,22 @@ def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None
         out = alice.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
         assert out.model == name
         assert token_ids(out.choices[0]) == token_ids(base.choices[0])
+    # A trained checkpoint: greedy equals the tinker sampler's on the same path, and differs from the base.
+    target = PROMPT + token_ids(base.choices[0])[:1] * 8
+    datum = types.Datum(model_input=types.ModelInput.from_ints(target[:-1]),
+                        loss_fn_inputs={"target_tokens": [7] * (len(target) - 1), "weights": [1.0] * (len(target) - 1)})
+    for _ in range(4):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    trained = training.save_weights_for_sampler("oa2").result().path
+    sampler = tinker_service(oa_server).create_sampling_client(model_path=trained)
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    reference = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,
+                               sampling_params=types.SamplingParams(max_tokens=12, temperature=0.0)).result()
+    out = alice.completions.create(model=trained, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1)
+    assert token_ids(out.choices[0]) == list(reference.sequences[0].tokens)
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(list(reference.sequences[0].logprobs), abs=1e-4)
+    assert token_ids(out.choices[0])[:6] != token_ids(base.choices[0])
     # Another tenant's checkpoint is unknown to bob.
     with pytest.raises(openai.NotFoundError) as err:
         bob.completions.create(model=path, prompt=PROMPT, max_tokens=2)
@@ -452,3 +468,31 @@ def test_rate_limit_and_quota_as_tinker(launch_server: LaunchServer) -> None:
     over = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 100 - len(PROMPT) + 1},
                 key=KEYS["bob"])
     assert_openai_error(over, 403)
+
+
+def test_model_without_tokenizer_serves_ids_and_refuses_text(server_bin: Path, tiny_model: Path,
+                                                             tmp_path: Path) -> None:
+    """A model directory without tokenizer.json or chat template: token ids still work; text
+    prompts and chat answer 501 saying what is missing (and not where the files are)."""
+    import shutil
+
+    bare = tmp_path / "bare-model"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_model / name, bare / name)
+    config = configs.merged(configs.base_config(bare), auth_overrides())
+    server = launch(server_bin, configs.write_config(tmp_path / "twinkle.yaml", config), config, tmp_path / "work")
+    try:
+        server.wait_ports(scaled(120))
+        server.wait_health("SERVING", scaled(120))
+        out = client(server).completions.create(model="bare-model", prompt=PROMPT, max_tokens=3, temperature=0)
+        assert len(token_ids(out.choices[0])) >= 1 and out.choices[0].text == ""
+        error = assert_openai_error(post(server, "/v1/completions", {"model": "bare-model", "prompt": "hello"}), 501,
+                                    "prompt")
+        assert "tokenizer" in error["message"] and str(bare) not in error["message"]
+        error = assert_openai_error(post(server, "/v1/chat/completions",
+                                         {"model": "bare-model", "messages": [{"role": "user", "content": "x"}]}),
+                                    501, "messages")
+        assert str(bare) not in error["message"]
+    finally:
+        stop_all([server])
