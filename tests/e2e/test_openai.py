@@ -227,8 +227,10 @@ def test_disconnect_mid_stream_frees_the_rows(oa_server: ServerProcess) -> None:
     wait_idle(oa_server)
     oa = client(oa_server)
     received = 0
-    with oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_POSITIONS - len(PROMPT), temperature=0,
-                               stream=True, extra_body={"ignore_eos": True}) as stream:
+    # 16 prompts x n = 4, each to the model's full length: 64 rows that fill the KV cache and
+    # take seconds of decode steps, so the client leaves well before they could finish.
+    with oa.completions.create(model=MODEL, prompt=[PROMPT] * 16, n=MAX_N, max_tokens=MAX_POSITIONS - len(PROMPT),
+                               temperature=0, stream=True, extra_body={"ignore_eos": True}) as stream:
         for chunk in stream:
             received += len(token_ids(chunk.choices[0])) if chunk.choices else 0
             if received >= 2:
