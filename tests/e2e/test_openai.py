@@ -225,6 +225,7 @@ def test_stream_raw_sse_ends_with_done(oa_server: ServerProcess) -> None:
 
 def test_disconnect_mid_stream_frees_the_rows(oa_server: ServerProcess) -> None:
     wait_idle(oa_server)
+    generated_before = prom.value(metrics(oa_server), "twinkle_sampler_tokens_total")
     oa = client(oa_server)
     received = 0
     # 16 prompts x n = 4, each to the model's full length: 64 rows that fill the KV cache and
@@ -236,8 +237,10 @@ def test_disconnect_mid_stream_frees_the_rows(oa_server: ServerProcess) -> None:
             if received >= 2:
                 break
         assert not sampler_idle(oa_server)  # still decoding while the client holds the stream
-    # The client closed its connection: the rows leave the batch and their KV blocks go back.
+    # The client closed its connection: the rows leave the batch and their KV blocks go back,
+    # cancelled rather than finished (the generated-token counter counts finished rows only).
     wait_idle(oa_server)
+    assert prom.value(metrics(oa_server), "twinkle_sampler_tokens_total") == generated_before
     # And the server still serves.
     out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     assert len(token_ids(out.choices[0])) >= 1
