@@ -69,6 +69,7 @@ template <typename V> void VisitFields(V& v, ModelSection& c) {
   v.Field("path", c.path, RequiredPath());
   v.Field("name", c.name, Spec{});
   v.Field("dtype", c.dtype, OneOf({"float32", "bfloat16", "float16"}));
+  v.Field("chat_renderer_fallback", c.chat_renderer_fallback, OneOf({"", "qwen3", "qwen3_5", "llama3", "chatml"}));
 }
 template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("devices", c.devices, Spec{});

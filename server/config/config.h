@@ -43,6 +43,9 @@ struct ModelSection {
   std::string path;       // an HF model directory; relative paths are relative to the config file
   std::string name;       // display id; default: the directory's name
   std::string dtype = "float32";
+  // The chat renderer for /v1/chat/completions when the model's chat template is not one the
+  // server recognizes: "" = none (chat answers 501), else qwen3 | qwen3_5 | llama3 | chatml.
+  std::string chat_renderer_fallback;
 };
 
 struct EngineSection {

@@ -382,7 +382,7 @@ OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_d
     options.tokenizer_error = absl::StrReplaceAll(tok.status().message(), {{model_dir, options.base_model}});
     LogWarning("openai", absl::StrCat("no tokenizer for the OpenAI routes (token ids only): ", tok.status().message()));
   }
-  absl::StatusOr<std::unique_ptr<tokenizer::ChatRenderer>> renderer = tokenizer::ChatRendererForModel(model_dir, "");
+  absl::StatusOr<std::unique_ptr<tokenizer::ChatRenderer>> renderer = tokenizer::ChatRendererForModel(model_dir, config.model.chat_renderer_fallback);
   if (renderer.ok()) {
     options.renderer = *std::move(renderer);
   } else {

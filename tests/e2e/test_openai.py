@@ -501,3 +501,34 @@ def test_model_without_tokenizer_serves_ids_and_refuses_text(server_bin: Path, t
         assert str(bare) not in error["message"]
     finally:
         stop_all([server])
+
+
+def test_unknown_chat_template_and_the_configured_fallback(server_bin: Path, tiny_model: Path, tmp_path: Path,
+                                                           hf_tokenizer: Any) -> None:
+    """A chat template the server does not recognize: chat answers 501 naming the problem;
+    with model.chat_renderer_fallback: chatml, chat renders ChatML."""
+    import shutil
+
+    odd = tmp_path / "odd-model"
+    shutil.copytree(tiny_model, odd)
+    (odd / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi fox"}]
+    servers = []
+    try:
+        for fallback in ("", "chatml"):
+            config = configs.merged(configs.base_config(odd), auth_overrides(model={"chat_renderer_fallback": fallback}))
+            work = tmp_path / f"work-{fallback or 'none'}"
+            server = launch(server_bin, configs.write_config(work / "twinkle.yaml", config), config, work)
+            servers.append(server)
+            server.wait_ports(scaled(120))
+            server.wait_health("SERVING", scaled(120))
+            if not fallback:
+                error = assert_openai_error(post(server, "/v1/chat/completions", {"model": "odd-model", "messages": messages}),
+                                            501, "messages")
+                assert "chat template" in error["message"] and str(odd) not in error["message"]
+                continue
+            out = client(server).chat.completions.create(model="odd-model", messages=messages, max_tokens=2)
+            chatml = "<|im_start|>user\nhi fox<|im_end|>\n<|im_start|>assistant\n"
+            assert out.usage.prompt_tokens == len(hf_tokenizer.encode(chatml, add_special_tokens=False).ids)
+    finally:
+        stop_all(servers)
