@@ -183,89 +183,11 @@ class Handlers {
   }
 
   void Generate(Endpoint endpoint, const HttpRequest& http, HttpResponder respond, HttpStreamer streamer) {
-    absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
-    if (!tenant.ok()) return respond(ErrorResponse(tenant.status()));
-    if (state_.sampler == nullptr) return respond(ErrorResponse(absl::UnimplementedError("sampling is not available")));
     if (http.body.size() > kMaxBodyBytes) return respond(TooLarge(http.body.size()));
-    absl::StatusOr<Json> body = tinker::ParseJsonBody(http.body);
-    if (!body.ok()) return respond(ErrorResponse(absl::InvalidArgumentError(absl::StrCat("invalid JSON body: ", body.status().message()))));
-    absl::StatusOr<Request> request = ParseRequest(*body, endpoint, options_.limits);
-    if (!request.ok()) return respond(ErrorResponse(request.status()));
-    absl::StatusOr<std::vector<std::vector<int64_t>>> prompts = PromptIds(*request);
-    if (!prompts.ok()) return respond(ErrorResponse(prompts.status()));
-    absl::StatusOr<std::string> session = Session(**tenant, request->model);
-    if (!session.ok()) return respond(ErrorResponse(session.status()));
-    sampling::SamplingParams params = ParamsOf(*request);
-    // Charged to the tenant's token rate exactly as Tinker's asample (429 with Retry-After).
-    const int64_t tokens = state_.sampler->TokensOf(*prompts, params);
-    if (state_.rate_limiter != nullptr) {
-      if (absl::Status s = state_.rate_limiter->Acquire(**tenant, tokens); !s.ok()) return respond(ErrorResponse(s));
-    }
-    auto refund = [&] {
-      if (state_.rate_limiter != nullptr) state_.rate_limiter->Refund(**tenant, tokens);
-    };
-    const std::string tenant_id = (*tenant)->id;
-    TextCodec codec{options_.tokenizer.get(), request->skip_special_tokens};
-    const std::string id = RandomId(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
-    const int64_t created = absl::ToUnixSeconds(absl::Now());
-    if (!request->stream) {
-      absl::StatusOr<uint64_t> future =
-          state_.sampler->SubmitSample(tinker::ContextOf(**tenant), *session, *prompts, params, {});
-      if (!future.ok()) {
-        refund();
-        return respond(ErrorResponse(future.status()));
-      }
-      auto req = std::make_shared<Request>(*std::move(request));
-      OnDone(*future, tenant_id, [req, prompts = *prompts, id, created, codec, respond](const FutureResult& result) {
-        if (!result.ok()) return respond(ErrorResponse(result.status()));
-        const auto* out = std::get_if<sampling::SampleOutput>(&*result);
-        if (out == nullptr) return respond(ErrorResponse(absl::InternalError("the sampler returned no result")));
-        Result r{id, created, req->model, prompts, out};
-        respond({200, "application/json", Dump(CompletionResponse(*req, r, codec, req->stop_token_ids))});
-      });
-      return;
-    }
-    auto call = std::make_shared<StreamCall>();
-    call->request = *std::move(request);
-    call->id = id;
-    call->model = call->request.model;
-    call->created = created;
-    call->codec = codec;
-    auto stream = std::make_shared<sampling::SampleStream>(
-        [call](const sampling::StreamDelta& d) { call->OnDelta(d); });
-    absl::StatusOr<uint64_t> future =
-        state_.sampler->SubmitSample(tinker::ContextOf(**tenant), *session, *prompts, params, {}, stream);
-    if (!future.ok()) {
-      refund();
-      return respond(ErrorResponse(future.status()));
-    }
-    std::shared_ptr<HttpStream> http_stream = streamer({200, "text/event-stream", ""});
-    // A client that leaves cancels its rows (capacity goes back at the next decode step).
-    http_stream->OnClientGone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(stream)] {
-      if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
-    });
-    call->sink.Attach(http_stream);
-    int64_t prompt_tokens = 0;
-    for (const std::vector<int64_t>& p : *prompts) prompt_tokens += static_cast<int64_t>(p.size());
-    OnDone(*future, tenant_id, [call, prompt_tokens](const FutureResult& result) {
-      if (!result.ok()) {
-        if (result.status().code() != absl::StatusCode::kCancelled) {
-          call->sink.Send(Event(ErrorBody(result.status(), ToHttpStatus(result.status()))));
-        }
-        return call->sink.End();
-      }
-      if (call->request.include_usage) {
-        int64_t completion = 0;
-        if (const auto* out = std::get_if<sampling::SampleOutput>(&*result)) {
-          for (const sampling::PromptOutput& p : out->prompts) {
-            for (const sampling::SampledSequence& s : p.sequences) completion += static_cast<int64_t>(s.tokens.size());
-          }
-        }
-        call->sink.Send(Event(UsageChunk(call->request, call->id, call->created, call->model, prompt_tokens, completion)));
-      }
-      call->sink.Send("data: [DONE]\n\n");
-      call->sink.End();
-    });
+    absl::StatusOr<Call> call = Prepare(endpoint, http);
+    if (!call.ok()) return respond(ErrorResponse(call.status()));
+    call->request->stream ? Stream(*std::move(call), std::move(respond), std::move(streamer))
+                          : Whole(*std::move(call), std::move(respond));
   }
 
   // Runs `done` once the future completes, then lets the future go.
@@ -284,6 +206,115 @@ class Handlers {
   }
 
  private:
+  // A generation request, checked and charged, ready to submit.
+  struct Call {
+    const tenancy::Tenant* tenant = nullptr;
+    std::shared_ptr<Request> request;
+    std::vector<std::vector<int64_t>> prompts;
+    std::string session;
+    sampling::SamplingParams params;
+    int64_t tokens = 0;  // charged to the tenant's token rate
+    std::string id;
+    int64_t created = 0;
+  };
+
+  // Authenticates, decodes, tokenizes, resolves the model and charges the rate limiter.
+  absl::StatusOr<Call> Prepare(Endpoint endpoint, const HttpRequest& http) {
+    Call call;
+    absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
+    if (!tenant.ok()) return tenant.status();
+    call.tenant = *tenant;
+    if (state_.sampler == nullptr) return absl::UnimplementedError("sampling is not available");
+    absl::StatusOr<Json> body = tinker::ParseJsonBody(http.body);
+    if (!body.ok()) return absl::InvalidArgumentError(absl::StrCat("invalid JSON body: ", body.status().message()));
+    absl::StatusOr<Request> request = ParseRequest(*body, endpoint, options_.limits);
+    if (!request.ok()) return request.status();
+    call.request = std::make_shared<Request>(*std::move(request));
+    absl::StatusOr<std::vector<std::vector<int64_t>>> prompts = PromptIds(*call.request);
+    if (!prompts.ok()) return prompts.status();
+    call.prompts = *std::move(prompts);
+    absl::StatusOr<std::string> session = Session(*call.tenant, call.request->model);
+    if (!session.ok()) return session.status();
+    call.session = *std::move(session);
+    call.params = ParamsOf(*call.request);
+    // Charged to the tenant's token rate exactly as Tinker's asample (429 with Retry-After).
+    call.tokens = state_.sampler->TokensOf(call.prompts, call.params);
+    if (state_.rate_limiter != nullptr) {
+      if (absl::Status s = state_.rate_limiter->Acquire(*call.tenant, call.tokens); !s.ok()) return s;
+    }
+    call.id = RandomId(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-");
+    call.created = absl::ToUnixSeconds(absl::Now());
+    return call;
+  }
+
+  // The one submission path (SamplerCoordinator::SubmitSample); a refusal gives the tokens back.
+  absl::StatusOr<uint64_t> Submit(const Call& call, std::shared_ptr<sampling::SampleStream> stream) {
+    absl::StatusOr<uint64_t> future = state_.sampler->SubmitSample(tinker::ContextOf(*call.tenant), call.session,
+                                                                   call.prompts, call.params, {}, std::move(stream));
+    if (!future.ok() && state_.rate_limiter != nullptr) state_.rate_limiter->Refund(*call.tenant, call.tokens);
+    return future;
+  }
+
+  TextCodec CodecOf(const Request& request) const {
+    return TextCodec{options_.tokenizer.get(), request.skip_special_tokens};
+  }
+
+  // stream: false: one JSON answer when the request completes.
+  void Whole(Call call, HttpResponder respond) {
+    absl::StatusOr<uint64_t> future = Submit(call, nullptr);
+    if (!future.ok()) return respond(ErrorResponse(future.status()));
+    OnDone(*future, call.tenant->id, [call, codec = CodecOf(*call.request), respond](const FutureResult& result) {
+      if (!result.ok()) return respond(ErrorResponse(result.status()));
+      const auto* out = std::get_if<sampling::SampleOutput>(&*result);
+      if (out == nullptr) return respond(ErrorResponse(absl::InternalError("the sampler returned no result")));
+      const Request& request = *call.request;
+      Result r{call.id, call.created, request.model, call.prompts, out};
+      respond({200, "application/json", Dump(CompletionResponse(request, r, codec, request.stop_token_ids))});
+    });
+  }
+
+  // stream: true: server-sent events as the decode steps come, then usage and [DONE].
+  void Stream(Call call, HttpResponder respond, HttpStreamer streamer) {
+    auto events = std::make_shared<StreamCall>();
+    events->request = *call.request;
+    events->id = call.id;
+    events->model = call.request->model;
+    events->created = call.created;
+    events->codec = CodecOf(*call.request);
+    auto stream = std::make_shared<sampling::SampleStream>(
+        [events](const sampling::StreamDelta& d) { events->OnDelta(d); });
+    absl::StatusOr<uint64_t> future = Submit(call, stream);
+    if (!future.ok()) return respond(ErrorResponse(future.status()));
+    std::shared_ptr<HttpStream> http_stream = streamer({200, "text/event-stream", ""});
+    // A client that leaves cancels its rows (capacity goes back at the next decode step).
+    http_stream->OnClientGone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(stream)] {
+      if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
+    });
+    events->sink.Attach(http_stream);
+    int64_t prompt_tokens = 0;
+    for (const std::vector<int64_t>& p : call.prompts) prompt_tokens += static_cast<int64_t>(p.size());
+    OnDone(*future, call.tenant->id, [events, prompt_tokens](const FutureResult& result) {
+      if (!result.ok()) {
+        if (result.status().code() != absl::StatusCode::kCancelled) {
+          events->sink.Send(Event(ErrorBody(result.status(), ToHttpStatus(result.status()))));
+        }
+        return events->sink.End();
+      }
+      if (events->request.include_usage) {
+        int64_t completion = 0;
+        if (const auto* out = std::get_if<sampling::SampleOutput>(&*result)) {
+          for (const sampling::PromptOutput& p : out->prompts) {
+            for (const sampling::SampledSequence& s : p.sequences) completion += static_cast<int64_t>(s.tokens.size());
+          }
+        }
+        events->sink.Send(
+            Event(UsageChunk(events->request, events->id, events->created, events->model, prompt_tokens, completion)));
+      }
+      events->sink.Send("data: [DONE]\n\n");
+      events->sink.End();
+    });
+  }
+
   // The sampling session of a model name: the base model's id, a sampler checkpoint path
   // (tinker://… or twinkle://…), or "<base>;<path>". Another tenant's path is unknown.
   absl::StatusOr<std::string> Session(const tenancy::Tenant& tenant, const std::string& model) {
