@@ -106,6 +106,40 @@ TEST(OpenAiCodec, RefusesBadInputNamingTheParameter) {
             "top_logprobs");
 }
 
+// Each documented limit: accepted at the limit, refused at limit + 1 naming the parameter.
+TEST(OpenAiCodec, LimitsAtLimitAndLimitPlusOne) {
+  const Limits limits;
+  auto prompts = [](size_t n) { return Json{{"model", "m"}, {"prompt", Json(std::vector<Json>(n, Json({1, 2})))}}; };
+  EXPECT_TRUE(ParseRequest(prompts(limits.max_prompts), Endpoint::kCompletions, limits).ok());
+  EXPECT_EQ(ParamOf(ParseRequest(prompts(limits.max_prompts + 1), Endpoint::kCompletions, limits).status()), "prompt");
+  auto messages = [](size_t n) {
+    return Json{{"model", "m"}, {"messages", Json(std::vector<Json>(n, Json{{"role", "user"}, {"content", "x"}}))}};
+  };
+  EXPECT_TRUE(ParseRequest(messages(limits.max_messages), Endpoint::kChat, limits).ok());
+  EXPECT_EQ(ParamOf(ParseRequest(messages(limits.max_messages + 1), Endpoint::kChat, limits).status()), "messages");
+  auto stops = [](size_t n) {
+    std::vector<std::string> s;
+    for (size_t i = 0; i < n; ++i) s.push_back(std::to_string(i));
+    return Json{{"model", "m"}, {"prompt", {1}}, {"stop", s}};
+  };
+  EXPECT_TRUE(ParseRequest(stops(limits.max_stop), Endpoint::kCompletions, limits).ok());
+  EXPECT_EQ(ParamOf(ParseRequest(stops(limits.max_stop + 1), Endpoint::kCompletions, limits).status()), "stop");
+  auto top = [](int64_t k) {
+    return Json{{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "x"}}}}, {"logprobs", true},
+                {"top_logprobs", k}};
+  };
+  EXPECT_TRUE(ParseRequest(top(limits.max_top_logprobs), Endpoint::kChat, limits).ok());
+  EXPECT_EQ(ParamOf(ParseRequest(top(limits.max_top_logprobs + 1), Endpoint::kChat, limits).status()), "top_logprobs");
+  Json logprobs = {{"model", "m"}, {"prompt", {1}}, {"logprobs", limits.max_top_logprobs}};
+  EXPECT_TRUE(ParseRequest(logprobs, Endpoint::kCompletions, limits).ok());
+  logprobs["logprobs"] = limits.max_top_logprobs + 1;
+  EXPECT_EQ(ParamOf(ParseRequest(logprobs, Endpoint::kCompletions, limits).status()), "logprobs");
+  Json n = {{"model", "m"}, {"prompt", {1}}, {"n", limits.max_n}};
+  EXPECT_TRUE(ParseRequest(n, Endpoint::kCompletions, limits).ok());
+  n["n"] = limits.max_n + 1;
+  EXPECT_EQ(ParamOf(ParseRequest(n, Endpoint::kCompletions, limits).status()), "n");
+}
+
 TEST(OpenAiCodec, AcceptsNoOpValuesOfUnsupportedParameters) {
   EXPECT_TRUE(ParseRequest(Completion({{"presence_penalty", 0}, {"frequency_penalty", 0.0}, {"repetition_penalty", 1},
                                        {"min_p", 0}, {"logit_bias", Json::object()}, {"best_of", 1}, {"suffix", ""},
