@@ -532,3 +532,18 @@ def test_unknown_chat_template_and_the_configured_fallback(server_bin: Path, tin
             assert out.usage.prompt_tokens == len(hf_tokenizer.encode(chatml, add_special_tokens=False).ids)
     finally:
         stop_all(servers)
+
+
+def test_stream_errors_before_the_stream_are_plain_json(oa_server: ServerProcess) -> None:
+    """A streamed request refused before it starts is an ordinary JSON error, not an event stream."""
+    for body, status, param in (
+        ({"model": "no-such-model", "prompt": PROMPT, "stream": True}, 404, "model"),
+        ({"model": MODEL, "prompt": PROMPT, "stream": True, "n": MAX_N + 1}, 400, "n"),
+        ({"model": MODEL, "prompt": PROMPT, "stream": True, "logprobs": 2}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": MAX_POSITIONS}, 400, None),
+    ):
+        r = post(oa_server, "/v1/completions", body)
+        assert r.headers["content-type"].startswith("application/json")
+        assert_openai_error(r, status, param)
+    with pytest.raises(openai.NotFoundError):
+        client(oa_server).chat.completions.create(model="nope", messages=MESSAGES, stream=True)
