@@ -93,6 +93,8 @@ struct StreamDelta {
   size_t prompt_index = 0;
   int64_t sample = 0;
   std::vector<int64_t> tokens;  // new tokens, in order; a prefix of the sample's final tokens
+  std::vector<float> logprobs;  // theirs, as SampledSequence::logprobs
+  TopLogprobs top_logprobs;     // when the request asked top_logprobs: one position per token
   std::string finish_reason;    // on the sample's last delta only: "stop" | "length"
 };
 
@@ -252,8 +254,9 @@ class SamplerCoordinator {
   // Any decode thread: the request is done (or failed); its other rows leave every lane.
   void Finish(Request& request, FutureResult result);
   void Collect(Row& row, const ipc::SampleRowResultMsg& result, const std::vector<std::string>& buffers);
-  // Streaming rows: hands sample `sample`'s tokens [emitted, upto) to the request's stream.
-  static void EmitDelta(Row& row, size_t sample, const std::vector<int64_t>& tokens, size_t upto,
+  // Streaming rows: hands sample `sample`'s tokens [emitted, upto) (with their log-probs and
+  // top-k, indexed alike) to the request's stream.
+  static void EmitDelta(Row& row, size_t sample, const SampledSequence& so_far, size_t upto,
                         const std::string& finish_reason);
 
   static std::vector<std::unique_ptr<Lane>> MakeLanes(const std::vector<training::EngineLink*>& engines);

@@ -100,7 +100,7 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
       }
     }
     if (request.stream != nullptr) {
-      EmitDelta(row, out.sequences.size(), seq.tokens, seq.tokens.size(), seq.stop_reason);
+      EmitDelta(row, out.sequences.size(), seq, seq.tokens.size(), seq.stop_reason);
     }
     out.sequences.push_back(std::move(seq));
   }
@@ -196,17 +196,31 @@ void SamplerCoordinator::RemoveDeadSnapshots(Lane& lane) {
   }
 }
 
-void SamplerCoordinator::EmitDelta(Row& row, size_t sample, const std::vector<int64_t>& tokens, size_t upto,
+void SamplerCoordinator::EmitDelta(Row& row, size_t sample, const SampledSequence& so_far, size_t upto,
                                    const std::string& finish_reason) {
   SampleStream& stream = *row.request->stream;
   if (sample >= row.emitted.size() || stream.cancelled()) return;
   size_t& emitted = row.emitted[sample];
+  const std::vector<int64_t>& tokens = so_far.tokens;
   upto = std::min(upto, tokens.size());
   if (upto <= emitted && finish_reason.empty()) return;
   StreamDelta delta;
   delta.prompt_index = row.prompt_index;
   delta.sample = static_cast<int64_t>(sample);
-  if (upto > emitted) delta.tokens.assign(tokens.begin() + static_cast<std::ptrdiff_t>(emitted), tokens.begin() + static_cast<std::ptrdiff_t>(upto));
+  if (upto > emitted) {
+    const auto from = static_cast<std::ptrdiff_t>(emitted), to = static_cast<std::ptrdiff_t>(upto);
+    delta.tokens.assign(tokens.begin() + from, tokens.begin() + to);
+    if (so_far.logprobs.size() >= upto) {
+      delta.logprobs.assign(so_far.logprobs.begin() + from, so_far.logprobs.begin() + to);
+    }
+    if (const int64_t k = row.request->params.top_logprobs; k > 0 && so_far.top_logprobs.token_ids.size() >= upto * k) {
+      delta.top_logprobs.k = k;
+      delta.top_logprobs.token_ids.assign(so_far.top_logprobs.token_ids.begin() + from * k,
+                                          so_far.top_logprobs.token_ids.begin() + to * k);
+      delta.top_logprobs.logprobs.assign(so_far.top_logprobs.logprobs.begin() + from * k,
+                                         so_far.top_logprobs.logprobs.begin() + to * k);
+    }
+  }
   emitted = std::max(emitted, upto);
   delta.finish_reason = finish_reason;
   stream.on_delta_(delta);
@@ -335,6 +349,7 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       // Kept across a replay after an engine restart: the seeded rows decode the same tokens
       // again, and the stream goes on after what it already has.
       if (request.stream != nullptr && row->emitted.empty()) row->emitted.assign(request.params.num_samples, 0);
+      if (request.stream != nullptr) row->partial_streamed.assign(request.params.num_samples, {});
       step.admit.push_back(std::move(msg));
       admitted.emplace(row->engine_id, row);
     }
@@ -411,7 +426,17 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
           upto = *n;  // a stream never sees the tokens after the stop string's end
         }
       }
-      if (row->request->stream != nullptr) EmitDelta(*row, sample, tokens, upto, "");
+      if (row->request->stream != nullptr && sample < row->partial_streamed.size()) {
+        SampledSequence& so_far = row->partial_streamed[sample];
+        so_far.tokens.insert(so_far.tokens.end(), m->tokens.begin(), m->tokens.end());  // = `tokens`
+        so_far.logprobs.insert(so_far.logprobs.end(), m->logprobs.begin(), m->logprobs.end());
+        so_far.top_logprobs.k = row->request->params.top_logprobs;
+        so_far.top_logprobs.token_ids.insert(so_far.top_logprobs.token_ids.end(), m->top_token_ids.begin(),
+                                             m->top_token_ids.end());
+        so_far.top_logprobs.logprobs.insert(so_far.top_logprobs.logprobs.end(), m->top_logprobs.begin(),
+                                            m->top_logprobs.end());
+        EmitDelta(*row, sample, so_far, upto, "");
+      }
     }
     for (auto& [row, error] : rejected) Finish(*row->request, absl::InvalidArgumentError(error));
     int64_t generated = 0;

@@ -66,6 +66,8 @@ struct SamplerCoordinator::Row {
   // engine's progress reports, and whether it has been told to stop.
   std::vector<std::vector<int64_t>> partial;
   std::vector<bool> stop_sent;
+  // Streaming rows: each sample's progress so far with log-probs (tokens as in `partial`).
+  std::vector<SampledSequence> partial_streamed;
   // Streaming rows (decode thread only): each sample's tokens already handed to the stream.
   std::vector<size_t> emitted;
 };

@@ -355,10 +355,6 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
       if (absl::Status s = Bool(*kwargs, "enable_thinking", &r.render.enable_thinking); !s.ok()) return s;
     }
   }
-  if (r.stream && r.logprobs) {
-    return ParamError("logprobs", "logprobs: not supported with stream: true; ask without streaming",
-                      absl::StatusCode::kInvalidArgument, "unsupported_parameter");
-  }
   if (const Json* opts = Find(body, "stream_options"); opts != nullptr) {
     if (!opts->is_object()) return WrongType("stream_options", "an object");
     if (!r.stream) return ParamError("stream_options", "stream_options: only allowed with stream: true");
@@ -418,9 +414,8 @@ Json Bytes(const std::string& s) {
 }
 
 // Completions: {tokens, token_logprobs, top_logprobs, text_offset}.
-Json CompletionLogprobs(const sampling::SampledSequence& seq, const TextCodec& codec, int64_t k) {
+Json CompletionLogprobs(const sampling::SampledSequence& seq, const TextCodec& codec, int64_t k, size_t offset) {
   Json tokens = Json::array(), lps = Json::array(), tops = Json::array(), offsets = Json::array();
-  size_t offset = 0;
   for (size_t i = 0; i < seq.tokens.size(); ++i) {
     const std::string name = codec.TokenName(seq.tokens[i]);
     tokens.push_back(name);
@@ -456,6 +451,12 @@ Json ChatLogprobs(const sampling::SampledSequence& seq, const TextCodec& codec, 
 
 }  // namespace
 
+Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
+                size_t text_offset) {
+  return request.endpoint == Endpoint::kChat ? ChatLogprobs(seq, codec, request.top_logprobs)
+                                             : CompletionLogprobs(seq, codec, request.top_logprobs, text_offset);
+}
+
 Json CompletionResponse(const Request& request, const Result& result, const TextCodec& codec,
                         const std::vector<int64_t>& stop_ids) {
   const bool chat = request.endpoint == Endpoint::kChat;
@@ -472,7 +473,7 @@ Json CompletionResponse(const Request& request, const Result& result, const Text
         std::string text = std::move(c.text);
         if (request.echo && p < result.prompt_ids.size()) text = codec.Text(result.prompt_ids[p]) + text;
         choice["text"] = std::move(text);
-        choice["logprobs"] = request.logprobs ? CompletionLogprobs(seq, codec, request.top_logprobs) : Json(nullptr);
+        choice["logprobs"] = request.logprobs ? CompletionLogprobs(seq, codec, request.top_logprobs, 0) : Json(nullptr);
       }
       choices.push_back(std::move(choice));
     }
@@ -487,10 +488,10 @@ Json CompletionResponse(const Request& request, const Result& result, const Text
 
 Json StreamChunk(const Request& request, const std::string& id, int64_t created, const std::string& model,
                  int64_t index, const std::string& text, const std::vector<int64_t>& token_ids,
-                 const std::optional<std::string>& finish_reason, bool first_of_choice) {
+                 const std::optional<std::string>& finish_reason, bool first_of_choice, Json logprobs) {
   const bool chat = request.endpoint == Endpoint::kChat;
   Json choice = {{"index", index},
-                 {"logprobs", nullptr},
+                 {"logprobs", std::move(logprobs)},
                  {"finish_reason", finish_reason ? Json(*finish_reason) : Json(nullptr)},
                  {"token_ids", token_ids}};
   if (chat) {

@@ -120,9 +120,14 @@ Json CompletionResponse(const Request& request, const Result& result, const Text
                         const std::vector<int64_t>& stop_ids);
 
 // Stream chunks, each to be sent as "data: <json>\n\n".
+// `logprobs`: the chunk's (LogprobsOf), or null.
 Json StreamChunk(const Request& request, const std::string& id, int64_t created, const std::string& model,
                  int64_t index, const std::string& text, const std::vector<int64_t>& token_ids,
-                 const std::optional<std::string>& finish_reason, bool first_of_choice);
+                 const std::optional<std::string>& finish_reason, bool first_of_choice, Json logprobs = nullptr);
+// The log-probs of `seq`'s tokens in the endpoint's shape (completions: tokens, token_logprobs,
+// top_logprobs, text_offset from `text_offset`; chat: content), request.top_logprobs wide.
+Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
+                size_t text_offset = 0);
 Json UsageChunk(const Request& request, const std::string& id, int64_t created, const std::string& model,
                 int64_t prompt_tokens, int64_t completion_tokens);
 

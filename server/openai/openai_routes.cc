@@ -91,6 +91,7 @@ struct ChoiceText {
   std::string text;   // decoded so far
   size_t sent = 0;    // bytes of `text` already sent
   bool cut = false;   // a stop string matched: nothing more is sent
+  size_t offset = 0;  // completions' text_offset of the next token (token texts so far)
 };
 
 // One streamed request: turns the sampler's deltas into chunk events.
@@ -144,6 +145,7 @@ struct StreamCall {
     const int64_t index = static_cast<int64_t>(d.prompt_index) * request.n + d.sample;
     bool first = false;
     std::string text;
+    Json logprobs = nullptr;
     {
       absl::MutexLock lock(&mu);
       if (static_cast<size_t>(index) >= choices.size()) choices.resize(index + 1);
@@ -151,10 +153,15 @@ struct StreamCall {
       first = !c.started;
       c.started = true;
       text = NewText(c, d);
+      if (request.logprobs && !d.tokens.empty()) {
+        const sampling::SampledSequence seq{d.tokens, d.logprobs, "", d.top_logprobs};
+        logprobs = LogprobsOf(request, seq, codec, c.offset);
+        for (int64_t t : d.tokens) c.offset += codec.TokenName(t).size();
+      }
     }
     std::optional<std::string> finish;
     if (!d.finish_reason.empty()) finish = d.finish_reason == "stop" ? "stop" : "length";
-    sink.Send(Event(StreamChunk(request, id, created, model, index, text, d.tokens, finish, first)));
+    sink.Send(Event(StreamChunk(request, id, created, model, index, text, d.tokens, finish, first, std::move(logprobs))));
   }
 };
 

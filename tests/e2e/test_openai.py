@@ -539,7 +539,7 @@ def test_stream_errors_before_the_stream_are_plain_json(oa_server: ServerProcess
     for body, status, param in (
         ({"model": "no-such-model", "prompt": PROMPT, "stream": True}, 404, "model"),
         ({"model": MODEL, "prompt": PROMPT, "stream": True, "n": MAX_N + 1}, 400, "n"),
-        ({"model": MODEL, "prompt": PROMPT, "stream": True, "logprobs": 2}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": PROMPT, "stream": True, "logprobs": 21}, 400, "logprobs"),
         ({"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": MAX_POSITIONS}, 400, None),
     ):
         r = post(oa_server, "/v1/completions", body)
@@ -547,3 +547,26 @@ def test_stream_errors_before_the_stream_are_plain_json(oa_server: ServerProcess
         assert_openai_error(r, status, param)
     with pytest.raises(openai.NotFoundError):
         client(oa_server).chat.completions.create(model="nope", messages=MESSAGES, stream=True)
+
+
+def test_streamed_logprobs_equal_the_whole_answers(oa_server: ServerProcess) -> None:
+    oa = client(oa_server)
+    whole = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    chunks = [c.choices[0] for c in oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                          logprobs=2, stream=True) if c.choices]
+    with_tokens = [c for c in chunks if token_ids(c)]
+    assert all(c.logprobs is not None and len(c.logprobs.tokens) == len(token_ids(c)) for c in with_tokens)
+    streamed = [lp for c in with_tokens for lp in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert [t for c in with_tokens for t in c.logprobs.top_logprobs] == whole.choices[0].logprobs.top_logprobs
+    assert [o for c in with_tokens for o in c.logprobs.text_offset] == whole.choices[0].logprobs.text_offset
+
+    chat = oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    pieces = [c.choices[0] for c in oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
+                                                               temperature=0, logprobs=True, top_logprobs=3,
+                                                               stream=True) if c.choices]
+    content = [e for p in pieces if p.logprobs is not None for e in p.logprobs.content]
+    assert [e.token for e in content] == [e.token for e in chat.choices[0].logprobs.content]
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content], abs=1e-6)
+    assert all(len(e.top_logprobs) == 3 for e in content)

@@ -80,7 +80,6 @@ TEST(OpenAiCodec, RefusesBadInputNamingTheParameter) {
                                           "15", "16", "17"})}}),
        "stop"},
       {Completion({{"logprobs", 21}}), "logprobs"},
-      {Completion({{"logprobs", 1}, {"stream", true}}), "logprobs"},
       {Completion({{"stream_options", {{"include_usage", true}}}}), "stream_options"},
       {Completion({{"echo", true}, {"logprobs", 1}}), "echo"},
       {Completion({{"presence_penalty", 0.1}}), "presence_penalty"},
