@@ -332,9 +332,9 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
                                                    limits.max_top_logprobs, "]"));
       }
     }
-    if (r.echo && r.logprobs) {
-      return ParamError("echo", "echo: not supported together with logprobs", absl::StatusCode::kInvalidArgument,
-                        "unsupported_parameter");
+    if (r.echo && r.logprobs && r.stream) {
+      return ParamError("echo", "echo: with logprobs, not supported with stream: true (the prompt's log-probs come "
+                        "with the whole answer)", absl::StatusCode::kInvalidArgument, "unsupported_parameter");
     }
   } else {
     if (absl::Status s = Bool(body, "logprobs", &r.logprobs); !s.ok()) return s;
@@ -449,6 +449,41 @@ Json ChatLogprobs(const sampling::SampledSequence& seq, const TextCodec& codec, 
   return {{"content", std::move(content)}};
 }
 
+// echo with logprobs: the prompt's tokens first (the first has no log-prob: null), then the
+// generated ones, as one list; offsets run on over both.
+Json EchoedLogprobs(const std::vector<int64_t>& prompt, const sampling::PromptOutput& out,
+                    const sampling::SampledSequence& seq, const TextCodec& codec, int64_t k) {
+  Json tokens = Json::array(), lps = Json::array(), tops = Json::array(), offsets = Json::array();
+  size_t offset = 0;
+  const sampling::TopLogprobs& top = out.prompt_top_logprobs;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const std::string name = codec.TokenName(prompt[i]);
+    tokens.push_back(name);
+    offsets.push_back(offset);
+    offset += name.size();
+    if (i == 0 || i >= out.prompt_logprobs.size()) {
+      lps.push_back(nullptr);
+      tops.push_back(nullptr);
+      continue;
+    }
+    lps.push_back(Logprob(out.prompt_logprobs[i]));
+    Json row = Json::object();
+    for (int64_t j = 0; j < k && i * k + j < top.token_ids.size(); ++j) {
+      row[codec.TokenName(top.token_ids[i * k + j])] = Logprob(top.logprobs[i * k + j]);
+    }
+    tops.push_back(std::move(row));
+  }
+  Json generated = CompletionLogprobs(seq, codec, k, offset);
+  auto append = [](Json& to, Json& from) {
+    for (Json& v : from) to.push_back(std::move(v));
+  };
+  append(tokens, generated["tokens"]);
+  append(lps, generated["token_logprobs"]);
+  append(tops, generated["top_logprobs"]);
+  append(offsets, generated["text_offset"]);
+  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
 }  // namespace
 
 Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
@@ -473,7 +508,14 @@ Json CompletionResponse(const Request& request, const Result& result, const Text
         std::string text = std::move(c.text);
         if (request.echo && p < result.prompt_ids.size()) text = codec.Text(result.prompt_ids[p]) + text;
         choice["text"] = std::move(text);
-        choice["logprobs"] = request.logprobs ? CompletionLogprobs(seq, codec, request.top_logprobs, 0) : Json(nullptr);
+        if (!request.logprobs) {
+          choice["logprobs"] = nullptr;
+        } else if (!request.echo || p >= result.prompt_ids.size()) {
+          choice["logprobs"] = CompletionLogprobs(seq, codec, request.top_logprobs, 0);
+        } else {
+          choice["logprobs"] = EchoedLogprobs(result.prompt_ids[p], result.output->prompts[p], seq, codec,
+                                              request.top_logprobs);
+        }
       }
       choices.push_back(std::move(choice));
     }

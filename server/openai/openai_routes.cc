@@ -101,6 +101,7 @@ struct StreamCall {
   int64_t created = 0;
   TextCodec codec;
   EventSink sink;
+  std::vector<std::string> echoed;  // echo: each prompt's text, sent first in each of its choices
   absl::Mutex mu;  // deltas of different lanes may interleave
   std::vector<ChoiceText> choices ABSL_GUARDED_BY(mu);
 
@@ -153,6 +154,7 @@ struct StreamCall {
       first = !c.started;
       c.started = true;
       text = NewText(c, d);
+      if (first && d.prompt_index < echoed.size()) text = echoed[d.prompt_index] + text;
       if (request.logprobs && !d.tokens.empty()) {
         const sampling::SampledSequence seq{d.tokens, d.logprobs, "", d.top_logprobs};
         logprobs = LogprobsOf(request, seq, codec, c.offset);
@@ -288,6 +290,9 @@ class Handlers {
     events->model = call.request->model;
     events->created = call.created;
     events->codec = CodecOf(*call.request);
+    if (call.request->echo) {
+      for (const std::vector<int64_t>& p : call.prompts) events->echoed.push_back(events->codec.Text(p));
+    }
     auto stream = std::make_shared<sampling::SampleStream>(
         [events](const sampling::StreamDelta& d) { events->OnDelta(d); });
     absl::StatusOr<uint64_t> future = Submit(call, stream);
@@ -395,6 +400,10 @@ class Handlers {
     p.ignore_eos = r.ignore_eos;
     p.num_samples = r.n;
     p.top_logprobs = r.logprobs ? r.top_logprobs : 0;
+    if (r.echo && r.logprobs) {  // the prompt's log-probs too (what evaluation harnesses score)
+      p.prompt_logprobs = true;
+      p.prompt_top_logprobs = r.top_logprobs;
+    }
     return p;
   }
 

@@ -570,3 +570,30 @@ def test_streamed_logprobs_equal_the_whole_answers(oa_server: ServerProcess) -> 
     assert [e.token for e in content] == [e.token for e in chat.choices[0].logprobs.content]
     assert [e.logprob for e in content] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content], abs=1e-6)
     assert all(len(e.top_logprobs) == 3 for e in content)
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_tinker(oa_server: ServerProcess, hf_tokenizer: Any) -> None:
+    """What evaluation harnesses send to score a text (echo, logprobs, max_tokens 1): the
+    prompt's tokens with their log-probs (the first none), equal to the tinker sampler's
+    prompt log-probs, then the generated token."""
+    ids = hf_tokenizer.encode(TEXT, add_special_tokens=False).ids
+    sampler = tinker_service(oa_server).create_sampling_client(base_model=MODEL)
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    reference = sampler.sample(types.ModelInput.from_ints(ids), num_samples=1, include_prompt_logprobs=True,
+                               sampling_params=types.SamplingParams(max_tokens=1, temperature=0.0)).result()
+    out = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=1, temperature=0, echo=True,
+                                               logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(list(reference.prompt_logprobs)[1:], abs=1e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(reference.sequences[0].logprobs[0], abs=1e-4)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert out.choices[0].text.startswith(TEXT)
+    assert "".join(lp.tokens[:len(ids)]) == TEXT
+    # Streamed, echo puts the prompt's text first in the choice's first chunk.
+    streamed = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, echo=True,
+                                                    stream=True)
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    whole = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, echo=True)
+    assert text == whole.choices[0].text and text.startswith(TEXT)

@@ -81,7 +81,7 @@ TEST(OpenAiCodec, RefusesBadInputNamingTheParameter) {
        "stop"},
       {Completion({{"logprobs", 21}}), "logprobs"},
       {Completion({{"stream_options", {{"include_usage", true}}}}), "stream_options"},
-      {Completion({{"echo", true}, {"logprobs", 1}}), "echo"},
+      {Completion({{"echo", true}, {"logprobs", 1}, {"stream", true}}), "echo"},
       {Completion({{"presence_penalty", 0.1}}), "presence_penalty"},
       {Completion({{"frequency_penalty", -1}}), "frequency_penalty"},
       {Completion({{"repetition_penalty", 1.1}}), "repetition_penalty"},
