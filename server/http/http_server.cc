@@ -165,7 +165,14 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     asio::post(stream_.get_executor(), std::move(f));
   }
   void QueueChunk(std::string data) {
+    if (stream_state_ != nullptr && stream_state_->gone.load()) return;
+    backlog_ += data.size();
     out_.push_back(std::move(data));
+    if (backlog_ > core_->limits.max_stream_backlog_bytes) {
+      LogWarning("http", absl::StrCat("a streaming client is not reading (", backlog_, " bytes waiting, limit ",
+                                      core_->limits.max_stream_backlog_bytes, "): dropped"));
+      return StreamGone();
+    }
     Pump();
   }
   void EndStream() {
@@ -350,6 +357,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
       asio::async_write(stream_, http::make_chunk(asio::buffer(*data)),
                         [self = this->shared_from_this(), data](beast::error_code ec, size_t) {
                           self->writing_ = false;
+                          self->backlog_ -= data->size();
                           if (ec || self->core_->stopped.load()) return self->StreamGone();
                           self->Pump();
                         });
@@ -461,6 +469,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   // A streamed response (strand only): its shared state, the chunks not yet written.
   std::shared_ptr<StreamState> stream_state_;
   std::deque<std::string> out_;
+  size_t backlog_ = 0;  // bytes queued or being written
   bool head_sent_ = false, writing_ = false, ending_ = false, last_sent_ = false;
   std::array<char, 256> probe_{};
   std::optional<http::request_parser<http::string_body>> parser_;

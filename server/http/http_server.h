@@ -98,6 +98,10 @@ using StreamingHttpHandler = std::function<void(const HttpRequest&, HttpResponde
 struct HttpServerLimits {
   int max_connections = 1024;  // open connections; the next is answered 503 and closed
   int idle_timeout_s = 120;    // a connection waiting this long for its next request is closed
+  // A streamed response's chunks written but not yet taken by the client: past this the
+  // client is taken as gone (its connection closed, OnClientGone called), so one that stops
+  // reading cannot make the server hold its whole answer.
+  size_t max_stream_backlog_bytes = size_t{16} << 20;
 };
 
 class HttpServer {

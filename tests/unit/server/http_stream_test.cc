@@ -120,6 +120,38 @@ TEST(HttpStream, AClientThatClosesIsReportedAndWritesThenFail) {
   http.Stop();
 }
 
+TEST(HttpStream, AClientThatStopsReadingIsDroppedPastTheBacklogLimit) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  HttpServerLimits limits;
+  limits.max_stream_backlog_bytes = 1 << 20;
+  http.SetLimits(limits);
+  std::promise<void> gone;
+  std::promise<int> written;
+  std::thread writer;
+  http.RouteStreaming("POST", "/stream", [&](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
+    std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", ""});
+    stream->OnClientGone([&gone] { gone.set_value(); });
+    writer = std::thread([stream, &written] {
+      // 256 MiB in all, far past what the socket buffers take: the backlog limit must trip.
+      int n = 0;
+      while (n < 256 && stream->Write(std::string(1 << 20, 'x'))) {
+        ++n;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      written.set_value(n);
+    });
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);  // and never reads
+  ASSERT_EQ(gone.get_future().wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_LT(written.get_future().get(), 256);  // the writer was told to stop
+  writer.join();
+  http.Stop();
+}
+
 TEST(HttpStream, AStreamingRouteMayAnswerWholeAndThenCannotStream) {
   Metrics metrics;
   HttpServer http(metrics);
