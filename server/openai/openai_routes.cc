@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -441,18 +442,24 @@ OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_d
 
 void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options) {
   auto handlers = std::make_shared<Handlers>(state, tinker, std::move(options));
-  http.Route("GET", "/v1/models", [handlers](const HttpRequest& r) { return handlers->Models(r); });
-  for (auto [path, endpoint] : {std::pair{"/v1/completions", Endpoint::kCompletions},
-                                std::pair{"/v1/chat/completions", Endpoint::kChat}}) {
-    http.RouteStreaming("POST", path, [handlers, endpoint](const HttpRequest& r, HttpResponder respond,
-                                                           HttpStreamer streamer) {
-      handlers->Generate(endpoint, r, std::move(respond), std::move(streamer));
-    });
+  // Under /v1 (the OpenAI SDK's base_url http://host:port/v1) and under the Tinker API's
+  // /api/v1, where Twinkle's gateway serves them.
+  for (const char* prefix : {"/v1", "/api/v1"}) {
+    http.Route("GET", absl::StrCat(prefix, "/models"), [handlers](const HttpRequest& r) { return handlers->Models(r); });
+    for (auto [path, endpoint] : {std::pair{"/completions", Endpoint::kCompletions},
+                                  std::pair{"/chat/completions", Endpoint::kChat}}) {
+      http.RouteStreaming("POST", absl::StrCat(prefix, path),
+                          [handlers, endpoint](const HttpRequest& r, HttpResponder respond, HttpStreamer streamer) {
+                            handlers->Generate(endpoint, r, std::move(respond), std::move(streamer));
+                          });
+    }
   }
   // Before the body is read: a caller without a valid key, or with a body over the limit, is
-  // answered at once (and the body never read).
+  // answered at once (and the body never read). (Under /api/v1 the Tinker routes' own key
+  // check, added before this one, answers first.)
   http.AddHeaderCheck([handlers](const HttpRequest& head) -> std::optional<HttpResponse> {
-    if (!absl::StartsWith(head.path, "/v1/")) return std::nullopt;
+    static const std::set<std::string> kAliases = {"/api/v1/models", "/api/v1/completions", "/api/v1/chat/completions"};
+    if (!absl::StartsWith(head.path, "/v1/") && !kAliases.contains(head.path)) return std::nullopt;
     absl::StatusOr<const tenancy::Tenant*> tenant = handlers->Admit(head);
     if (!tenant.ok()) return ErrorResponse(tenant.status());
     size_t length = 0;

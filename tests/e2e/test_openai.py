@@ -597,3 +597,16 @@ def test_echo_with_logprobs_scores_the_prompt_like_tinker(oa_server: ServerProce
     text = "".join(c.choices[0].text for c in streamed if c.choices)
     whole = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, echo=True)
     assert text == whole.choices[0].text and text.startswith(TEXT)
+
+
+def test_routes_also_under_the_tinker_api_prefix(oa_server: ServerProcess) -> None:
+    """/api/v1/models, /api/v1/completions and /api/v1/chat/completions, where Twinkle's
+    gateway serves them: the same answers as under /v1."""
+    oa = openai.OpenAI(base_url=oa_server.http_url("/api/v1"), api_key=KEYS["alice"], max_retries=0, timeout=120)
+    assert MODEL in [m.id for m in oa.models.list()]
+    here = oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    there = client(oa_server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    assert token_ids(here.choices[0]) == token_ids(there.choices[0])
+    streamed = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    assert [t for c in streamed if c.choices for t in token_ids(c.choices[0])]
+    assert post(oa_server, "/api/v1/completions", {"model": MODEL, "prompt": PROMPT}, key=None).status_code == 401
