@@ -43,6 +43,7 @@
 #include "server/http/http_server.h"
 #include "server/http/request_guard.h"
 #include "server/metrics.h"
+#include "server/openai/openai_routes.h"
 #include "server/serving_state.h"
 #include "server/tinker/admin_routes.h"
 #include "server/tinker/http_routes.h"
@@ -425,6 +426,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler_options.base_model = config.model.name;
   sampler_options.model_dir = config.model.path;
   sampler_options.max_decode_steps_per_call = config.sampler.max_decode_steps_per_call;
+  sampler_options.stream_decode_steps_per_call = config.sampler.stream_decode_steps_per_call;
   sampler_options.max_snapshots = config.sampler.max_snapshots;
   sampler_options.max_snapshots_per_tenant = config.sampler.max_snapshots_per_tenant;
   sampler_options.max_sessions_per_tenant = config.sampler.max_sessions_per_tenant;
@@ -539,6 +541,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   AddHttpRoutes(http, state, grpc_address, tls);
   tinker::AddTinkerRoutes(http, tinker_api, state);
   tinker::AddAdminRoutes(http, tinker_api, state);
+  openai::AddOpenAiRoutes(http, state, tinker_api, openai::OptionsFromConfig(config, tinker_options.model_dir));
   // The access log's tenant: the registry's lookup, which (unlike Authenticate*) counts no
   // failure; the handlers still authenticate the request themselves.
   http.SetLogTenant([&state](const HttpRequest& r) {

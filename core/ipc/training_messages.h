@@ -287,12 +287,17 @@ struct SampleStepRequest {
   bool reset = false;                 // drop every running request first (coordinator lost track)
   MSGPACK_DEFINE_MAP(admit, cancel, stop, max_decode_steps, reset);
 };
-// The tokens a running sample of a report_tokens row made since the previous reply.
+// The tokens a running sample of a report_tokens row made since the previous reply, with
+// their log-probs and (row top_logprobs k > 0) the k most likely tokens at each position,
+// [len(tokens), k] row-major, as the finished result has them.
 struct SampleProgressMsg {
   uint64_t request_id = 0;
   int64_t sample = 0;
   std::vector<int64_t> tokens;
-  MSGPACK_DEFINE_MAP(request_id, sample, tokens);
+  std::vector<float> logprobs;
+  std::vector<int64_t> top_token_ids;
+  std::vector<float> top_logprobs;
+  MSGPACK_DEFINE_MAP(request_id, sample, tokens, logprobs, top_token_ids, top_logprobs);
 };
 struct SampleFinishedMsg {
   uint64_t request_id = 0;

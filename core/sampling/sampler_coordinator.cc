@@ -504,7 +504,8 @@ SamplerStats SamplerCoordinator::stats() const {
 
 absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& tenant, const std::string& session_id,
                                                           std::vector<std::vector<int64_t>> prompts,
-                                                          const SamplingParams& given, const SubmitOptions& options) {
+                                                          const SamplingParams& given, const SubmitOptions& options,
+                                                          std::shared_ptr<SampleStream> stream) {
   absl::StatusOr<std::shared_ptr<Session>> session = FindSession(tenant, session_id);
   if (!session.ok()) return session.status();
   SamplingParams params = given;
@@ -615,6 +616,7 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   request->snapshot = (*session)->snapshot;
   request->prompts = std::move(prompts);
   request->params = std::move(params);
+  request->stream = std::move(stream);
   request->output.prompts.resize(request->prompts.size());
   request->rows_left = request->prompts.size();
   // A queue per session: requests of one session keep their order; sessions interleave.
@@ -625,6 +627,12 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
                                 return FutureValue(sched::Deferred{});
                               },
                               options);
+}
+
+void SamplerCoordinator::CancelStream(SampleStream& stream) {
+  stream.cancelled_ = true;
+  absl::MutexLock lock(&mu_);
+  WakeAllLanes();  // a lane with nothing else to do still drops the rows now
 }
 
 SamplerCoordinator::Lane& SamplerCoordinator::LeastLoadedLane() {

@@ -34,6 +34,7 @@
 // holds no snapshot, and a restart of any engine is seen through its own link's generation
 // and replays only that lane's rows.
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -87,6 +88,32 @@ struct SamplingParams {
   int64_t prompt_alt_tokens_k = 0;
 };
 
+// What a streaming request's samples made since their last delta (SubmitSample's `stream`).
+struct StreamDelta {
+  size_t prompt_index = 0;
+  int64_t sample = 0;
+  std::vector<int64_t> tokens;  // new tokens, in order; a prefix of the sample's final tokens
+  std::vector<float> logprobs;  // theirs, as SampledSequence::logprobs
+  TopLogprobs top_logprobs;     // when the request asked top_logprobs: one position per token
+  std::string finish_reason;    // on the sample's last delta only: "stop" | "length"
+};
+
+// A streaming request's consumer. `on_delta` runs on a decode thread, once per decode step
+// that gave a sample new tokens (and once more with its finish reason), before the request's
+// future completes; it must be quick (hand the bytes to a writer, never block). Cancel
+// through SamplerCoordinator::CancelStream: the request's rows leave the batch within one
+// decode step and its future completes Cancelled.
+class SampleStream {
+ public:
+  explicit SampleStream(std::function<void(const StreamDelta&)> on_delta) : on_delta_(std::move(on_delta)) {}
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  friend class SamplerCoordinator;
+  std::function<void(const StreamDelta&)> on_delta_;
+  std::atomic<bool> cancelled_{false};
+};
+
 struct SamplingSessionInfo {
   std::string id;
   std::string base_model;
@@ -98,6 +125,8 @@ struct SamplerOptions {
   std::string base_model;
   std::string model_dir;  // its tokenizer.json decodes tokens for stop strings
   int64_t max_decode_steps_per_call = 8;  // one decode chunk; bounds what a training step waits
+  // The decode chunk while a lane runs a streaming request's rows: 1 flushes every token.
+  int64_t stream_decode_steps_per_call = 1;
   int32_t max_snapshots = 64;             // engine snapshots held at once, server-wide
   // Live (unnamed) adapter snapshots a tenant holds at once: a new one beyond this evicts the
   // tenant's least recently used one (its session is closed; using it later is refused).
@@ -171,9 +200,14 @@ class SamplerCoordinator {
 
   // Future value: SampleOutput. Bad input → INVALID_ARGUMENT naming the field, before
   // anything is queued (token ids, lengths against the model's positions, parameters).
+  // `stream` (optional): its on_delta gets each sample's tokens as they are decoded.
   absl::StatusOr<uint64_t> SubmitSample(const TenantContext& tenant, const std::string& session_id,
                                         std::vector<std::vector<int64_t>> prompts, const SamplingParams& params,
-                                        const SubmitOptions& options);
+                                        const SubmitOptions& options, std::shared_ptr<SampleStream> stream = nullptr);
+  // The stream's consumer is gone (a client disconnected): its request's rows leave the
+  // waiting lines and the engines' batches at the next decode step, and its future completes
+  // Cancelled. Any thread; idempotent.
+  void CancelStream(SampleStream& stream);
 
   // What a sampling request costs, in tokens: (prompt + max_tokens) x num_samples summed over
   // the prompts (max_tokens 0 = the default). The figure max_tokens_per_request limits and
@@ -236,6 +270,10 @@ class SamplerCoordinator {
   // Any decode thread: the request is done (or failed); its other rows leave every lane.
   void Finish(Request& request, FutureResult result);
   void Collect(Row& row, const ipc::SampleRowResultMsg& result, const std::vector<std::string>& buffers);
+  // Streaming rows: hands sample `sample`'s tokens [emitted, upto) (with their log-probs and
+  // top-k, indexed alike) to the request's stream.
+  static void EmitDelta(Row& row, size_t sample, const SampledSequence& so_far, size_t upto,
+                        const std::string& finish_reason);
 
   static std::vector<std::unique_ptr<Lane>> MakeLanes(const std::vector<training::EngineLink*>& engines);
 

@@ -99,6 +99,9 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
         seq.stop_reason = "stop";
       }
     }
+    if (request.stream != nullptr) {
+      EmitDelta(row, out.sequences.size(), seq, seq.tokens.size(), seq.stop_reason);
+    }
     out.sequences.push_back(std::move(seq));
   }
   if (request.params.prompt_logprobs) {
@@ -202,12 +205,59 @@ void SamplerCoordinator::RemoveDeadSnapshots(Lane& lane) {
   }
 }
 
+void SamplerCoordinator::EmitDelta(Row& row, size_t sample, const SampledSequence& so_far, size_t upto,
+                                   const std::string& finish_reason) {
+  SampleStream& stream = *row.request->stream;
+  if (sample >= row.emitted.size() || stream.cancelled()) return;
+  size_t& emitted = row.emitted[sample];
+  const std::vector<int64_t>& tokens = so_far.tokens;
+  upto = std::min(upto, tokens.size());
+  if (upto <= emitted && finish_reason.empty()) return;
+  StreamDelta delta;
+  delta.prompt_index = row.prompt_index;
+  delta.sample = static_cast<int64_t>(sample);
+  if (upto > emitted) {
+    const auto from = static_cast<std::ptrdiff_t>(emitted), to = static_cast<std::ptrdiff_t>(upto);
+    delta.tokens.assign(tokens.begin() + from, tokens.begin() + to);
+    if (so_far.logprobs.size() >= upto) {
+      delta.logprobs.assign(so_far.logprobs.begin() + from, so_far.logprobs.begin() + to);
+    }
+    if (const int64_t k = row.request->params.top_logprobs; k > 0 && so_far.top_logprobs.token_ids.size() >= upto * k) {
+      delta.top_logprobs.k = k;
+      delta.top_logprobs.token_ids.assign(so_far.top_logprobs.token_ids.begin() + from * k,
+                                          so_far.top_logprobs.token_ids.begin() + to * k);
+      delta.top_logprobs.logprobs.assign(so_far.top_logprobs.logprobs.begin() + from * k,
+                                         so_far.top_logprobs.logprobs.begin() + to * k);
+    }
+  }
+  emitted = std::max(emitted, upto);
+  delta.finish_reason = finish_reason;
+  stream.on_delta_(delta);
+}
+
 void SamplerCoordinator::DecodeLoop(Lane& lane) {
   training::EngineLink& engine = *lane.engine;
   while (true) {
     std::vector<std::shared_ptr<Row>> admit;
     std::vector<uint64_t> cancel;
     bool have_running = false;
+    bool streaming = false;  // a streaming row is running or admitted: decode one step per call
+    {
+      // Streams whose consumer left: their requests end here (Finish drops their rows).
+      std::vector<std::shared_ptr<Request>> cancelled;
+      {
+        absl::MutexLock lock(&mu_);
+        auto gone = [&](const std::shared_ptr<Row>& row) {
+          const Request& r = *row->request;
+          if (r.stream != nullptr && r.stream->cancelled() && !r.finished) cancelled.push_back(row->request);
+        };
+        for (const std::shared_ptr<Row>& row : lane.waiting) gone(row);
+        for (const auto& [id, row] : lane.running) gone(row);
+      }
+      for (const std::shared_ptr<Request>& r : cancelled) {
+        Finish(*r, absl::CancelledError("the client of the streaming request went away"));
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
       while (!stop_ && lane.waiting.empty() && lane.running.empty() && lane.cancel.empty()) {
@@ -220,6 +270,8 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       admit.assign(lane.waiting.begin(), lane.waiting.end());
       cancel.swap(lane.cancel);
       have_running = !lane.running.empty();
+      for (const auto& [id, row] : lane.running) streaming |= row->request->stream != nullptr;
+      for (const std::shared_ptr<Row>& row : admit) streaming |= row->request->stream != nullptr;
     }
     // A new engine process holds neither snapshots nor running rows: rebuild, replay.
     const uint64_t gen = engine.generation();
@@ -249,7 +301,9 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
     step.cancel = std::move(cancel);
     for (const auto& [id, sample] : lane.early_stops) step.stop.push_back({id, sample});
     lane.early_stops.clear();
-    step.max_decode_steps = options_.max_decode_steps_per_call;
+    step.max_decode_steps =
+        streaming ? std::min(options_.stream_decode_steps_per_call, options_.max_decode_steps_per_call)
+                  : options_.max_decode_steps_per_call;
     std::map<uint64_t, std::shared_ptr<Row>> admitted;
     for (const std::shared_ptr<Row>& row : admit) {
       Request& request = *row->request;
@@ -294,11 +348,17 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       r.prompt_alt_tokens_k = request.params.prompt_alt_tokens_k;
       // Stop strings are matched on the decoded text as tokens arrive (the progress loop below);
       // the final result is cut again in Collect, so the early stop only saves decoding.
-      r.report_tokens = !request.params.stop_strings.empty() && token_text_.has_value();
+      // Streaming rows report every step's tokens too, for their stream.
+      r.report_tokens =
+          (!request.params.stop_strings.empty() && token_text_.has_value()) || request.stream != nullptr;
       if (r.report_tokens) {
         row->partial.assign(request.params.num_samples, {});
         row->stop_sent.assign(request.params.num_samples, false);
       }
+      // Kept across a replay after an engine restart: the seeded rows decode the same tokens
+      // again, and the stream goes on after what it already has.
+      if (request.stream != nullptr && row->emitted.empty()) row->emitted.assign(request.params.num_samples, 0);
+      if (request.stream != nullptr) row->partial_streamed.assign(request.params.num_samples, {});
       step.admit.push_back(std::move(msg));
       admitted.emplace(row->engine_id, row);
     }
@@ -366,9 +426,25 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       if (sample >= row->partial.size() || row->stop_sent[sample]) continue;
       std::vector<int64_t>& tokens = row->partial[sample];
       tokens.insert(tokens.end(), m->tokens.begin(), m->tokens.end());
-      if (token_text_->TokensThroughFirstStop(tokens, row->request->params.stop_strings)) {
-        row->stop_sent[sample] = true;
-        lane.early_stops.emplace_back(row->engine_id, m->sample);
+      size_t upto = tokens.size();
+      const std::vector<std::string>& stops = row->request->params.stop_strings;
+      if (!stops.empty() && token_text_) {
+        if (std::optional<size_t> n = token_text_->TokensThroughFirstStop(tokens, stops)) {
+          row->stop_sent[sample] = true;
+          lane.early_stops.emplace_back(row->engine_id, m->sample);
+          upto = *n;  // a stream never sees the tokens after the stop string's end
+        }
+      }
+      if (row->request->stream != nullptr && sample < row->partial_streamed.size()) {
+        SampledSequence& so_far = row->partial_streamed[sample];
+        so_far.tokens.insert(so_far.tokens.end(), m->tokens.begin(), m->tokens.end());  // = `tokens`
+        so_far.logprobs.insert(so_far.logprobs.end(), m->logprobs.begin(), m->logprobs.end());
+        so_far.top_logprobs.k = row->request->params.top_logprobs;
+        so_far.top_logprobs.token_ids.insert(so_far.top_logprobs.token_ids.end(), m->top_token_ids.begin(),
+                                             m->top_token_ids.end());
+        so_far.top_logprobs.logprobs.insert(so_far.top_logprobs.logprobs.end(), m->top_logprobs.begin(),
+                                            m->top_logprobs.end());
+        EmitDelta(*row, sample, so_far, upto, "");
       }
     }
     for (auto& [row, error] : rejected) Finish(*row->request, absl::InvalidArgumentError(error));

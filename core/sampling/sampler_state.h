@@ -53,6 +53,7 @@ struct SamplerCoordinator::Request {
   std::shared_ptr<Snapshot> snapshot;
   std::vector<std::vector<int64_t>> prompts;
   SamplingParams params;
+  std::shared_ptr<SampleStream> stream;  // streaming requests only
   SampleOutput output;
   size_t rows_left = 0;
   bool finished = false;  // guarded by the coordinator's mu_
@@ -67,6 +68,10 @@ struct SamplerCoordinator::Row {
   // engine's progress reports, and whether it has been told to stop.
   std::vector<std::vector<int64_t>> partial;
   std::vector<bool> stop_sent;
+  // Streaming rows: each sample's progress so far with log-probs (tokens as in `partial`).
+  std::vector<SampledSequence> partial_streamed;
+  // Streaming rows (decode thread only): each sample's tokens already handed to the stream.
+  std::vector<size_t> emitted;
 };
 
 // One engine that samples (the training engine when colocated, else one dedicated sampler

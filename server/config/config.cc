@@ -69,6 +69,7 @@ template <typename V> void VisitFields(V& v, ModelSection& c) {
   v.Field("path", c.path, RequiredPath());
   v.Field("name", c.name, Spec{});
   v.Field("dtype", c.dtype, OneOf({"float32", "bfloat16", "float16"}));
+  v.Field("chat_renderer_fallback", c.chat_renderer_fallback, OneOf({"", "qwen3", "qwen3_5", "llama3", "chatml"}));
 }
 template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("devices", c.devices, Spec{});
@@ -120,6 +121,7 @@ template <typename V> void VisitFields(V& v, SamplerSection& c) {
   v.Field("kv_cache_blocks", c.kv_cache_blocks, Range(1, 1e8));
   v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
   v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
+  v.Field("stream_decode_steps_per_call", c.stream_decode_steps_per_call, Range(1, 4096));
   v.Field("max_snapshots", c.max_snapshots, Range(1, 1e5));
   v.Field("max_snapshots_per_tenant", c.max_snapshots_per_tenant, Range(1, 1e5));
   v.Field("max_sessions_per_tenant", c.max_sessions_per_tenant, Range(1, 1e5));

@@ -43,6 +43,9 @@ struct ModelSection {
   std::string path;       // an HF model directory; relative paths are relative to the config file
   std::string name;       // display id; default: the directory's name
   std::string dtype = "float32";
+  // The chat renderer for /v1/chat/completions when the model's chat template is not one the
+  // server recognizes: "" = none (chat answers 501), else qwen3 | qwen3_5 | llama3 | chatml.
+  std::string chat_renderer_fallback;
 };
 
 struct EngineSection {
@@ -118,6 +121,7 @@ struct SamplerSection {
   int64_t kv_cache_blocks = 2048;         // KV cache blocks per worker that samples
   int32_t kv_block_size = 16;             // tokens per block
   int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
+  int32_t stream_decode_steps_per_call = 1;  // the chunk while a streaming request runs (1 = per token)
   int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide
   int32_t max_snapshots_per_tenant = 16;  // live (unnamed) snapshots per tenant; LRU-evicted beyond
   int32_t max_sessions_per_tenant = 64;   // open sampling sessions per tenant

@@ -1,6 +1,8 @@
 #include "server/http/http_server.h"
 
 #include <algorithm>
+#include <array>
+#include <deque>
 #include <set>
 #include <atomic>
 #include <functional>
@@ -64,6 +66,7 @@ struct IoCore {
 
 struct Routes {
   std::map<std::pair<std::string, std::string>, AsyncHttpHandler> exact;
+  std::map<std::pair<std::string, std::string>, StreamingHttpHandler> streaming;  // RouteStreaming
   std::set<std::pair<std::string, std::string>> inline_exact;  // RouteInline: run on the I/O thread
   struct Prefix {
     std::string method, prefix;
@@ -85,6 +88,48 @@ LogLevel AccessLogLevel(const std::string& label) {
   return label == "GET /healthz" || label == "GET /readyz" || label == "GET /metrics" ? LogLevel::kDebug
                                                                                         : LogLevel::kInfo;
 }
+
+// What a streamed response's writer and its session share.
+struct StreamState {
+  std::atomic<bool> gone{false};   // the client went away (or the server stopped)
+  std::atomic<bool> ended{false};  // End was called
+  std::mutex mu;
+  std::function<void()> on_gone;  // guarded by mu
+};
+
+// HttpStream over a session (Session<kTls> below): every call posts to the session's strand.
+template <typename S>
+class StreamWriter : public HttpStream {
+ public:
+  StreamWriter(std::shared_ptr<S> session, std::shared_ptr<StreamState> state)
+      : session_(std::move(session)), state_(std::move(state)) {}
+
+  bool Write(std::string data) override {
+    if (state_->gone.load() || state_->ended.load() || session_->stopped()) return false;
+    if (data.empty()) return true;
+    session_->Post([s = session_, data = std::move(data)]() mutable { s->QueueChunk(std::move(data)); });
+    return true;
+  }
+  void End() override {
+    if (state_->ended.exchange(true) || session_->stopped()) return;
+    session_->Post([s = session_] { s->EndStream(); });
+  }
+  bool client_gone() const override { return state_->gone.load(); }
+  void OnClientGone(std::function<void()> callback) override {
+    {
+      std::lock_guard lock(state_->mu);
+      if (!state_->gone.load()) {
+        state_->on_gone = std::move(callback);
+        return;
+      }
+    }
+    if (!state_->ended.load()) callback();
+  }
+
+ private:
+  std::shared_ptr<S> session_;
+  std::shared_ptr<StreamState> state_;
+};
 
 // One connection: (TLS handshake,) read a request, answer it, repeat while keep-alive.
 template <bool kTls>
@@ -111,6 +156,28 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
 
   void Run() {
     asio::dispatch(stream_.get_executor(), [self = this->shared_from_this()] { self->Start(); });
+  }
+
+  // ---- streamed responses (StreamWriter), on this session's strand ----
+  bool stopped() const { return core_->stopped.load(); }
+  template <typename F>
+  void Post(F f) {
+    asio::post(stream_.get_executor(), std::move(f));
+  }
+  void QueueChunk(std::string data) {
+    if (stream_state_ != nullptr && stream_state_->gone.load()) return;
+    backlog_ += data.size();
+    out_.push_back(std::move(data));
+    if (backlog_ > core_->limits.max_stream_backlog_bytes) {
+      LogWarning("http", absl::StrCat("a streaming client is not reading (", backlog_, " bytes waiting, limit ",
+                                      core_->limits.max_stream_backlog_bytes, "): dropped"));
+      return StreamGone();
+    }
+    Pump();
+  }
+  void EndStream() {
+    ending_ = true;
+    Pump();
   }
 
   // Over the connection limit: answer 503 at once (after the TLS handshake, if any) and close,
@@ -216,9 +283,9 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   // strand, whatever thread it comes from, with the request's id in `X-Request-Id`, and logs
   // the access line; later calls are ignored.
   HttpResponder MakeResponder(std::string label, std::string request_id, std::string tenant, unsigned version,
-                              bool keep_alive) {
+                              bool keep_alive, std::shared_ptr<std::atomic<bool>> done = nullptr) {
     auto timer = std::make_shared<RequestTimer>(metrics_, label);
-    auto done = std::make_shared<std::atomic<bool>>(false);
+    if (done == nullptr) done = std::make_shared<std::atomic<bool>>(false);
     return [self = this->shared_from_this(), timer, done, version, keep_alive, label = std::move(label),
             request_id = std::move(request_id), tenant = std::move(tenant),
             start = absl::Now()](HttpResponse response) {
@@ -233,6 +300,102 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
         self->Write(std::move(response), version, keep_alive);
       });
     };
+  }
+
+  // The streamer a streaming route's handler gets beside its responder (sharing `done`).
+  HttpStreamer MakeStreamer(std::string label, std::string request_id, std::string tenant, unsigned version,
+                            std::shared_ptr<std::atomic<bool>> done) {
+    return [self = this->shared_from_this(), done, version, label = std::move(label),
+            request_id = std::move(request_id), tenant = std::move(tenant),
+            start = absl::Now()](HttpResponse head) -> std::shared_ptr<HttpStream> {
+      auto state = std::make_shared<StreamState>();
+      auto writer = std::make_shared<StreamWriter<Session>>(self, state);
+      if (done->exchange(true) || self->core_->stopped.load()) {
+        state->gone = true;
+        return writer;
+      }
+      RequestTimer timer(self->metrics_, label);
+      timer.set_code(absl::StrCat(head.status));
+      LogRequest(AccessLogLevel(label), "http",
+                 {request_id, tenant, label, absl::StrCat(head.status), absl::ToDoubleSeconds(absl::Now() - start)});
+      head.headers.emplace_back("X-Request-Id", request_id);
+      self->Post([self, state, head = std::move(head), version]() mutable {
+        self->StartStream(std::move(head), version, std::move(state));
+      });
+      return writer;
+    };
+  }
+
+  void StartStream(HttpResponse head, unsigned version, std::shared_ptr<StreamState> state) {
+    stream_state_ = std::move(state);
+    // A stream may run for as long as its generation does; the client's close ends it.
+    beast::get_lowest_layer(stream_).expires_never();
+    auto res = std::make_shared<http::response<http::empty_body>>(static_cast<http::status>(head.status), version);
+    res->set(http::field::server, "twinkle-server");
+    res->set(http::field::content_type, head.content_type);
+    res->set(http::field::cache_control, "no-cache");
+    for (const auto& [name, value] : head.headers) res->set(name, value);
+    res->keep_alive(false);
+    res->chunked(true);
+    auto serializer = std::make_shared<http::response_serializer<http::empty_body>>(*res);
+    http::async_write_header(stream_, *serializer,
+                             [self = this->shared_from_this(), res, serializer](beast::error_code ec, size_t) {
+                               if (ec || self->core_->stopped.load()) return self->StreamGone();
+                               self->head_sent_ = true;
+                               self->WatchForClose();
+                               self->Pump();
+                             });
+  }
+
+  // A read that ends when the client closes its side (or resets): that is how a client that
+  // stops listening is noticed even while nothing is being written.
+  void WatchForClose() {
+    stream_.async_read_some(asio::buffer(probe_), [self = this->shared_from_this()](beast::error_code ec, size_t) {
+      if (ec || self->core_->stopped.load()) return self->StreamGone();
+      self->WatchForClose();  // bytes after the request are not read as a request: ignored
+    });
+  }
+
+  void Pump() {
+    if (!head_sent_ || writing_ || stream_state_ == nullptr || stream_state_->gone.load()) return;
+    if (!out_.empty()) {
+      auto data = std::make_shared<std::string>(std::move(out_.front()));
+      out_.pop_front();
+      writing_ = true;
+      asio::async_write(stream_, http::make_chunk(asio::buffer(*data)),
+                        [self = this->shared_from_this(), data](beast::error_code ec, size_t) {
+                          self->writing_ = false;
+                          self->backlog_ -= data->size();
+                          if (ec || self->core_->stopped.load()) return self->StreamGone();
+                          self->Pump();
+                        });
+      return;
+    }
+    if (ending_ && !last_sent_) {
+      last_sent_ = true;
+      writing_ = true;
+      asio::async_write(stream_, http::make_chunk_last(),
+                        [self = this->shared_from_this()](beast::error_code ec, size_t) {
+                          self->writing_ = false;
+                          if (ec || self->core_->stopped.load()) return self->StreamGone();
+                          // The close watcher's read ends when the client closes, or times out.
+                          beast::get_lowest_layer(self->stream_).expires_after(kHandshakeTimeout);
+                          self->Close();
+                        });
+    }
+  }
+
+  void StreamGone() {
+    if (stream_state_ == nullptr || stream_state_->gone.exchange(true)) return;
+    std::function<void()> callback;
+    {
+      std::lock_guard lock(stream_state_->mu);
+      callback.swap(stream_state_->on_gone);
+    }
+    out_.clear();
+    beast::error_code ignored;
+    beast::get_lowest_layer(stream_).socket().close(ignored);
+    if (callback && !stream_state_->ended.load()) callback();
   }
 
   void Write(HttpResponse response, unsigned version, bool keep_alive) {
@@ -264,6 +427,18 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     const std::pair<std::string, std::string> key{request.method, request.path};
     std::string request_id = RequestIdOf(request);
     std::string tenant = routes_.tenant_of ? routes_.tenant_of(request) : std::string();
+    if (auto st = routes_.streaming.find(key); st != routes_.streaming.end()) {
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      const std::string label = absl::StrCat(request.method, " ", request.path);
+      HttpResponder respond = MakeResponder(label, request_id, tenant, version, keep_alive, done);
+      HttpStreamer streamer = MakeStreamer(label, std::move(request_id), std::move(tenant), version, done);
+      if (core_->handlers == nullptr) return st->second(request, std::move(respond), std::move(streamer));
+      asio::post(*core_->handlers, [&handler = st->second, request = std::move(request), respond = std::move(respond),
+                                    streamer = std::move(streamer)]() mutable {
+        handler(request, std::move(respond), std::move(streamer));
+      });
+      return;
+    }
     auto it = routes_.exact.find(key);
     if (it != routes_.exact.end()) {
       HttpResponder respond = MakeResponder(absl::StrCat(request.method, " ", request.path), std::move(request_id),
@@ -273,6 +448,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     }
     bool path_known = false;
     for (const auto& [key, handler] : routes_.exact) path_known |= key.second == request.path;
+    for (const auto& [key, handler] : routes_.streaming) path_known |= key.second == request.path;
     for (const Routes::Prefix& p : routes_.prefixes) {
       if (request.path.size() <= p.prefix.size() || request.path.compare(0, p.prefix.size(), p.prefix) != 0) continue;
       if (p.method != request.method) {
@@ -298,6 +474,12 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   bool refuse_ = false;
   Stream stream_;
   beast::flat_buffer buffer_;
+  // A streamed response (strand only): its shared state, the chunks not yet written.
+  std::shared_ptr<StreamState> stream_state_;
+  std::deque<std::string> out_;
+  size_t backlog_ = 0;  // bytes queued or being written
+  bool head_sent_ = false, writing_ = false, ending_ = false, last_sent_ = false;
+  std::array<char, 256> probe_{};
   std::optional<http::request_parser<http::string_body>> parser_;
   const Routes& routes_;
   Metrics& metrics_;
@@ -391,6 +573,10 @@ void HttpServer::Route(const std::string& method, const std::string& path, HttpH
 
 void HttpServer::RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler) {
   impl_->routes.exact[{method, path}] = std::move(handler);
+}
+
+void HttpServer::RouteStreaming(const std::string& method, const std::string& path, StreamingHttpHandler handler) {
+  impl_->routes.streaming[{method, path}] = std::move(handler);
 }
 
 void HttpServer::RouteInline(const std::string& method, const std::string& path, HttpHandler handler) {

@@ -74,9 +74,36 @@ using HttpHeaderCheck = std::function<std::optional<HttpResponse>(const HttpRequ
 using HttpResponder = std::function<void(HttpResponse)>;
 using AsyncHttpHandler = std::function<void(const HttpRequest&, HttpResponder)>;
 
+// The body of a streamed response (chunked transfer encoding), e.g. server-sent events.
+// Thread-safe: chunks are sent in the order written, each flushed as soon as the connection
+// takes it. The connection closes after End.
+class HttpStream {
+ public:
+  virtual ~HttpStream() = default;
+  // Queues one chunk (empty ones are skipped). False once the client is gone or End was called.
+  virtual bool Write(std::string data) = 0;
+  // Sends the last chunk; later writes are ignored.
+  virtual void End() = 0;
+  // True once the client went away (closed its connection or a write failed).
+  virtual bool client_gone() const = 0;
+  // `callback` runs once when the client goes away before End (on an I/O thread; at once if
+  // it already has). One callback; a later one replaces it.
+  virtual void OnClientGone(std::function<void()> callback) = 0;
+};
+// Sends `head` (status, content type, headers; its body is ignored) as the start of a
+// streamed response and returns the stream its body is written to. It and the responder
+// handed beside it answer once between them: whichever is called first wins; a streamer
+// called after that returns a stream that is already gone.
+using HttpStreamer = std::function<std::shared_ptr<HttpStream>(HttpResponse head)>;
+using StreamingHttpHandler = std::function<void(const HttpRequest&, HttpResponder, HttpStreamer)>;
+
 struct HttpServerLimits {
   int max_connections = 1024;  // open connections; the next is answered 503 and closed
   int idle_timeout_s = 120;    // a connection waiting this long for its next request is closed
+  // A streamed response's chunks written but not yet taken by the client: past this the
+  // client is taken as gone (its connection closed, OnClientGone called), so one that stops
+  // reading cannot make the server hold its whole answer.
+  size_t max_stream_backlog_bytes = size_t{16} << 20;
 };
 
 class HttpServer {
@@ -91,6 +118,8 @@ class HttpServer {
   void Route(const std::string& method, const std::string& path, HttpHandler handler);
   void RouteInline(const std::string& method, const std::string& path, HttpHandler handler);
   void RouteAsync(const std::string& method, const std::string& path, AsyncHttpHandler handler);
+  // Like RouteAsync, and the handler may answer with a streamed body instead (HttpStreamer).
+  void RouteStreaming(const std::string& method, const std::string& path, StreamingHttpHandler handler);
   // Every path that starts with `prefix` (which should end in '/') and is longer than it;
   // the handler finds the rest in HttpRequest::path_tail. Exact routes win; among prefix
   // routes the longest prefix wins.

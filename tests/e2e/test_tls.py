@@ -278,3 +278,42 @@ def test_tinker_sdk_trains_over_https(launch_server: LaunchServer, pki: Pki, tmp
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}\n{server.logs()}"
     loss, total = (float(v) for v in done.stdout.split()[1::2])
     assert loss > 0 and abs(loss - total) <= 1e-4 * loss
+
+
+def test_openai_stream_over_https(launch_server: LaunchServer, pki: Pki) -> None:
+    """A streamed /v1/completions (chunked server-sent events) over TLS: every chunk, then
+    [DONE]; and a client that closes mid-stream is noticed there too (the sampler goes idle)."""
+    import json
+
+    from e2e_support import prom
+
+    server = _start_tls(launch_server, pki, client_ca=False)
+    body = {"model": "tiny-qwen3", "prompt": [11, 42, 7, 99], "max_tokens": 12, "temperature": 0, "stream": True,
+            "extra": "ignored"}
+    with requests.post(_https(server, "/v1/completions"), json=body, stream=True, verify=str(pki.ca_cert),
+                       timeout=scaled(60)) as r:
+        assert r.status_code == 200, r.text
+        events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "data: [DONE]"
+    tokens = [t for e in events[:-1] for t in json.loads(e[len("data: "):])["choices"][0]["token_ids"]]
+    assert 1 <= len(tokens) <= 12
+
+    def generated() -> float:
+        text = requests.get(_https(server, "/metrics"), verify=str(pki.ca_cert), timeout=scaled(5)).text
+        return prom.value(prom.parse(text), "twinkle_sampler_tokens_total")
+
+    before = generated()
+    long = {**body, "prompt": [[11, 42, 7, 99]] * 8, "max_tokens": 500, "ignore_eos": True}
+    with requests.post(_https(server, "/v1/completions"), json=long, stream=True, verify=str(pki.ca_cert),
+                       timeout=scaled(60)) as r:
+        next(line for line in r.iter_lines() if line)  # the first event, then the client closes
+
+    def idle() -> bool:
+        text = requests.get(_https(server, "/metrics"), verify=str(pki.ca_cert), timeout=scaled(5)).text
+        samples = prom.parse(text)
+        return (prom.value(samples, "twinkle_sampler_rows", state="running") == 0
+                and prom.value(samples, "twinkle_sampler_rows", state="waiting") == 0
+                and prom.value(samples, "twinkle_sampler_kv_blocks", state="in_use") == 0)
+
+    wait_until(idle, scaled(60), "the sampler idle after the client closed", interval_s=0.05)
+    assert generated() == before  # its rows were cancelled, never finished (finished rows are counted)

@@ -472,6 +472,8 @@ def test_reported_tokens_and_early_stop_of_one_sample(engine: Engine, reference_
     reply = step(engine, [(2, watched), (3, sampled)], steps=3)  # prefill token + 3 decode steps
     seen = {(m["request_id"], m["sample"]): list(m["tokens"]) for m in reply["progress"]}
     assert seen == {(2, 0): full[0][:4], (2, 1): full[1][:4]}  # nothing for the unwatched row
+    # With their log-probs (what a streamed OpenAI chunk carries), as the finished result has them.
+    seen_logprobs = {(m["request_id"], m["sample"]): [float(v) for v in m["logprobs"]] for m in reply["progress"]}
     in_use = reply["blocks_in_use"]
     reply = step(engine, steps=2, stop=[(2, 0), (99, 0), (2, 7)])  # unknown ones are ignored
     assert [(m["request_id"], m["sample"], list(m["tokens"])) for m in reply["progress"]] == [(2, 1, full[1][4:6])]
@@ -482,6 +484,7 @@ def test_reported_tokens_and_early_stop_of_one_sample(engine: Engine, reference_
     assert tokens_of(results[2]) == [full[0][:4], full[1]] and tokens_of(results[3]) == full
     assert [s["stop_reason"] for s in results[2]["samples"]] == ["stop", "length"]
     assert results[2]["samples"][0]["logprobs"].numel() == 4
+    assert seen_logprobs[(2, 1)] == pytest.approx(results[2]["samples"][1]["logprobs"][:4].tolist(), abs=1e-6)
     # Stopping every sample finishes the request in that call.
     reply = step(engine, [(4, watched)], steps=1)
     reply = step(engine, steps=0, stop=[(4, 0), (4, 1)])

@@ -494,8 +494,17 @@ class GenerationBatch {
       for (size_t s = 0; s < r->samples.size(); ++s) {
         SampleSeq& seq = r->samples[s];
         if (seq.done || seq.reported == seq.tokens.size()) continue;
-        out.push_back({r->id, static_cast<int64_t>(s),
-                       std::vector<int64_t>(seq.tokens.begin() + seq.reported, seq.tokens.end())});
+        ipc::SampleProgressMsg m;
+        m.request_id = r->id;
+        m.sample = static_cast<int64_t>(s);
+        const auto from = static_cast<std::ptrdiff_t>(seq.reported);
+        m.tokens.assign(seq.tokens.begin() + from, seq.tokens.end());
+        m.logprobs.assign(seq.logprobs.begin() + from, seq.logprobs.end());
+        if (const int64_t k = r->row.top_logprobs; k > 0) {
+          m.top_token_ids.assign(seq.top_ids.begin() + from * k, seq.top_ids.end());
+          m.top_logprobs.assign(seq.top_lps.begin() + from * k, seq.top_lps.end());
+        }
+        out.push_back(std::move(m));
         seq.reported = seq.tokens.size();
       }
     }

@@ -1,0 +1,175 @@
+// HttpServer::RouteStreaming over real loopback sockets: chunks written from another thread
+// arrive in order with chunked transfer encoding and the connection closes after End; a
+// client that closes mid-stream is reported through OnClientGone and later writes fail; a
+// streaming route may still answer whole.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "server/http/http_server.h"
+#include "server/metrics.h"
+
+namespace twinkle {
+namespace {
+
+// A raw HTTP/1.1 client: sends one request, reads what comes.
+class RawClient {
+ public:
+  explicit RawClient(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  }
+  ~RawClient() { Close(); }
+  void Send(const std::string& text) { ASSERT_EQ(write(fd_, text.data(), text.size()), static_cast<ssize_t>(text.size())); }
+  // Reads until `needle` has arrived or the server closed; returns everything read.
+  std::string ReadUntil(const std::string& needle) {
+    char buf[4096];
+    while (got_.find(needle) == std::string::npos) {
+      const ssize_t n = read(fd_, buf, sizeof(buf));
+      if (n <= 0) break;
+      got_.append(buf, static_cast<size_t>(n));
+    }
+    return got_;
+  }
+  // True once the server has closed its side (read returns 0).
+  bool ServerClosed() {
+    char buf[256];
+    ssize_t n;
+    while ((n = read(fd_, buf, sizeof(buf))) > 0) got_.append(buf, static_cast<size_t>(n));
+    return n == 0;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string got_;
+};
+
+constexpr char kRequest[] = "POST /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}";
+
+TEST(HttpStream, ChunksFromAnotherThreadArriveInOrderThenTheConnectionCloses) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  std::thread writer;
+  http.RouteStreaming("POST", "/stream", [&writer](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
+    std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", "", {{"X-Test", "1"}}});
+    writer = std::thread([stream] {
+      for (int i = 0; i < 5; ++i) EXPECT_TRUE(stream->Write("data: " + std::to_string(i) + "\n\n"));
+      stream->End();
+      EXPECT_FALSE(stream->Write("late"));
+    });
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  const std::string got = client.ReadUntil("\r\n0\r\n\r\n");
+  EXPECT_NE(got.find("HTTP/1.1 200"), std::string::npos) << got;
+  EXPECT_NE(got.find("Transfer-Encoding: chunked"), std::string::npos) << got;
+  EXPECT_NE(got.find("Content-Type: text/event-stream"), std::string::npos) << got;
+  EXPECT_NE(got.find("X-Test: 1"), std::string::npos) << got;
+  size_t at = 0;
+  for (int i = 0; i < 5; ++i) {
+    const size_t next = got.find("data: " + std::to_string(i) + "\n\n", at);
+    ASSERT_NE(next, std::string::npos) << i << ": " << got;
+    at = next;
+  }
+  EXPECT_EQ(got.find("late"), std::string::npos);
+  EXPECT_TRUE(client.ServerClosed());
+  writer.join();
+  http.Stop();
+}
+
+TEST(HttpStream, AClientThatClosesIsReportedAndWritesThenFail) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  std::promise<std::shared_ptr<HttpStream>> opened;
+  std::promise<void> gone;
+  http.RouteStreaming("POST", "/stream", [&](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
+    std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", ""});
+    stream->OnClientGone([&gone] { gone.set_value(); });
+    EXPECT_TRUE(stream->Write("data: first\n\n"));
+    opened.set_value(stream);
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  EXPECT_NE(client.ReadUntil("data: first").find("data: first"), std::string::npos);
+  std::shared_ptr<HttpStream> stream = opened.get_future().get();
+  client.Close();  // nothing is being written: the server notices through its pending read
+  ASSERT_EQ(gone.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_TRUE(stream->client_gone());
+  EXPECT_FALSE(stream->Write("data: after\n\n"));
+  stream.reset();
+  http.Stop();
+}
+
+TEST(HttpStream, AClientThatStopsReadingIsDroppedPastTheBacklogLimit) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  HttpServerLimits limits;
+  limits.max_stream_backlog_bytes = 1 << 20;
+  http.SetLimits(limits);
+  std::promise<void> gone;
+  std::promise<int> written;
+  std::thread writer;
+  http.RouteStreaming("POST", "/stream", [&](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
+    std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", ""});
+    stream->OnClientGone([&gone] { gone.set_value(); });
+    writer = std::thread([stream, &written] {
+      // 256 MiB in all, far past what the socket buffers take: the backlog limit must trip.
+      int n = 0;
+      while (n < 256 && stream->Write(std::string(1 << 20, 'x'))) {
+        ++n;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      written.set_value(n);
+    });
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);  // and never reads
+  ASSERT_EQ(gone.get_future().wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_LT(written.get_future().get(), 256);  // the writer was told to stop
+  writer.join();
+  http.Stop();
+}
+
+TEST(HttpStream, AStreamingRouteMayAnswerWholeAndThenCannotStream) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  http.RouteStreaming("POST", "/stream", [](const HttpRequest&, HttpResponder respond, HttpStreamer streamer) {
+    respond({400, "application/json", R"({"error":"no"})"});
+    std::shared_ptr<HttpStream> late = streamer({200, "text/event-stream", ""});
+    EXPECT_TRUE(late->client_gone());
+    EXPECT_FALSE(late->Write("x"));
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  const std::string got = client.ReadUntil(R"({"error":"no"})");
+  EXPECT_NE(got.find("HTTP/1.1 400"), std::string::npos) << got;
+  EXPECT_NE(got.find("Content-Length: 14"), std::string::npos) << got;
+  http.Stop();
+}
+
+}  // namespace
+}  // namespace twinkle
