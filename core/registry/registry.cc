@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 2> kMigrations = {
+constexpr std::array<const char*, 3> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (
@@ -88,6 +88,30 @@ INSERT INTO counters(name, value) VALUES ('max_future_id', 0);
     // v1 → v2: Tinker's run user_metadata (a JSON object; '' = none).
     R"sql(
 ALTER TABLE runs ADD COLUMN user_metadata_json TEXT NOT NULL DEFAULT '';
+)sql",
+    // v2 → v3: checkpoint retention and sharing: an expiry (NULL = never), a published flag,
+    // and the kind 'external' (save_weights_external). The CHECK on kind changes, so the
+    // table is rebuilt (it is a child only: no key refers to it).
+    R"sql(
+CREATE TABLE checkpoints_v3 (
+  tenant        TEXT    NOT NULL,
+  run_id        TEXT    NOT NULL,
+  checkpoint_id TEXT    NOT NULL,
+  kind          TEXT    NOT NULL CHECK (kind IN ('training', 'sampler', 'external')),
+  path          TEXT    NOT NULL,
+  size_bytes    INTEGER NOT NULL,
+  created_us    INTEGER NOT NULL,
+  expires_us    INTEGER,
+  published     INTEGER NOT NULL DEFAULT 0 CHECK (published IN (0, 1)),
+  PRIMARY KEY (tenant, run_id, checkpoint_id),
+  FOREIGN KEY (tenant, run_id) REFERENCES runs(tenant, run_id) ON DELETE CASCADE
+) WITHOUT ROWID;
+INSERT INTO checkpoints_v3 (tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us)
+  SELECT tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us FROM checkpoints;
+DROP TABLE checkpoints;
+ALTER TABLE checkpoints_v3 RENAME TO checkpoints;
+CREATE INDEX checkpoints_by_expiry ON checkpoints(expires_us) WHERE expires_us IS NOT NULL;
+CREATE INDEX checkpoints_published ON checkpoints(run_id, checkpoint_id) WHERE published = 1;
 )sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -27,8 +28,18 @@ constexpr char kOptimizerConfig[] = "optimizer.json";
 constexpr int kCheckpointVersion = 1;
 
 const char* KindDir(CheckpointKind kind) {
-  return kind == CheckpointKind::kTraining ? "weights" : "sampler_weights";
+  switch (kind) {
+    case CheckpointKind::kTraining:
+      return "weights";
+    case CheckpointKind::kSampler:
+      return "sampler_weights";
+    case CheckpointKind::kExternal:
+      return "external_weights";
+  }
+  return "weights";
 }
+
+constexpr CheckpointKind kAllKinds[] = {CheckpointKind::kTraining, CheckpointKind::kSampler, CheckpointKind::kExternal};
 
 // The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
 const std::vector<std::string>& AllLinear() {
@@ -177,6 +188,27 @@ std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, 
 
 }  // namespace
 
+const char* CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kTraining:
+      return "training";
+    case CheckpointKind::kSampler:
+      return "sampler";
+    case CheckpointKind::kExternal:
+      return "external";
+  }
+  return "training";
+}
+
+absl::Status ValidateTtl(int64_t ttl_seconds, absl::string_view field) {
+  if (ttl_seconds < 1 || ttl_seconds > kMaxTtlSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", ttl_seconds,
+                                                   " is out of range (1 to ", kMaxTtlSeconds,
+                                                   " seconds, or null for no expiry)"));
+  }
+  return absl::OkStatus();
+}
+
 std::string CheckpointPath::checkpoint_id() const { return absl::StrCat(KindDir(kind), "/", name); }
 
 std::string CheckpointPath::uri(absl::string_view scheme) const {
@@ -190,10 +222,12 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
                                                    "' is not a twinkle:// or tinker:// checkpoint path"));
   }
   const std::vector<std::string> parts = absl::StrSplit(rest, '/');
-  if (parts.size() != 3 || (parts[1] != "weights" && parts[1] != "sampler_weights")) {
+  if (parts.size() != 3 ||
+      (parts[1] != "weights" && parts[1] != "sampler_weights" && parts[1] != "external_weights")) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": '", std::string(path),
-                                                   "' must look like twinkle://<run_id>/weights/<name> "
-                                                   "or twinkle://<run_id>/sampler_weights/<name>"));
+                                                   "' must look like twinkle://<run_id>/weights/<name>, "
+                                                   "twinkle://<run_id>/sampler_weights/<name> "
+                                                   "or twinkle://<run_id>/external_weights/<name>"));
   }
   if (absl::Status s = storage::ValidatePathName(parts[0], absl::StrCat(std::string(field), " run id")); !s.ok()) {
     return s;
@@ -201,13 +235,16 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
   if (absl::Status s = storage::ValidatePathName(parts[2], absl::StrCat(std::string(field), " name")); !s.ok()) {
     return s;
   }
-  return CheckpointPath{parts[0], parts[1] == "weights" ? CheckpointKind::kTraining : CheckpointKind::kSampler,
-                        parts[2]};
+  const CheckpointKind kind = parts[1] == "weights"           ? CheckpointKind::kTraining
+                              : parts[1] == "sampler_weights" ? CheckpointKind::kSampler
+                                                              : CheckpointKind::kExternal;
+  return CheckpointPath{parts[0], kind, parts[2]};
 }
 
 CheckpointStore::CheckpointStore(std::string data_dir, storage::FileSystem& fs, registry::Registry& registry,
-                                 std::string base_model)
-    : data_dir_(std::move(data_dir)), fs_(fs), registry_(registry), base_model_(std::move(base_model)) {}
+                                 std::string base_model, const Clock& clock)
+    : data_dir_(std::move(data_dir)), fs_(fs), registry_(registry), base_model_(std::move(base_model)),
+      clock_(clock) {}
 
 std::string CheckpointStore::TenantRoot(const std::string& tenant) const {
   return (fs::path(data_dir_) / "tenants" / tenant).string();
@@ -247,7 +284,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                                             {"config", content.trainer.optimizer_hyper}}.dump(2)});
   }
   const CheckpointPath path{run_id, kind, name};
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_.Now();
   const auto has = [&](const std::string& t) {
     const std::vector<std::string> m = PeftTargetModules(content.lora.targets);
     return std::find(m.begin(), m.end(), t) != m.end();
@@ -257,7 +294,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                       {"tenant", tenant},
                       {"run_id", run_id},
                       {"checkpoint_id", path.checkpoint_id()},
-                      {"checkpoint_type", training ? "training" : "sampler"},
+                      {"checkpoint_type", CheckpointKindName(kind)},
                       {"twinkle_path", path.uri()},
                       {"is_lora", true},
                       {"lora_rank", content.lora.rank},
@@ -266,13 +303,54 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                       {"train_unembed", has("lm_head")},
                       {"has_optimizer", with_optimizer},
                       {"created", Rfc3339(now)}};
+  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, content.ttl_seconds);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
+    const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
+    const std::vector<storage::FileContent>& files, const json& metadata, std::optional<int64_t> ttl_seconds) {
+  if (ttl_seconds) {
+    if (absl::Status s = ValidateTtl(*ttl_seconds, "ttl_seconds"); !s.ok()) return s;
+  }
+  const CheckpointPath path{run_id, kind, name};
+  int64_t size = 0;
+  for (const storage::FileContent& f : files) size += static_cast<int64_t>(f.bytes.size());
+  // The quota, decided before anything is written: what the tenant holds (less the
+  // checkpoint this one replaces), plus what its other writers have reserved, plus this.
+  const int64_t quota = quotas_.For(tenant);
+  int64_t reserved = 0;
+  if (quota > 0) {
+    absl::StatusOr<int64_t> used = registry_.TenantStorageBytes(tenant);
+    if (!used.ok()) return used.status();
+    int64_t replaced = 0;
+    if (absl::StatusOr<registry::CheckpointRecord> old = registry_.GetCheckpoint(tenant, run_id, path.checkpoint_id());
+        old.ok()) {
+      replaced = old->size_bytes;
+    }
+    absl::MutexLock lock(&reserve_mu_);
+    const int64_t in_flight = reserved_[tenant];
+    const int64_t after = *used - replaced + in_flight + size;
+    if (after > quota) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "storage quota: tenant '", tenant, "' has a quota of ", quota, " bytes and uses ", *used - replaced + in_flight,
+          " bytes; checkpoint ", path.checkpoint_id(), " needs ", size, " more (", after,
+          " > ", quota, "); delete checkpoints or set TTLs to free space"));
+    }
+    reserved_[tenant] += size;
+    reserved = size;
+  }
+  absl::Cleanup release = [this, &tenant, reserved] {
+    if (reserved == 0) return;
+    absl::MutexLock lock(&reserve_mu_);
+    if ((reserved_[tenant] -= reserved) == 0) reserved_.erase(tenant);
+  };
   const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
   absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, metadata);
   if (!dir.ok()) return dir.status();
-  int64_t size = 0;
-  for (const storage::FileContent& f : files) size += static_cast<int64_t>(f.bytes.size());
-  registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), training ? "training" : "sampler",
-                                    dir->string(), size, now};
+  const absl::Time now = clock_.Now();
+  registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind), dir->string(),
+                                    size, now};
+  if (ttl_seconds) record.expires = now + absl::Seconds(*ttl_seconds);
   if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
   return record;
 }
@@ -291,7 +369,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Resolve(const std::s
   }
   absl::StatusOr<registry::CheckpointRecord> record =
       registry_.GetCheckpoint(tenant, path.run_id, path.checkpoint_id());
-  if (absl::IsNotFound(record.status())) {
+  // Another tenant's checkpoint is readable once published (and never writable).
+  if (absl::IsNotFound(record.status())) record = registry_.GetPublishedCheckpoint(path.run_id, path.checkpoint_id());
+  if (absl::IsNotFound(record.status()) || (record.ok() && record->expires && *record->expires <= clock_.Now())) {
     return absl::NotFoundError(absl::StrCat("no checkpoint '", path.uri(), "'"));
   }
   return record;
@@ -364,7 +444,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
     absl::StatusOr<std::vector<std::string>> run_ids = fs_.ListDir(runs);
     if (!run_ids.ok()) return run_ids.status();
     for (const std::string& run_id : *run_ids) {
-      for (CheckpointKind kind : {CheckpointKind::kTraining, CheckpointKind::kSampler}) {
+      for (CheckpointKind kind : kAllKinds) {
         const fs::path parent = runs / run_id / KindDir(kind);
         if (!fs_.Exists(parent)) continue;
         absl::StatusOr<std::vector<std::string>> recovered = storage::RecoverDir(fs_, parent);
@@ -395,8 +475,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
             run.created = run.last_request = absl::Now();
             (void)registry_.PutRun(run);
           }
-          registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(),
-                                            kind == CheckpointKind::kTraining ? "training" : "sampler",
+          registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind),
                                             dir.string(), size, absl::Now()};
           if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
           changes.push_back(absl::StrCat(dir.string(), ": registered (complete on disk, missing from the registry)"));
@@ -413,6 +492,124 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
   }
   for (const std::string& change : changes) LogInfo(kLog, change);
   return changes;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::Reap() {
+  std::vector<std::string> deleted;
+  constexpr int32_t kBatch = 256;
+  for (;;) {
+    absl::StatusOr<std::vector<registry::CheckpointRecord>> expired = registry_.ExpiredCheckpoints(clock_.Now(), kBatch);
+    if (!expired.ok()) return expired.status();
+    for (const registry::CheckpointRecord& c : *expired) {
+      if (absl::Status s = Delete(c.tenant, c.run_id, c.checkpoint_id); !s.ok() && !absl::IsNotFound(s)) return s;
+      LogInfo(kLog, absl::StrCat("tenant ", c.tenant, ": checkpoint ", c.checkpoint_id, " of run ", c.run_id,
+                                 " expired at ", Rfc3339(*c.expires), "; deleted"));
+      deleted.push_back(absl::StrCat(c.run_id, "/", c.checkpoint_id));
+    }
+    if (expired->size() < static_cast<size_t>(kBatch)) return deleted;
+  }
+}
+
+absl::Status CheckpointStore::SetTtl(const std::string& tenant, const std::string& run_id,
+                                     const std::string& checkpoint_id, std::optional<int64_t> ttl_seconds) {
+  if (ttl_seconds) {
+    if (absl::Status s = ValidateTtl(*ttl_seconds, "ttl_seconds"); !s.ok()) return s;
+  }
+  std::optional<absl::Time> expires;
+  if (ttl_seconds) expires = clock_.Now() + absl::Seconds(*ttl_seconds);
+  return registry_.SetCheckpointExpiry(tenant, run_id, checkpoint_id, expires);
+}
+
+absl::StatusOr<json> CheckpointStore::ListFiles(const registry::CheckpointRecord& record) {
+  if (!storage::IsInside(TenantRoot(record.tenant), record.path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", record.checkpoint_id, " lies outside its tenant's root"));
+  }
+  absl::StatusOr<std::string> text = fs_.ReadFile(fs::path(record.path) / storage::kMetadataFile);
+  if (!text.ok()) return text.status();
+  const json metadata = json::parse(*text, nullptr, false);
+  if (!metadata.is_object() || !metadata.contains("files") || !metadata["files"].is_object()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", record.checkpoint_id, ": unreadable metadata"));
+  }
+  return metadata["files"];
+}
+
+absl::StatusOr<std::string> CheckpointStore::ReadListedFile(const registry::CheckpointRecord& record,
+                                                            const std::string& file) {
+  absl::StatusOr<json> files = ListFiles(record);
+  if (!files.ok()) return files.status();
+  if (!storage::ValidatePathName(file, "file").ok() || !files->contains(file)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", record.checkpoint_id, " has no file '", file, "'"));
+  }
+  absl::StatusOr<std::string> bytes = fs_.ReadFile(fs::path(record.path) / file);
+  if (!bytes.ok()) return bytes.status();
+  const json& info = (*files)[file];
+  if (static_cast<int64_t>(bytes->size()) != info.value("size", int64_t{-1}) ||
+      storage::Sha256Hex(*bytes) != info.value("sha256", std::string())) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", record.checkpoint_id, ": file ", file,
+                                            " does not match its recorded size and SHA-256"));
+  }
+  return bytes;
+}
+
+absl::StatusOr<int64_t> CheckpointStore::StorageBytes(const std::string& tenant) {
+  return registry_.TenantStorageBytes(tenant);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Copy(const std::string& tenant,
+                                                                 const registry::CheckpointRecord& source,
+                                                                 const std::string& dst_run_id, CheckpointKind kind,
+                                                                 const std::string& name,
+                                                                 std::optional<int64_t> ttl_seconds) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  if (!storage::IsInside(TenantRoot(source.tenant), source.path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", source.checkpoint_id, " lies outside its tenant's root"));
+  }
+  absl::StatusOr<json> metadata = storage::VerifyCheckpointDir(fs_, source.path);
+  if (!metadata.ok()) return metadata.status();
+  std::vector<storage::FileContent> files;
+  if (metadata->contains("files") && (*metadata)["files"].is_object()) {
+    for (const auto& [file, info] : (*metadata)["files"].items()) {
+      absl::StatusOr<std::string> bytes = fs_.ReadFile(fs::path(source.path) / file);
+      if (!bytes.ok()) return bytes.status();
+      files.push_back({file, *std::move(bytes)});
+    }
+  }
+  json meta = *metadata;
+  meta.erase("files");
+  const CheckpointPath path{dst_run_id, kind, name};
+  meta["tenant"] = tenant;
+  meta["run_id"] = dst_run_id;
+  meta["checkpoint_id"] = path.checkpoint_id();
+  meta["checkpoint_type"] = CheckpointKindName(kind);
+  meta["twinkle_path"] = path.uri();
+  meta["created"] = Rfc3339(clock_.Now());
+  meta["copied_from"] = absl::StrCat("twinkle://", source.run_id, "/", source.checkpoint_id);
+  return WriteAndRecord(tenant, dst_run_id, kind, name, files, meta, ttl_seconds);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAdapter(
+    const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
+    std::string safetensors, std::string adapter_config, std::optional<int64_t> ttl_seconds) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  if (absl::Status s = storage::ValidatePathName(run_id, "run_id"); !s.ok()) return s;
+  std::vector<storage::FileContent> files;
+  files.push_back({kAdapterWeights, std::move(safetensors)});
+  files.push_back({kAdapterConfig, std::move(adapter_config)});
+  const CheckpointPath path{run_id, kind, name};
+  const json parsed = json::parse(files[1].bytes, nullptr, false);
+  const json metadata{{"checkpoint_version", kCheckpointVersion},
+                      {"base_model", base_model_},
+                      {"tenant", tenant},
+                      {"run_id", run_id},
+                      {"checkpoint_id", path.checkpoint_id()},
+                      {"checkpoint_type", CheckpointKindName(kind)},
+                      {"twinkle_path", path.uri()},
+                      {"is_lora", true},
+                      {"lora_rank", parsed.is_object() ? parsed.value("r", 0) : 0},
+                      {"has_optimizer", false},
+                      {"imported", true},
+                      {"created", Rfc3339(clock_.Now())}};
+  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, ttl_seconds);
 }
 
 }  // namespace twinkle::training

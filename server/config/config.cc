@@ -92,6 +92,7 @@ template <typename V> void VisitFields(V& v, LimitsSection& c) {
   v.Field("max_buffered_tokens", c.max_buffered_tokens, Range(1, 1e12));
   v.Field("tokens_per_s", c.tokens_per_s, Range(0, 1e12));
   v.Field("burst_tokens", c.burst_tokens, Range(1, 1e12));
+  v.Field("storage_quota_bytes", c.storage_quota_bytes, Range(0, 1e18));
 }
 template <typename V> void VisitFields(V& v, TenantConfig& c) {
   v.Field("id", c.id, Required());
@@ -130,6 +131,9 @@ template <typename V> void VisitFields(V& v, SessionsSection& c) {
 }
 template <typename V> void VisitFields(V& v, StorageSection& c) {
   v.Field("data_dir", c.data_dir, Path());
+  v.Field("url_signing_secret", c.url_signing_secret, Secret());
+  v.Field("download_url_ttl_s", c.download_url_ttl_s, Range(1, 7 * 86400));
+  v.Field("reap_interval_s", c.reap_interval_s, Range(1, 86400));
 }
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});
@@ -407,6 +411,8 @@ class YamlReader {
     check("tokens_per_s", q.tokens_per_s, limits.tokens_per_s, true);
     check("burst_tokens", static_cast<double>(q.burst_tokens),
           static_cast<double>(limits.burst_tokens), false);
+    check("storage_quota_bytes", static_cast<double>(q.storage_quota_bytes),
+          static_cast<double>(limits.storage_quota_bytes), true);
   }
 
   const std::string file_;

@@ -62,6 +62,8 @@ class SamplerCoordinator;
 
 namespace twinkle::tinker {
 
+class UrlSigner;
+
 namespace v1 = ::tinker::v1;  // the generated wire messages
 
 using Json = nlohmann::json;
@@ -171,6 +173,48 @@ class TinkerApi {
   absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant);
   absl::StatusOr<Json> GetSession(const tenancy::Tenant& tenant, const std::string& session_id);
 
+  // ---- checkpoints: retention, export, sharing (tinker_checkpoints.cc) ----
+  // access_scope "owned" (default) or "accessible" (also other tenants' published
+  // checkpoints and their runs); anything else is InvalidArgument.
+  absl::StatusOr<Json> ListTrainingRunsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
+                                              const std::string& access_scope);
+  absl::StatusOr<Json> GetTrainingRunScoped(const tenancy::Tenant& tenant, const std::string& model_id,
+                                            const std::string& access_scope);
+  absl::StatusOr<Json> ListCheckpointsScoped(const tenancy::Tenant& tenant, const std::string& model_id,
+                                             const std::string& access_scope);
+  absl::StatusOr<Json> ListUserCheckpointsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
+                                                 const std::string& access_scope);
+  // Signing of download URLs; without it external_weights_urls is UNIMPLEMENTED. Set once
+  // before serving. `clock` decides URL expiry (the retention clock).
+  void SetDownloads(const UrlSigner* signer, absl::Duration url_ttl, const Clock* clock);
+  // save_weights_external: a future like save_weights_for_sampler; the checkpoint is
+  // external_weights/<path> (a PEFT directory: adapter_model.safetensors + adapter_config.json).
+  absl::StatusOr<Json> SaveWeightsExternal(const tenancy::Tenant& tenant, const Json& body);
+  // PUT .../checkpoints/{id}/ttl {"ttl_seconds": int | null}. Owner only (404 otherwise).
+  absl::StatusOr<Json> SetCheckpointTtl(const tenancy::Tenant& tenant, const std::string& model_id,
+                                        const std::string& checkpoint_id, const Json& body);
+  // POST (publish) / DELETE (unpublish) .../checkpoints/{id}/publish. Owner only (404
+  // otherwise); already in that state: 409.
+  absl::StatusOr<Json> PublishCheckpoint(const tenancy::Tenant& tenant, const std::string& model_id,
+                                         const std::string& checkpoint_id, bool publish);
+  // GET .../checkpoints/external_weights/<name>/external_weights_urls: one signed URL per file
+  // under `base_url` (scheme://host[:port]), {"urls", "expires", "sha256"}. The caller must be
+  // able to read the checkpoint (its own or published).
+  absl::StatusOr<Json> ExternalWeightsUrls(const tenancy::Tenant& tenant, const std::string& model_id,
+                                           const std::string& checkpoint_id, const std::string& base_url);
+  // GET /twinkle/weights/<tenant>/<run>/<kind>/<name>/<file>?expires=&sig= (no API key: the
+  // signature is the credential). PERMISSION_DENIED for a bad or expired signature; NotFound
+  // when the checkpoint is gone, expired, unpublished (for another tenant) or lacks the file.
+  struct WeightsFile {
+    std::string bytes;
+    std::string sha256;  // lower-case hex, from the checkpoint's verified metadata
+  };
+  absl::StatusOr<WeightsFile> ServeWeightsFile(const std::string& path_tail, const std::string& expires,
+                                               const std::string& signature);
+  // POST /api/v1/copy_weights {"source_path", "destination_project_id", "ttl_seconds"}: a
+  // copy (same kind and name) in a new run of the caller that cannot be trained on.
+  absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body);
+
   const TinkerOptions& options() const { return options_; }
 
  private:
@@ -234,6 +278,9 @@ class TinkerApi {
   training::CheckpointStore* checkpoints_;
   tenancy::TokenRateLimiter* rate_limiter_;
   sampling::SamplerCoordinator* sampler_;
+  const UrlSigner* signer_ = nullptr;
+  absl::Duration url_ttl_ = absl::Hours(1);
+  const Clock* url_clock_ = &RealClock();
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
   // record_stability_info samples, for stable_reinforce; shared with the sample encoders,
