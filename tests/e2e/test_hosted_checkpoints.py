@@ -282,6 +282,8 @@ def test_export_signed_urls_download_and_peft_logprobs(hosted: ServerProcess, ti
     assert listed.checkpoint_type == "external" and listed.expires_at is not None
 
     signed = rest.get_external_weights_urls(path).result()
+    # The generated signing key is kept beside the registry, readable by the server's user only.
+    assert (tmp_path / "data" / "url_signing.key").stat().st_mode & 0o077 == 0
     assert set(signed.urls) == {"adapter_model.safetensors", "adapter_config.json"}
     raw = api(hosted, "GET", f"/training_runs/{model_id}/checkpoints/external_weights/exp/external_weights_urls",
               KEYS["alice"]).json()
