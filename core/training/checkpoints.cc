@@ -1,9 +1,13 @@
 #include "core/training/checkpoints.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <set>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -349,7 +353,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
   if (!dir.ok()) return dir.status();
   const absl::Time now = clock_.Now();
   registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind), dir->string(),
-                                    size, now};
+                                    size, now, std::nullopt, false};
   if (ttl_seconds) record.expires = now + absl::Seconds(*ttl_seconds);
   if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
   return record;
@@ -476,7 +480,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
             (void)registry_.PutRun(run);
           }
           registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind),
-                                            dir.string(), size, absl::Now()};
+                                            dir.string(), size, absl::Now(), std::nullopt, false};
           if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
           changes.push_back(absl::StrCat(dir.string(), ": registered (complete on disk, missing from the registry)"));
         }
@@ -610,6 +614,184 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAdapter(
                       {"imported", true},
                       {"created", Rfc3339(clock_.Now())}};
   return WriteAndRecord(tenant, run_id, kind, name, files, metadata, ttl_seconds);
+}
+
+// ---- PEFT import ------------------------------------------------------------------------------
+
+absl::StatusOr<std::map<std::string, std::vector<int64_t>>> BaseWeightShapes(const std::string& model_dir) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(model_dir, ec)) {
+    if (e.path().extension() != ".safetensors") continue;
+    absl::StatusOr<std::unique_ptr<engine::SafetensorsFile>> file = engine::SafetensorsFile::Open(e.path());
+    if (!file.ok()) return file.status();
+    for (const engine::TensorInfo& t : (*file)->tensors()) shapes[t.name] = t.shape;
+  }
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("reading model directory ", model_dir, ": ", ec.message()));
+  if (shapes.empty()) return absl::FailedPreconditionError(absl::StrCat("no safetensors weights in ", model_dir));
+  return shapes;
+}
+
+namespace {
+
+constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
+constexpr char kPeftPrefix[] = "base_model.model.";
+
+absl::Status BadImport(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("import: ", std::string(what)));
+}
+
+std::string KindOf(const std::string& module) {
+  const size_t dot = module.rfind('.');
+  return dot == std::string::npos ? module : module.substr(dot + 1);
+}
+
+bool IsTargetKind(const std::string& kind) {
+  for (const char* k : kAttnKinds) if (kind == k) return true;
+  for (const char* k : kMlpKinds) if (kind == k) return true;
+  return kind == "lm_head";
+}
+
+// The base weight a module's LoRA wraps: "<module>.weight"; a tied lm_head is the embedding.
+const std::vector<int64_t>* BaseShape(const std::map<std::string, std::vector<int64_t>>& base,
+                                      const std::string& module) {
+  if (auto it = base.find(module + ".weight"); it != base.end()) return &it->second;
+  if (module == "lm_head") {
+    for (const auto& [name, shape] : base) {
+      if (absl::EndsWith(name, "embed_tokens.weight")) return &shape;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
+    const std::string& tenant, const std::string& run_id, const std::string& name, const std::string& safetensors,
+    const json& config, const std::map<std::string, std::vector<int64_t>>& base, int64_t max_rank,
+    std::optional<int64_t> ttl_seconds, const std::function<absl::Status(const LoraArgs&)>& before_write) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  // The config.
+  if (!config.is_object()) return BadImport("adapter_config: must be a JSON object");
+  if (config.value("peft_type", std::string()) != "LORA") {
+    return BadImport("adapter_config.peft_type: must be \"LORA\"");
+  }
+  if (!config.contains("r") || !config["r"].is_number_integer()) return BadImport("adapter_config.r: must be an integer");
+  const int64_t rank = config["r"].get<int64_t>();
+  if (rank < 1 || rank > max_rank) {
+    return BadImport(absl::StrCat("adapter_config.r: ", rank, " is out of range (1 to ", max_rank, ")"));
+  }
+  const double alpha = config.contains("lora_alpha") && config["lora_alpha"].is_number()
+                           ? config["lora_alpha"].get<double>() : 8.0;  // PEFT's default
+  if (!(alpha > 0) || !std::isfinite(alpha)) return BadImport("adapter_config.lora_alpha: must be a positive number");
+  const bool rslora = config.value("use_rslora", false);
+  if (config.value("use_dora", false)) return BadImport("adapter_config.use_dora: DoRA adapters are not supported");
+  if (config.value("bias", std::string("none")) != "none") return BadImport("adapter_config.bias: must be \"none\"");
+  if (config.value("fan_in_fan_out", false)) return BadImport("adapter_config.fan_in_fan_out: must be false");
+  for (const char* key : {"modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"}) {
+    if (config.contains(key) && !config[key].is_null() && !config[key].empty()) {
+      return BadImport(absl::StrCat("adapter_config.", key, ": not supported (must be empty or null)"));
+    }
+  }
+  // The tensors.
+  const absl::Span<const uint8_t> span(reinterpret_cast<const uint8_t*>(safetensors.data()), safetensors.size());
+  absl::StatusOr<std::vector<engine::TensorInfo>> tensors = engine::ParseSafetensorsHeader(span, "adapter_model.safetensors");
+  if (!tensors.ok()) return BadImport(tensors.status().message());
+  struct Pair {
+    const engine::TensorInfo* a = nullptr;
+    const engine::TensorInfo* b = nullptr;
+  };
+  std::map<std::string, Pair> modules;
+  for (const engine::TensorInfo& t : *tensors) {
+    absl::string_view rest = t.name;
+    const bool is_a = absl::EndsWith(rest, ".lora_A.weight");
+    if (!absl::ConsumePrefix(&rest, kPeftPrefix) || (!is_a && !absl::EndsWith(rest, ".lora_B.weight"))) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': not a LoRA weight (base_model.model.<module>.lora_A/B.weight)"));
+    }
+    rest.remove_suffix(std::string_view(".lora_A.weight").size());
+    const std::string module(rest);
+    if (!IsTargetKind(KindOf(module))) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': module kind '", KindOf(module),
+                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, lm_head)"));
+    }
+    if (t.dtype != engine::SafetensorsDtype::kF32) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': dtype ", std::string(engine::SafetensorsDtypeName(t.dtype)),
+                                    " (F32 is required)"));
+    }
+    const std::vector<int64_t>* shape = BaseShape(base, module);
+    if (shape == nullptr || shape->size() != 2) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': the base model has no 2-D weight '", module, ".weight'"));
+    }
+    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{rank, (*shape)[1]} : std::vector<int64_t>{(*shape)[0], rank};
+    if (t.shape != want) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': shape [", absl::StrJoin(t.shape, ", "), "], expected [",
+                                    absl::StrJoin(want, ", "), "] (r = ", rank, ", base weight [",
+                                    absl::StrJoin(*shape, ", "), "])"));
+    }
+    (is_a ? modules[module].a : modules[module].b) = &t;
+  }
+  if (modules.empty()) return BadImport("adapter_model.safetensors holds no LoRA weights");
+  // Exactly the base model's modules of the targeted kinds, whole groups.
+  std::set<std::string> kinds;
+  for (const auto& [module, pair] : modules) {
+    if (pair.a == nullptr || pair.b == nullptr) {
+      return BadImport(absl::StrCat("module '", module, "': lora_", pair.a == nullptr ? "A" : "B", " is missing"));
+    }
+    kinds.insert(KindOf(module));
+  }
+  auto group = [&](const auto& names) {
+    bool any = false;
+    for (const char* k : names) any = any || kinds.contains(k);
+    if (any) for (const char* k : names) kinds.insert(k);
+  };
+  group(kAttnKinds);
+  group(kMlpKinds);
+  std::set<std::string> expected;
+  for (const auto& [tensor, shape] : base) {
+    if (!absl::EndsWith(tensor, ".weight") || shape.size() != 2) continue;
+    const std::string module = tensor.substr(0, tensor.size() - std::string_view(".weight").size());
+    if (kinds.contains(KindOf(module)) && KindOf(module) != "lm_head") expected.insert(module);
+  }
+  if (kinds.contains("lm_head")) expected.insert("lm_head");
+  for (const std::string& module : expected) {
+    if (!modules.contains(module)) return BadImport(absl::StrCat("module '", module, "' of the base model is missing"));
+  }
+  for (const auto& [module, pair] : modules) {
+    if (!expected.contains(module)) return BadImport(absl::StrCat("module '", module, "' is not a module of the base model"));
+  }
+  // Re-serialised with our scale: B' = B · (their scale / ours).
+  const double theirs = rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+  const double ours = kDefaultLoraAlpha / static_cast<double>(rank);
+  const float factor = static_cast<float>(theirs / ours);
+  std::map<std::string, storage::TensorBytes> out;
+  for (const auto& [module, pair] : modules) {
+    for (const engine::TensorInfo* t : {pair.a, pair.b}) {
+      std::string bytes = safetensors.substr(t->file_offset, t->nbytes());
+      if (t == pair.b && factor != 1.0f) {
+        for (size_t i = 0; i + sizeof(float) <= bytes.size(); i += sizeof(float)) {
+          float v;
+          std::memcpy(&v, bytes.data() + i, sizeof v);
+          v *= factor;
+          std::memcpy(bytes.data() + i, &v, sizeof v);
+        }
+      }
+      out[t->name] = storage::TensorBytes{"F32", t->shape, std::move(bytes)};
+    }
+  }
+  absl::StatusOr<std::string> weights = storage::SerializeSafetensors(out, {{"format", "pt"}});
+  if (!weights.ok()) return weights.status();
+  LoraArgs lora;
+  lora.rank = rank;
+  lora.alpha = kDefaultLoraAlpha;
+  lora.use_rslora = false;
+  lora.targets.clear();
+  for (const char* k : kAttnKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  for (const char* k : kMlpKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  if (kinds.contains("lm_head")) lora.targets.push_back("lm_head");
+  if (absl::Status s = before_write(lora); !s.ok()) return s;
+  return WriteAdapter(tenant, run_id, CheckpointKind::kTraining, name, *std::move(weights),
+                      PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds);
 }
 
 }  // namespace twinkle::training

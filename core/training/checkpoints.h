@@ -35,6 +35,7 @@
 // fault-injection seam.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -82,6 +83,9 @@ struct CheckpointPath {
 // "twinkle://<run_id>/weights/<name>" (also tinker://, sampler_weights). InvalidArgument
 // naming `field` otherwise; names are validated as path components.
 absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl::string_view field);
+
+// The shapes of every tensor of the HF model in `model_dir` (its *.safetensors headers).
+absl::StatusOr<std::map<std::string, std::vector<int64_t>>> BaseWeightShapes(const std::string& model_dir);
 
 // Everything about an adapter's training that is not a tensor.
 struct TrainerState {
@@ -179,6 +183,25 @@ class CheckpointStore {
                                                           CheckpointKind kind, const std::string& name,
                                                           std::string safetensors, std::string adapter_config,
                                                           std::optional<int64_t> ttl_seconds);
+
+  // Import of a PEFT LoRA adapter trained elsewhere, as the tenant's training checkpoint
+  // weights/<name> of run `run_id` (which must exist). Validated before anything is written
+  // (InvalidArgument naming the key or tensor at fault): adapter_config is a LORA config with
+  // 1 <= r <= max_rank, no DoRA, bias "none", no modules_to_save or rank/alpha patterns;
+  // every tensor is base_model.model.<module>.lora_{A,B}.weight in F32 where <module>.weight
+  // is a 2-D weight of the base model ([out, in]; lm_head falls back to the tied embedding),
+  // A is [r, in] and B [out, r]; the modules are exactly the base model's modules of the
+  // targeted kinds (q/k/v/o_proj, gate/up/down_proj, lm_head), none missing and none extra.
+  // The adapter is stored with the server's scale (lora_alpha kDefaultLoraAlpha, rsLoRA off):
+  // B is multiplied by its scale / ours, so the adapter computes the same delta.
+  // `base_shapes`: the base model's tensor shapes by name (BaseWeightShapes). `before_write`
+  // runs once the adapter is valid, with its LoraArgs, before anything is written (the caller
+  // records the run there); its error is returned as is.
+  absl::StatusOr<registry::CheckpointRecord> ImportPeftAdapter(
+      const std::string& tenant, const std::string& run_id, const std::string& name, const std::string& safetensors,
+      const nlohmann::json& adapter_config, const std::map<std::string, std::vector<int64_t>>& base_shapes,
+      int64_t max_rank, std::optional<int64_t> ttl_seconds,
+      const std::function<absl::Status(const LoraArgs&)>& before_write);
 
   // The checkpoint's files as its metadata lists them: {name: {"size", "sha256"}}.
   absl::StatusOr<nlohmann::json> ListFiles(const registry::CheckpointRecord& record);

@@ -134,6 +134,7 @@ template <typename V> void VisitFields(V& v, StorageSection& c) {
   v.Field("url_signing_secret", c.url_signing_secret, Secret());
   v.Field("download_url_ttl_s", c.download_url_ttl_s, Range(1, 7 * 86400));
   v.Field("reap_interval_s", c.reap_interval_s, Range(1, 86400));
+  v.Field("max_import_bytes", c.max_import_bytes, Range(1024, 64 << 20));
 }
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});

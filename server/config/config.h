@@ -136,6 +136,7 @@ struct StorageSection {
   std::string url_signing_secret;
   double download_url_ttl_s = 3600;  // how long a signed download URL stays valid
   double reap_interval_s = 60;       // how often expired checkpoints are deleted
+  int64_t max_import_bytes = int64_t{48} << 20;  // an adapter import's request body, at most
 };
 
 struct TestingSection {

@@ -252,6 +252,22 @@ class Routes {
     Post("/save_weights_external",
          [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); });
     Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); });
+    Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); });
+    // The import's body is bounded before it is read (storage.max_import_bytes).
+    http_.AddHeaderCheck([max = ctx_->state.config.storage.max_import_bytes](const HttpRequest& head)
+                             -> std::optional<HttpResponse> {
+      if (head.path != absl::StrCat(kApi, "/twinkle/import_adapter")) return std::nullopt;
+      const std::string* length = head.Header("content-length");
+      int64_t n = 0;
+      if (length == nullptr || !absl::SimpleAtoi(*length, &n)) {
+        return ErrorResponse(absl::InvalidArgumentError("import_adapter: a Content-Length is required"));
+      }
+      if (n > max) {
+        return ErrorResponse(absl::InvalidArgumentError(absl::StrCat(
+            "import_adapter: the body is ", n, " bytes, over storage.max_import_bytes (", max, ")")));
+      }
+      return std::nullopt;
+    });
     Prefix("POST", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       if (std::optional<CheckpointAction> a = ParseCheckpointAction(r.path_tail); a && a->action == "publish") {
         return api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, true);

@@ -214,6 +214,14 @@ class TinkerApi {
   // POST /api/v1/copy_weights {"source_path", "destination_project_id", "ttl_seconds"}: a
   // copy (same kind and name) in a new run of the caller that cannot be trained on.
   absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body);
+  // POST /api/v1/twinkle/import_adapter: a PEFT LoRA adapter trained elsewhere, as the
+  // caller's checkpoint weights/<name> of a new run (import-<hex>) that load_state,
+  // create_training_client_from_state and sampling use like any other. Body:
+  // {"name", "adapter_config": {...adapter_config.json...}, "adapter_model": base64 of
+  // adapter_model.safetensors, "ttl_seconds"?}. Validated against the served model before
+  // anything is written (CheckpointStore::ImportPeftAdapter); quota-checked. Answers
+  // {"tinker_path", "model_id"}. The body's size is bounded by the route (max_import_bytes).
+  absl::StatusOr<Json> ImportAdapter(const tenancy::Tenant& tenant, const Json& body);
 
   const TinkerOptions& options() const { return options_; }
 
@@ -281,6 +289,8 @@ class TinkerApi {
   const UrlSigner* signer_ = nullptr;
   absl::Duration url_ttl_ = absl::Hours(1);
   const Clock* url_clock_ = &RealClock();
+  absl::Mutex shapes_mu_;
+  std::optional<std::map<std::string, std::vector<int64_t>>> base_shapes_ ABSL_GUARDED_BY(shapes_mu_);
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
   // record_stability_info samples, for stable_reinforce; shared with the sample encoders,

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -322,6 +323,53 @@ absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const
       checkpoints_->Copy(tenant.id, *record, run.run_id, parsed->kind, parsed->name, *ttl);
   if (!copy.ok()) return copy.status();
   return Json{{"tinker_path", TinkerPathOf(copy->run_id, copy->checkpoint_id)}};
+}
+
+// ---- import -----------------------------------------------------------------------------------
+
+absl::StatusOr<Json> TinkerApi::ImportAdapter(const tenancy::Tenant& tenant, const Json& body) {
+  if (checkpoints_ == nullptr || registry_ == nullptr) return NoCheckpoints();
+  absl::StatusOr<std::string> name = GetString(body, "name");
+  if (!name.ok()) return name.status();
+  if (absl::Status s = storage::ValidatePathName(*name, "name"); !s.ok()) return s;
+  absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
+  if (!ttl.ok()) return ttl.status();
+  if (!body.contains("adapter_config") || !body["adapter_config"].is_object()) {
+    return absl::InvalidArgumentError("adapter_config: required (the adapter's adapter_config.json as an object)");
+  }
+  absl::StatusOr<std::string> encoded = GetString(body, "adapter_model");
+  if (!encoded.ok()) return encoded.status();
+  std::string safetensors;
+  if (!absl::Base64Unescape(*encoded, &safetensors)) {
+    return absl::InvalidArgumentError("adapter_model: not base64 (adapter_model.safetensors, base64-encoded)");
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  {
+    absl::MutexLock lock(&shapes_mu_);
+    if (!base_shapes_) {
+      absl::StatusOr<std::map<std::string, std::vector<int64_t>>> read = training::BaseWeightShapes(options_.model_dir);
+      if (!read.ok()) return read.status();
+      base_shapes_ = *std::move(read);
+    }
+    shapes = *base_shapes_;
+  }
+  registry::RunRecord run;
+  run.run_id = "import-" + NewCopyRunId().substr(5);
+  run.tenant = tenant.id;
+  run.adapter_name = run.run_id;
+  run.base_model = options_.base_model;
+  run.created = run.last_request = url_clock_->Now();
+  absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->ImportPeftAdapter(
+      tenant.id, run.run_id, *name, safetensors, body["adapter_config"], shapes,
+      std::min<int64_t>(options_.max_lora_rank, tenant.quotas.max_lora_rank), *ttl,
+      [&](const training::LoraArgs& lora) {
+        run.lora_config_json = Json{{"r", lora.rank}, {"lora_alpha", lora.alpha}, {"target_modules", lora.targets},
+                                    {"use_rslora", lora.use_rslora}, {"imported", true}}.dump();
+        return registry_->PutRun(run);
+      });
+  if (!record.ok()) return record.status();
+  return Json{{"tinker_path", TinkerPathOf(record->run_id, record->checkpoint_id)},
+              {"model_id", ModelIdOf(record->run_id)}};
 }
 
 }  // namespace twinkle::tinker

@@ -485,3 +485,101 @@ def test_tinker_checkpoint_cli(hosted: ServerProcess, tiny_model: Path, tmp_path
     result = tinker_cli(hosted, KEYS["bob"], "checkpoint", "delete", export, "--yes", cwd=tmp_path)
     assert {c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints} == {
         "external_weights/cli-ex"}, result.stdout + result.stderr
+
+
+# ---- import ------------------------------------------------------------------------------------
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(model_dir: Path, out: Path, r: int = 4, alpha: float = 16, targets: list[str] | None = None) -> Path:
+    """A LoRA adapter made and "trained" by PEFT itself (random B, so it is not a no-op)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ALL_LINEAR,
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(str(out))
+    return out
+
+
+def import_body(adapter: Path, name: str, tensors: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    import base64
+
+    from safetensors.torch import save
+
+    weights = (adapter / "adapter_model.safetensors").read_bytes() if tensors is None else save(tensors)
+    return {"name": name, "adapter_config": json.loads((adapter / "adapter_config.json").read_text()),
+            "adapter_model": base64.b64encode(weights).decode(), **extra}
+
+
+def test_import_a_peft_adapter_trained_elsewhere(launch_server: LaunchServer, tiny_model: Path,
+                                                 tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    limit = 200_000
+    server = launch_server(overrides(tmp_path, storage={"data_dir": str(tmp_path / "data"),
+                                                        "max_import_bytes": limit}))
+    adapter = peft_adapter(tiny_model, tmp_path / "peft")
+    r = api(server, "POST", "/twinkle/import_adapter", KEYS["alice"], json=import_body(adapter, "imp", ttl_seconds=HOUR))
+    assert r.status_code == 200, r.text
+    path, model_id = r.json()["tinker_path"], r.json()["model_id"]
+    assert path == f"tinker://{model_id}/weights/imp"
+    svc = service(server, KEYS["alice"])
+    rest = svc.create_rest_client()
+    assert checkpoint(rest, model_id, "weights/imp").expires_at is not None
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
+    # Loaded as a training client, it computes what PEFT computes (alpha 16 rescaled to ours).
+    clone = resolved(svc.create_training_client_from_state(path))
+    ours = np.asarray(clone.forward([datum(SEQ)], "cross_entropy").result()
+                      .loss_fn_outputs[0]["logprobs"].to_numpy(), dtype=np.float64)
+    theirs = peft_logprobs(tiny_model, adapter, SEQ)
+    worst = float(np.max(np.abs(ours - theirs)))
+    print(f"imported PEFT adapter: our log-probs vs PEFT's: max |diff| = {worst:.3e}")
+    assert worst <= 1e-4
+    # Another tenant does not see it.
+    with pytest.raises(tinker.NotFoundError):
+        service(server, KEYS["bob"]).create_rest_client().get_weights_info_by_tinker_path(path).result()
+
+    def refused(body: dict[str, Any], *needles: str) -> None:
+        r = api(server, "POST", "/twinkle/import_adapter", KEYS["alice"], json=body)
+        assert r.status_code == 400, r.text
+        for needle in needles:
+            assert needle in r.json()["detail"], r.json()["detail"]
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert q_a in tensors
+    # Wrong shape, wrong module name, a layer the base model lacks, a missing module.
+    refused(import_body(adapter, "x", {**tensors, q_a: tensors[q_a][:, :-1].contiguous()}), q_a, "expected [4, 64]")
+    bad_name = {("base_model.model.model.layers.0.self_attn.qq_proj.lora_A.weight" if k == q_a else k): v
+                for k, v in tensors.items()}
+    refused(import_body(adapter, "x", bad_name), "qq_proj")
+    extra_layer = {**tensors, q_a.replace("layers.0", "layers.9"): tensors[q_a].clone()}
+    refused(import_body(adapter, "x", extra_layer), "layers.9")
+    missing = {k: v for k, v in tensors.items() if ".layers.1.mlp.down_proj." not in k}
+    refused(import_body(adapter, "x", missing), "layers.1.mlp.down_proj", "missing")
+    refused(import_body(adapter, "x", {k: v.double() for k, v in tensors.items()}), "F64", "F32")
+    # Partial attention (q and v only): Tinker's switches train whole groups.
+    partial = peft_adapter(tiny_model, tmp_path / "partial", targets=["q_proj", "v_proj"])
+    refused(import_body(partial, "x"), "k_proj", "missing")
+    # Bad config, not base64, a name that escapes, a bad TTL.
+    body = import_body(adapter, "x")
+    refused({**body, "adapter_config": {**body["adapter_config"], "use_dora": True}}, "use_dora")
+    refused({**body, "adapter_config": {**body["adapter_config"], "r": 9999}}, "adapter_config.r")
+    refused({**body, "adapter_model": "%%% not base64 %%%"}, "base64")
+    refused({**body, "name": "../escape"}, "name")
+    refused({**body, "ttl_seconds": -3}, "ttl_seconds")
+    # Oversized: refused from the Content-Length, before the body is read.
+    r = requests.post(server.http_url("/api/v1/twinkle/import_adapter"), data=b"x" * (limit + 1),
+                      headers={"X-API-Key": KEYS["alice"], "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "max_import_bytes" in r.json()["detail"], r.text
+    # Nothing of the refused imports was written.
+    assert [c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints] == ["weights/imp"]
