@@ -228,6 +228,9 @@ class Routes {
       if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "external_weights_urls") {
         return api.ExternalWeightsUrls(t, a->model_id, a->checkpoint_id, BaseUrl(r, ctx->state));
       }
+      if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "archive") {
+        return api.ArchiveUrl(t, a->model_id, a->checkpoint_id, BaseUrl(r, ctx->state));
+      }
       return absl::NotFoundError(absl::StrCat("no route GET /api/v1/training_runs/", tail));
     });
     Prefix("DELETE", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {

@@ -202,6 +202,13 @@ class TinkerApi {
   // able to read the checkpoint (its own or published).
   absl::StatusOr<Json> ExternalWeightsUrls(const tenancy::Tenant& tenant, const std::string& model_id,
                                            const std::string& checkpoint_id, const std::string& base_url);
+  // GET .../checkpoints/{checkpoint_id}/archive (SDKs <= 0.30 get_checkpoint_archive_url and
+  // their `tinker checkpoint download`): {"url", "expires"}, one signed URL of the file
+  // "archive.tar": a tar of the PEFT files (adapter_model.safetensors, adapter_config.json)
+  // plus an empty checkpoint_complete marker. Same access rule and errors as
+  // ExternalWeightsUrls.
+  absl::StatusOr<Json> ArchiveUrl(const tenancy::Tenant& tenant, const std::string& model_id,
+                                  const std::string& checkpoint_id, const std::string& base_url);
   // GET /twinkle/weights/<tenant>/<run>/<kind>/<name>/<file>?expires=&sig= (no API key: the
   // signature is the credential). PERMISSION_DENIED for a bad or expired signature; NotFound
   // when the checkpoint is gone, expired, unpublished (for another tenant) or lacks the file.

@@ -3,6 +3,8 @@
 // signed download URLs (and the download itself), and copy_weights.
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -16,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "core/storage/checkpoint_dir.h"
 #include "core/storage/names.h"
 #include "server/tinker/tinker_api.h"
 #include "server/tinker/tinker_internal.h"
@@ -63,6 +66,30 @@ std::string UrlEncode(absl::string_view s) {
     }
   }
   return out;
+}
+
+constexpr char kArchive[] = "archive.tar";
+
+// A ustar member header + the data padded to 512 bytes.
+void AppendTarMember(std::string& tar, const std::string& name, absl::string_view data, int64_t mtime) {
+  char h[512] = {};
+  std::snprintf(h, 100, "%s", name.c_str());
+  std::snprintf(h + 100, 8, "%07o", 0644);
+  std::snprintf(h + 108, 8, "%07o", 0);
+  std::snprintf(h + 116, 8, "%07o", 0);
+  std::snprintf(h + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
+  std::snprintf(h + 136, 12, "%011llo", static_cast<unsigned long long>(std::max<int64_t>(mtime, 0)));
+  std::memset(h + 148, ' ', 8);
+  h[156] = '0';
+  std::memcpy(h + 257, "ustar", 6);
+  std::memcpy(h + 263, "00", 2);
+  unsigned sum = 0;
+  for (unsigned char c : h) sum += c;
+  std::snprintf(h + 148, 8, "%06o", sum);
+  h[155] = ' ';
+  tar.append(h, sizeof h);
+  tar.append(data.data(), data.size());
+  tar.append((512 - data.size() % 512) % 512, '\0');
 }
 
 std::string NewCopyRunId() {
@@ -258,6 +285,22 @@ absl::StatusOr<Json> TinkerApi::ExternalWeightsUrls(const tenancy::Tenant& tenan
               {"sha256", std::move(sums)}};
 }
 
+absl::StatusOr<Json> TinkerApi::ArchiveUrl(const tenancy::Tenant& tenant, const std::string& model_id,
+                                           const std::string& checkpoint_id, const std::string& base_url) {
+  if (checkpoints_ == nullptr) return NoCheckpoints();
+  if (signer_ == nullptr) return absl::UnimplementedError("signed download URLs are not configured");
+  absl::StatusOr<registry::CheckpointRecord> record =
+      checkpoints_->Resolve(tenant.id, absl::StrCat("twinkle://", RunIdOf(model_id), "/", checkpoint_id), "");
+  if (!record.ok()) return record.status();
+  const int64_t expires_unix = absl::ToUnixSeconds(url_clock_->Now() + url_ttl_);
+  const std::string sig =
+      signer_->Sign(UrlSigner::Message(tenant.id, record->run_id, record->checkpoint_id, kArchive, expires_unix));
+  std::string path = absl::StrCat("/twinkle/weights/", UrlEncode(tenant.id), "/", UrlEncode(record->run_id));
+  for (absl::string_view part : absl::StrSplit(record->checkpoint_id, '/')) absl::StrAppend(&path, "/", UrlEncode(part));
+  return Json{{"url", absl::StrCat(base_url, path, "/", kArchive, "?expires=", expires_unix, "&sig=", sig)},
+              {"expires", IsoTime(absl::FromUnixSeconds(expires_unix))}};
+}
+
 absl::StatusOr<TinkerApi::WeightsFile> TinkerApi::ServeWeightsFile(const std::string& path_tail,
                                                                    const std::string& expires,
                                                                    const std::string& signature) {
@@ -291,6 +334,22 @@ absl::StatusOr<TinkerApi::WeightsFile> TinkerApi::ServeWeightsFile(const std::st
   if (!record.ok()) return record.status();
   absl::StatusOr<Json> files = checkpoints_->ListFiles(*record);
   if (!files.ok()) return files.status();
+  if (parts[4] == kArchive) {
+    // The PEFT adapter as one tar (what SDKs <= 0.30 download and extract), built from the
+    // verified files, with Tinker's checkpoint_complete marker last.
+    std::string tar;
+    const int64_t mtime = absl::ToUnixSeconds(record->created);
+    for (const char* name : {"adapter_model.safetensors", "adapter_config.json"}) {
+      if (!files->contains(name)) continue;
+      absl::StatusOr<std::string> bytes = checkpoints_->ReadListedFile(*record, name);
+      if (!bytes.ok()) return bytes.status();
+      AppendTarMember(tar, name, *bytes, mtime);
+    }
+    AppendTarMember(tar, "checkpoint_complete", "", mtime);
+    tar.append(1024, '\0');
+    std::string sha = storage::Sha256Hex(tar);
+    return WeightsFile{std::move(tar), std::move(sha)};
+  }
   absl::StatusOr<std::string> bytes = checkpoints_->ReadListedFile(*record, parts[4]);
   if (!bytes.ok()) return bytes.status();
   return WeightsFile{*std::move(bytes), (*files)[parts[4]].value("sha256", std::string())};

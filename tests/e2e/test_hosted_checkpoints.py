@@ -583,3 +583,46 @@ def test_import_a_peft_adapter_trained_elsewhere(launch_server: LaunchServer, ti
     assert r.status_code == 400 and "max_import_bytes" in r.json()["detail"], r.text
     # Nothing of the refused imports was written.
     assert [c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints] == ["weights/imp"]
+
+
+# ---- the archive of older SDKs -----------------------------------------------------------------
+
+def test_archive_download_with_the_0_30_cli(hosted: ServerProcess, tiny_model: Path, tmp_path: Path) -> None:
+    """SDKs <= 0.30 download a checkpoint as one tar (get_checkpoint_archive_url): their own
+    `tinker checkpoint download`, run unmodified from its wheel, extracts a PEFT directory."""
+    import tarfile
+
+    from e2e_support import paths
+
+    sdk = paths.REPO_ROOT / ".tinker-sdks" / "0.30.4"
+    assert (sdk / "tinker" / "cli" / "__main__.py").is_file(), f"{sdk}: run scripts/setup.sh"
+    svc = service(hosted, KEYS["alice"])
+    training = lora_client(svc, rank=8)
+    train(training, 2)
+    state = training.save_state("arch").result().path
+    model_id = training.get_info().model_id
+    env = {**os.environ, "PYTHONPATH": str(sdk), "TINKER_BASE_URL": f"http://{hosted.host}:{hosted.http_port}",
+           "TINKER_API_KEY": KEYS["alice"]}
+    result = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "--output",
+                             str(tmp_path / "dl")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = tmp_path / "dl" / state.replace("tinker://", "").replace("/", "_")
+    assert {p.name for p in got.iterdir()} == {"adapter_model.safetensors", "adapter_config.json",
+                                               "checkpoint_complete"}
+    ours = np.asarray(training.forward([datum(SEQ)], "cross_entropy").result()
+                      .loss_fn_outputs[0]["logprobs"].to_numpy(), dtype=np.float64)
+    assert float(np.max(np.abs(peft_logprobs(tiny_model, got, SEQ) - ours))) <= 1e-4
+
+    # The archive URL itself: a tar with its checksum; another tenant gets 404 for the URL.
+    answer = api(hosted, "GET", f"/training_runs/{model_id}/checkpoints/weights/arch/archive", KEYS["alice"])
+    assert answer.status_code == 200, answer.text
+    status, body, headers = fetch(answer.json()["url"])
+    assert status == 200 and headers["X-Checksum-SHA256"] == hashlib.sha256(body).hexdigest()
+    (tmp_path / "a.tar").write_bytes(body)
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        assert [m.name for m in tar.getmembers()] == ["adapter_model.safetensors", "adapter_config.json",
+                                                      "checkpoint_complete"]
+        assert all(m.isfile() for m in tar.getmembers())
+    assert api(hosted, "GET", f"/training_runs/{model_id}/checkpoints/weights/arch/archive",
+               KEYS["bob"]).status_code == 404
