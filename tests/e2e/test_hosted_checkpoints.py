@@ -626,3 +626,26 @@ def test_archive_download_with_the_0_30_cli(hosted: ServerProcess, tiny_model: P
         assert all(m.isfile() for m in tar.getmembers())
     assert api(hosted, "GET", f"/training_runs/{model_id}/checkpoints/weights/arch/archive",
                KEYS["bob"]).status_code == 404
+
+
+def test_twinkle_native_save_takes_a_ttl(hosted: ServerProcess) -> None:
+    import grpc
+    from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+    c = Client(hosted.grpc_address, KEYS["alice"])
+    try:
+        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="n", config=tpb.LoraConfig(r=4, lora_alpha=32, seed=1)))
+        saved = c.call("Save", tpb.SaveRequest(adapter_name="n", name="tw", ttl_seconds=HOUR))
+        plain = c.call("Save", tpb.SaveRequest(adapter_name="n", name="forever"))
+        with pytest.raises(grpc.RpcError) as bad:
+            c.call("Save", tpb.SaveRequest(adapter_name="n", name="bad", ttl_seconds=0))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in bad.value.details()
+    finally:
+        c.close()
+    run = saved.twinkle_path.split("/")[2]
+    assert plain.twinkle_path.split("/")[2] == run
+    rest = service(hosted, KEYS["alice"]).create_rest_client()
+    assert checkpoint(rest, run, "weights/tw").expires_at is not None
+    assert checkpoint(rest, run, "weights/forever").expires_at is None
+    deleted = advance_clock(hosted, HOUR + 60)["deleted"]
+    assert deleted == [f"{run}/weights/tw"]
