@@ -256,10 +256,15 @@ class Routes {
          [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); });
     Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); });
     Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); });
-    // The import's body is bounded before it is read (storage.max_import_bytes).
-    http_.AddHeaderCheck([max = ctx_->state.config.storage.max_import_bytes](const HttpRequest& head)
-                             -> std::optional<HttpResponse> {
+    // The import's body is bounded before it is read (storage.max_import_bytes). A caller
+    // without a valid key is left to the key check (401), learning nothing of the limit; the
+    // lookup here counts no auth failure (the key check does).
+    http_.AddHeaderCheck([ctx = ctx_](const HttpRequest& head) -> std::optional<HttpResponse> {
       if (head.path != absl::StrCat(kApi, "/twinkle/import_adapter")) return std::nullopt;
+      absl::StatusOr<std::string> key =
+          ExtractApiKey([&head](absl::string_view name) { return head.Header(std::string(name)); });
+      if (!key.ok() || !ctx->state.authenticator->registry().Authenticate(*key).ok()) return std::nullopt;
+      const int64_t max = ctx->state.config.storage.max_import_bytes;
       const std::string* length = head.Header("content-length");
       int64_t n = 0;
       if (length == nullptr || !absl::SimpleAtoi(*length, &n)) {

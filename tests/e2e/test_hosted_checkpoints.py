@@ -581,6 +581,11 @@ def test_import_a_peft_adapter_trained_elsewhere(launch_server: LaunchServer, ti
     r = requests.post(server.http_url("/api/v1/twinkle/import_adapter"), data=b"x" * (limit + 1),
                       headers={"X-API-Key": KEYS["alice"], "Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "max_import_bytes" in r.json()["detail"], r.text
+    # Without a valid key the same request is 401, and says nothing of the limit.
+    r = requests.post(server.http_url("/api/v1/twinkle/import_adapter"), data=b"x" * (limit + 1),
+                      headers={"X-API-Key": "tml-not-a-key-000000000000", "Content-Type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 401 and "max_import_bytes" not in r.text, r.text
     # Nothing of the refused imports was written.
     assert [c.checkpoint_id for c in rest.list_user_checkpoints().result().checkpoints] == ["weights/imp"]
 
