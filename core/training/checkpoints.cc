@@ -312,7 +312,8 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
 
 absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
     const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
-    const std::vector<storage::FileContent>& files, const json& metadata, std::optional<int64_t> ttl_seconds) {
+    const std::vector<storage::FileContent>& files, const json& metadata, std::optional<int64_t> ttl_seconds,
+    const std::function<absl::Status()>& before_write) {
   if (ttl_seconds) {
     if (absl::Status s = ValidateTtl(*ttl_seconds, "ttl_seconds"); !s.ok()) return s;
   }
@@ -348,6 +349,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
     absl::MutexLock lock(&reserve_mu_);
     if ((reserved_[tenant] -= reserved) == 0) reserved_.erase(tenant);
   };
+  if (before_write) {
+    if (absl::Status s = before_write(); !s.ok()) return s;
+  }
   const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
   absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, metadata);
   if (!dir.ok()) return dir.status();
@@ -563,7 +567,8 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Copy(const std::stri
                                                                  const registry::CheckpointRecord& source,
                                                                  const std::string& dst_run_id, CheckpointKind kind,
                                                                  const std::string& name,
-                                                                 std::optional<int64_t> ttl_seconds) {
+                                                                 std::optional<int64_t> ttl_seconds,
+                                                                 const std::function<absl::Status()>& before_write) {
   if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
   if (!storage::IsInside(TenantRoot(source.tenant), source.path)) {
     return absl::InternalError(absl::StrCat("checkpoint ", source.checkpoint_id, " lies outside its tenant's root"));
@@ -588,12 +593,13 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Copy(const std::stri
   meta["twinkle_path"] = path.uri();
   meta["created"] = Rfc3339(clock_.Now());
   meta["copied_from"] = absl::StrCat("twinkle://", source.run_id, "/", source.checkpoint_id);
-  return WriteAndRecord(tenant, dst_run_id, kind, name, files, meta, ttl_seconds);
+  return WriteAndRecord(tenant, dst_run_id, kind, name, files, meta, ttl_seconds, before_write);
 }
 
 absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAdapter(
     const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
-    std::string safetensors, std::string adapter_config, std::optional<int64_t> ttl_seconds) {
+    std::string safetensors, std::string adapter_config, std::optional<int64_t> ttl_seconds,
+    const std::function<absl::Status()>& before_write) {
   if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
   if (absl::Status s = storage::ValidatePathName(run_id, "run_id"); !s.ok()) return s;
   std::vector<storage::FileContent> files;
@@ -613,7 +619,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAdapter(
                       {"has_optimizer", false},
                       {"imported", true},
                       {"created", Rfc3339(clock_.Now())}};
-  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, ttl_seconds);
+  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, ttl_seconds, before_write);
 }
 
 // ---- PEFT import ------------------------------------------------------------------------------
@@ -789,9 +795,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
   for (const char* k : kAttnKinds) if (kinds.contains(k)) lora.targets.push_back(k);
   for (const char* k : kMlpKinds) if (kinds.contains(k)) lora.targets.push_back(k);
   if (kinds.contains("lm_head")) lora.targets.push_back("lm_head");
-  if (absl::Status s = before_write(lora); !s.ok()) return s;
   return WriteAdapter(tenant, run_id, CheckpointKind::kTraining, name, *std::move(weights),
-                      PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds);
+                      PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds,
+                      [&before_write, &lora] { return before_write(lora); });
 }
 
 }  // namespace twinkle::training

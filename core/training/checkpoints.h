@@ -173,16 +173,20 @@ class CheckpointStore {
 
   // Copies a checkpoint the tenant can read (its own or a published one) into the tenant's
   // run `dst_run_id` (which must exist) as `kind/name`, with an optional TTL. Quota-checked.
+  // `before_write` (optional) runs once the copy is admitted (quota included), before anything
+  // is written: the caller records the run there; its error is returned as is.
   absl::StatusOr<registry::CheckpointRecord> Copy(const std::string& tenant, const registry::CheckpointRecord& source,
                                                   const std::string& dst_run_id, CheckpointKind kind,
-                                                  const std::string& name, std::optional<int64_t> ttl_seconds);
+                                                  const std::string& name, std::optional<int64_t> ttl_seconds,
+                                                  const std::function<absl::Status()>& before_write = nullptr);
 
   // Writes a PEFT adapter (adapter_model.safetensors bytes + adapter_config.json text) as the
   // tenant's checkpoint `kind/name` of run `run_id`. The caller validated the content.
   absl::StatusOr<registry::CheckpointRecord> WriteAdapter(const std::string& tenant, const std::string& run_id,
                                                           CheckpointKind kind, const std::string& name,
                                                           std::string safetensors, std::string adapter_config,
-                                                          std::optional<int64_t> ttl_seconds);
+                                                          std::optional<int64_t> ttl_seconds,
+                                                          const std::function<absl::Status()>& before_write = nullptr);
 
   // Import of a PEFT LoRA adapter trained elsewhere, as the tenant's training checkpoint
   // weights/<name> of run `run_id` (which must exist). Validated before anything is written
@@ -195,8 +199,8 @@ class CheckpointStore {
   // The adapter is stored with the server's scale (lora_alpha kDefaultLoraAlpha, rsLoRA off):
   // B is multiplied by its scale / ours, so the adapter computes the same delta.
   // `base_shapes`: the base model's tensor shapes by name (BaseWeightShapes). `before_write`
-  // runs once the adapter is valid, with its LoraArgs, before anything is written (the caller
-  // records the run there); its error is returned as is.
+  // runs once the adapter is valid and admitted (quota included), with its LoraArgs, before
+  // anything is written (the caller records the run there); its error is returned as is.
   absl::StatusOr<registry::CheckpointRecord> ImportPeftAdapter(
       const std::string& tenant, const std::string& run_id, const std::string& name, const std::string& safetensors,
       const nlohmann::json& adapter_config, const std::map<std::string, std::vector<int64_t>>& base_shapes,
@@ -228,7 +232,8 @@ class CheckpointStore {
                                                             CheckpointKind kind, const std::string& name,
                                                             const std::vector<storage::FileContent>& files,
                                                             const nlohmann::json& metadata,
-                                                            std::optional<int64_t> ttl_seconds);
+                                                            std::optional<int64_t> ttl_seconds,
+                                                            const std::function<absl::Status()>& before_write = nullptr);
   // Bytes being written per tenant (reserved by WriteAndRecord while it writes).
   absl::Mutex reserve_mu_;
   absl::flat_hash_map<std::string, int64_t> reserved_ ABSL_GUARDED_BY(reserve_mu_);

@@ -377,9 +377,9 @@ absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const
   run.adapter_name = run.run_id;
   run.created = run.last_request = url_clock_->Now();
   run.last_step = 0;
-  if (absl::Status s = registry_->PutRun(run); !s.ok()) return s;
-  absl::StatusOr<registry::CheckpointRecord> copy =
-      checkpoints_->Copy(tenant.id, *record, run.run_id, parsed->kind, parsed->name, *ttl);
+  // Recorded once the copy is admitted (quota), so a refused copy leaves no run behind.
+  absl::StatusOr<registry::CheckpointRecord> copy = checkpoints_->Copy(
+      tenant.id, *record, run.run_id, parsed->kind, parsed->name, *ttl, [&] { return registry_->PutRun(run); });
   if (!copy.ok()) return copy.status();
   return Json{{"tinker_path", TinkerPathOf(copy->run_id, copy->checkpoint_id)}};
 }

@@ -237,6 +237,13 @@ def test_storage_quota_refuses_at_limit_plus_one(launch_server: LaunchServer, tm
         "sampler_weights/b1"]
     assert not list((tmp_path / "data").rglob("b2")) and not list((tmp_path / "data").rglob(".tmp-b2*"))
 
+    # Copies count too: a direct route answers 429 naming the quota (nothing written).
+    r = api(server, "POST", "/copy_weights", KEYS["bob"],
+            json={"source_path": f"tinker://{bob_id}/sampler_weights/b1", "destination_project_id": "p"})
+    assert r.status_code == 429 and "storage quota" in r.json()["detail"], r.text
+    assert [r.training_run_id for r in bob_svc.create_rest_client().list_training_runs().result().training_runs] == [
+        bob_id]  # no run was left for the refused copy
+
     cap = capacity(server, KEYS["bob"])
     assert cap.storage_bytes_used == size and cap.storage_quota_bytes == 2 * size - 1
     assert capacity(server, KEYS["alice"]).storage_bytes_used == 2 * size

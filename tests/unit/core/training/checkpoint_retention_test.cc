@@ -159,6 +159,17 @@ TEST_F(CheckpointRetentionTest, QuotaIsDecidedBeforeWritingAtLimitPlusOne) {
   EXPECT_THAT(refused.status().message(), HasSubstr("quota of 203 bytes"));
   EXPECT_THAT(refused.status().message(), HasSubstr("uses 102 bytes"));
   EXPECT_FALSE(fs::exists(dir_ / "data" / "tenants" / "bob" / "runs" / "run-bob" / "sampler_weights" / "b2"));
+  // A copy past the quota is refused before its caller records anything (before_write).
+  bool recorded = false;
+  absl::StatusOr<registry::CheckpointRecord> b1 = registry_->GetCheckpoint("bob", "run-bob", "sampler_weights/b1");
+  ASSERT_TRUE(b1.ok());
+  absl::StatusOr<registry::CheckpointRecord> copy =
+      store_->Copy("bob", *b1, "run-bob", CheckpointKind::kSampler, "b3", std::nullopt, [&] {
+        recorded = true;
+        return absl::OkStatus();
+      });
+  EXPECT_TRUE(absl::IsResourceExhausted(copy.status())) << copy.status();
+  EXPECT_FALSE(recorded);
   // Replacing a checkpoint counts only the difference.
   EXPECT_TRUE(Write("bob", "b1").ok());
   EXPECT_EQ(*store_->StorageBytes("bob"), 102);
