@@ -173,7 +173,7 @@ def test_ttl_on_saves_put_ttl_and_the_reaper_on_the_test_clock(hosted: ServerPro
     reaped = advance_clock(hosted, HOUR)["deleted"]
     assert len(reaped) == 1 and reaped[0].endswith("/sampler_weights/samp")
     assert {c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints} == {"weights/keep"}
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="no checkpoint"):
         resolved(svc.create_sampling_client(model_path=sampler)).sample(
             types.ModelInput.from_ints(SEQ[:3]), 1, types.SamplingParams(max_tokens=1)).result()
 
@@ -375,7 +375,7 @@ def test_publish_share_read_only_and_unpublish_revokes(hosted: ServerProcess) ->
         bob_rest.get_weights_info_by_tinker_path(state).result()
     with pytest.raises(tinker.NotFoundError):
         bob_rest.get_training_run(model_id, access_scope="accessible").result()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="no checkpoint"):
         resolved(bob_svc.create_training_client_from_state(state))
     assert model_id not in [r.training_run_id for r in
                             bob_rest.list_training_runs(access_scope="accessible").result().training_runs]
@@ -429,7 +429,7 @@ def test_publish_share_read_only_and_unpublish_revokes(hosted: ServerProcess) ->
     assert api(hosted, "GET", "/checkpoints?access_scope=accessible", KEYS["bob"]).json()["checkpoints"] == []
     with pytest.raises(tinker.NotFoundError):
         bob_rest.get_weights_info_by_tinker_path(state).result()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="no checkpoint"):
         resolved(bob_svc.create_sampling_client(model_path=sampler)).sample(prompt, 1, params).result()
     r = api(hosted, "GET", "/training_runs?access_scope=everything", KEYS["bob"])
     assert r.status_code == 400 and "access_scope" in r.json()["detail"]
