@@ -325,6 +325,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
   const int64_t quota = quotas_.For(tenant);
   int64_t reserved = 0;
   if (quota > 0) {
+    // Read under the lock: a writer that finishes between the read and the reservation would
+    // otherwise be counted neither as stored nor as reserved.
+    absl::MutexLock lock(&reserve_mu_);
     absl::StatusOr<int64_t> used = registry_.TenantStorageBytes(tenant);
     if (!used.ok()) return used.status();
     int64_t replaced = 0;
@@ -332,7 +335,6 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
         old.ok()) {
       replaced = old->size_bytes;
     }
-    absl::MutexLock lock(&reserve_mu_);
     const int64_t in_flight = reserved_[tenant];
     const int64_t after = *used - replaced + in_flight + size;
     if (after > quota) {
@@ -344,10 +346,16 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
     reserved_[tenant] += size;
     reserved = size;
   }
-  absl::Cleanup release = [this, &tenant, reserved] {
+  // The reservation ends when the row is recorded (in the same critical section, so the bytes
+  // are never counted twice nor missed), or when the write fails.
+  auto release_locked = [this, &tenant, &reserved]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reserve_mu_) {
     if (reserved == 0) return;
-    absl::MutexLock lock(&reserve_mu_);
     if ((reserved_[tenant] -= reserved) == 0) reserved_.erase(tenant);
+    reserved = 0;
+  };
+  absl::Cleanup release = [this, &release_locked] {
+    absl::MutexLock lock(&reserve_mu_);
+    release_locked();
   };
   if (before_write) {
     if (absl::Status s = before_write(); !s.ok()) return s;
@@ -359,7 +367,10 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
   registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind), dir->string(),
                                     size, now, std::nullopt, false};
   if (ttl_seconds) record.expires = now + absl::Seconds(*ttl_seconds);
-  if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
+  absl::MutexLock lock(&reserve_mu_);
+  absl::Status put = registry_.PutCheckpoint(record);
+  release_locked();
+  if (!put.ok()) return put;
   return record;
 }
 

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -10,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -173,6 +175,25 @@ TEST_F(CheckpointRetentionTest, QuotaIsDecidedBeforeWritingAtLimitPlusOne) {
   // Replacing a checkpoint counts only the difference.
   EXPECT_TRUE(Write("bob", "b1").ok());
   EXPECT_EQ(*store_->StorageBytes("bob"), 102);
+}
+
+TEST_F(CheckpointRetentionTest, ConcurrentWritersOfOneTenantNeverPassTheQuotaTogether) {
+  StorageQuotas q;
+  q.by_tenant["alice"] = 5 * 102 - 1;  // room for four 102-byte checkpoints
+  store_->SetQuotas(q);
+  std::vector<std::thread> writers;
+  std::atomic<int> accepted{0}, refused{0};
+  for (int i = 0; i < 8; ++i) {
+    writers.emplace_back([&, i] {
+      absl::StatusOr<registry::CheckpointRecord> r = Write("alice", "c" + std::to_string(i));
+      (r.ok() ? accepted : refused)++;
+      if (!r.ok()) EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+    });
+  }
+  for (std::thread& t : writers) t.join();
+  EXPECT_EQ(accepted.load(), 4);
+  EXPECT_EQ(refused.load(), 4);
+  EXPECT_EQ(*store_->StorageBytes("alice"), 4 * 102);
 }
 
 TEST_F(CheckpointRetentionTest, PublishedCheckpointsResolveForOthersUntilUnpublished) {
