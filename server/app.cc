@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "core/common/clock.h"
 #include "core/common/log.h"
 #include "core/engine_client/one_shot.h"
 #include "core/engine_client/data_parallel_link.h"
@@ -48,6 +49,8 @@
 #include "server/tinker/admin_routes.h"
 #include "server/tinker/http_routes.h"
 #include "server/usage_meter.h"
+#include "server/tinker/tinker_api.h"
+#include "server/tinker/url_signer.h"
 #include "twinkle_version.h"
 
 namespace twinkle {
@@ -196,6 +199,22 @@ void SampleGauges(ServingState& state) {
     depths.emplace_back(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
   }
   state.metrics.SetQueueDepths(depths);
+  if (state.checkpoints != nullptr) {
+    if (absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> stored = state.registry->StorageBytesByTenant();
+        stored.ok()) {
+      std::vector<std::pair<std::string, int64_t>> bytes;
+      for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) bytes.emplace_back(t->id, 0);
+      for (auto& [tenant, n] : *stored) {
+        auto it = std::find_if(bytes.begin(), bytes.end(), [&](const auto& b) { return b.first == tenant; });
+        if (it == bytes.end()) {
+          bytes.emplace_back(tenant, n);
+        } else {
+          it->second = n;
+        }
+      }
+      state.metrics.SetStorageBytes(bytes);
+    }
+  }
   state.metrics.SetDraining(state.draining.load());
   const sampling::SamplerStats z = state.sampler->stats();
   state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
@@ -221,6 +240,13 @@ class Housekeeper {
       state_.futures->Expire();
       // Journaled results outlive the process for the same retention.
       (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
+      // Expired checkpoints, every storage.reap_interval_s.
+      if (absl::Now() - last_reap_ >= absl::Seconds(state_.config.storage.reap_interval_s)) {
+        last_reap_ = absl::Now();
+        if (absl::StatusOr<std::vector<std::string>> reaped = state_.checkpoints->Reap(); !reaped.ok()) {
+          LogWarning(kLog, absl::StrCat("deleting expired checkpoints: ", reaped.status().message()));
+        }
+      }
       SampleGauges(state_);
       const absl::Time now = absl::Now();
       if (now - last_usage_flush_ >= absl::Seconds(state_.config.auth.usage_flush_interval_s)) {
@@ -238,9 +264,44 @@ class Housekeeper {
   absl::Time last_usage_flush_ = absl::Now();
   absl::Time last_audit_sweep_ = absl::InfinitePast();
   ServingState& state_;
+  absl::Time last_reap_ = absl::InfinitePast();
   absl::Notification stop_;
   std::thread thread_;
 };
+
+training::StorageQuotas StorageQuotasOf(const Config& c) {
+  training::StorageQuotas q;
+  q.default_bytes = c.limits.storage_quota_bytes;
+  for (const TenantConfig& t : c.auth.tenants) q.by_tenant[t.id] = t.quotas.storage_quota_bytes;
+  return q;
+}
+
+// testing.hooks only: POST /api/v1/twinkle/testing/advance_clock {"seconds": N} moves the
+// retention clock forward by N seconds and runs the reaper at once; answers {"now",
+// "deleted": [<run>/<checkpoint_id>, ...]}. Needs a valid key. How the e2e tests reach
+// expiry without sleeping.
+void AddRetentionTestRoute(HttpServer& http, ServingState& state, OffsetClock& clock) {
+  http.Route("POST", "/api/v1/twinkle/testing/advance_clock", [&state, &clock](const HttpRequest& r) {
+    auto error = [](int code, const std::string& message) {
+      return HttpResponse{code, "application/json", nlohmann::json{{"detail", message}}.dump()};
+    };
+    if (absl::StatusOr<const tenancy::Tenant*> t = state.authenticator->AuthenticateHttp(r.headers); !t.ok()) {
+      return error(401, std::string(t.status().message()));
+    }
+    const nlohmann::json body = nlohmann::json::parse(r.body, nullptr, false);
+    if (!body.is_object() || !body.contains("seconds") || !body["seconds"].is_number() || body["seconds"] < 0) {
+      return error(400, "seconds: a non-negative number is required");
+    }
+    clock.Advance(absl::Seconds(body["seconds"].get<double>()));
+    absl::StatusOr<std::vector<std::string>> reaped = state.checkpoints->Reap();
+    if (!reaped.ok()) return error(500, std::string(reaped.status().message()));
+    SampleGauges(state);
+    return HttpResponse{200, "application/json",
+                        nlohmann::json{{"now", absl::FormatTime(absl::RFC3339_full, clock.Now(), absl::UTCTimeZone())},
+                                       {"deleted", *reaped}}
+                            .dump()};
+  });
+}
 
 bool DedicatedSampler(const Config& c) { return !c.sampler.devices.empty(); }
 
@@ -382,7 +443,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
       registry::Registry::Open((std::filesystem::path(config.storage.data_dir) / "registry.sqlite").string());
   if (!registry.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", registry.status().message()));
   storage::FaultInjectingFileSystem checkpoint_fs(storage::RealFileSystem());
-  training::CheckpointStore checkpoints(config.storage.data_dir, checkpoint_fs, **registry, config.model.name);
+  // Checkpoint retention (expiry, the reaper, download URL expiry) reads this clock; only the
+  // testing.hooks route advance_clock moves it off the wall clock.
+  OffsetClock retention_clock(RealClock());
+  training::CheckpointStore checkpoints(config.storage.data_dir, checkpoint_fs, **registry, config.model.name,
+                                        retention_clock);
+  checkpoints.SetQuotas(StorageQuotasOf(config));
   absl::StatusOr<std::vector<std::string>> recovered = checkpoints.Recover();
   if (!recovered.ok()) {
     return fail(absl::StrCat(where, ": storage.data_dir: recovering checkpoints: ", recovered.status().message()));
@@ -498,6 +564,11 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   };
   tinker::TinkerApi tinker_api(tinker_options, coordinator, futures, registry->get(), &checkpoints, &rate_limiter,
                                state.sampler);
+  absl::StatusOr<std::unique_ptr<tinker::UrlSigner>> url_signer = tinker::UrlSigner::Create(
+      config.storage.url_signing_secret,
+      (std::filesystem::path(config.storage.data_dir) / "url_signing.key").string());
+  if (!url_signer.ok()) return fail(absl::StrCat(where, ": ", url_signer.status().message()));
+  tinker_api.SetDownloads(url_signer->get(), absl::Seconds(config.storage.download_url_ttl_s), &retention_clock);
   TinkerServiceImpl tinker_service(state, tinker_api);
   UtilityServiceImpl utility(state);
   TrainingServiceImpl training_service(state);
@@ -542,6 +613,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   tinker::AddTinkerRoutes(http, tinker_api, state);
   tinker::AddAdminRoutes(http, tinker_api, state);
   openai::AddOpenAiRoutes(http, state, tinker_api, openai::OptionsFromConfig(config, tinker_options.model_dir));
+  if (config.testing.hooks) AddRetentionTestRoute(http, state, retention_clock);
   // The access log's tenant: the registry's lookup, which (unlike Authenticate*) counts no
   // failure; the handlers still authenticate the request themselves.
   http.SetLogTenant([&state](const HttpRequest& r) {

@@ -61,6 +61,10 @@ Metrics::Metrics(bool tenant_labels)
                        .Name("twinkle_queue_depth")
                        .Help("Ops queued, by tenant (labels capped)")
                        .Register(*registry_)),
+      storage_bytes_(prometheus::BuildGauge()
+                         .Name("twinkle_storage_bytes")
+                         .Help("Checkpoint bytes stored, by tenant (labels capped)")
+                         .Register(*registry_)),
       adapters_(prometheus::BuildGauge()
                     .Name("twinkle_adapters")
                     .Help("Adapters held (state=all) and resident on the device (state=resident)")
@@ -211,6 +215,13 @@ void Metrics::SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>&
   std::map<std::string, int64_t> by_label;
   for (const auto& [tenant, depth] : depths) by_label[TenantLabel(tenant)] += depth;
   for (const auto& [label, depth] : by_label) queue_depth_.Add({{"tenant", label}}).Set(static_cast<double>(depth));
+}
+
+void Metrics::SetStorageBytes(const std::vector<std::pair<std::string, int64_t>>& bytes) {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int64_t> by_label;
+  for (const auto& [tenant, n] : bytes) by_label[TenantLabel(tenant)] += n;
+  for (const auto& [label, n] : by_label) storage_bytes_.Add({{"tenant", label}}).Set(static_cast<double>(n));
 }
 
 void Metrics::SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,

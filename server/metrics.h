@@ -54,6 +54,8 @@ class Metrics {
   // Gauges sampled by the housekeeping loop.
   // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.
   void SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths);
+  // Checkpoint bytes stored, by tenant (summed like the queue depths).
+  void SetStorageBytes(const std::vector<std::pair<std::string, int64_t>>& bytes);
   void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
                    int64_t expired, int64_t restored, int64_t lost);
   void RecordAuthFailure();
@@ -85,6 +87,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Histogram>& queue_wait_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
+  prometheus::Family<prometheus::Gauge>& storage_bytes_;
   prometheus::Family<prometheus::Gauge>& adapters_;
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;

@@ -151,6 +151,30 @@ CREATE INDEX audit_by_time ON audit(at_us);
 CREATE TRIGGER audit_append_only BEFORE UPDATE ON audit
 BEGIN SELECT RAISE(ABORT, 'audit rows are append-only'); END;
 )sql",
+    // v3 → v4: checkpoint retention and sharing: an expiry (NULL = never), a published flag,
+    // and the kind 'external' (save_weights_external). The CHECK on kind changes, so the
+    // table is rebuilt (it is a child only: no key refers to it).
+    R"sql(
+CREATE TABLE checkpoints_v3 (
+  tenant        TEXT    NOT NULL,
+  run_id        TEXT    NOT NULL,
+  checkpoint_id TEXT    NOT NULL,
+  kind          TEXT    NOT NULL CHECK (kind IN ('training', 'sampler', 'external')),
+  path          TEXT    NOT NULL,
+  size_bytes    INTEGER NOT NULL,
+  created_us    INTEGER NOT NULL,
+  expires_us    INTEGER,
+  published     INTEGER NOT NULL DEFAULT 0 CHECK (published IN (0, 1)),
+  PRIMARY KEY (tenant, run_id, checkpoint_id),
+  FOREIGN KEY (tenant, run_id) REFERENCES runs(tenant, run_id) ON DELETE CASCADE
+) WITHOUT ROWID;
+INSERT INTO checkpoints_v3 (tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us)
+  SELECT tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us FROM checkpoints;
+DROP TABLE checkpoints;
+ALTER TABLE checkpoints_v3 RENAME TO checkpoints;
+CREATE INDEX checkpoints_by_expiry ON checkpoints(expires_us) WHERE expires_us IS NOT NULL;
+CREATE INDEX checkpoints_published ON checkpoints(run_id, checkpoint_id) WHERE published = 1;
+)sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,
               "every schema version needs its migration");

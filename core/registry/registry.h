@@ -5,8 +5,9 @@
 //   sessions     id, tenant, created, last_heartbeat
 //   runs         run_id, tenant, adapter_name, base_model, lora config (JSON), created,
 //                last_request, last_step, user metadata (JSON, v2)
-//   checkpoints  tenant, run_id, checkpoint_id ("weights/<name>" | "sampler_weights/<name>"),
-//                kind ("training" | "sampler"), path, size_bytes, created
+//   checkpoints  tenant, run_id, checkpoint_id ("weights/<name>" | "sampler_weights/<name>" |
+//                "external_weights/<name>"), kind ("training" | "sampler" | "external"), path,
+//                size_bytes, created, expires (v3; NULL = never), published (v3)
 //                (a checkpoint belongs to one of its tenant's runs: foreign key)
 //   futures      id, tenant, state ("pending" | "done" | "failed" | "interrupted"),
 //                result (opaque bytes, the caller's serialisation), error code + message,
@@ -71,11 +72,13 @@ struct RunRecord {
 struct CheckpointRecord {
   std::string tenant;
   std::string run_id;
-  std::string checkpoint_id;  // "weights/<name>" or "sampler_weights/<name>"
-  std::string kind;           // "training" | "sampler"
+  std::string checkpoint_id;  // "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"
+  std::string kind;           // "training" | "sampler" | "external"
   std::string path;           // absolute directory
   int64_t size_bytes = 0;
   absl::Time created;
+  std::optional<absl::Time> expires;  // the reaper deletes it once the clock passes this
+  bool published = false;             // readable (never writable) by every tenant
 };
 
 struct FutureRecord {
@@ -165,7 +168,7 @@ struct Page {
 
 class Registry {
  public:
-  static constexpr int kSchemaVersion = 3;
+  static constexpr int kSchemaVersion = 4;
 
   // Opens (creating when absent) the database file and migrates it. NotFound naming the
   // path when its parent directory does not exist; FailedPrecondition when the file is not a
@@ -208,6 +211,27 @@ class Registry {
                                 const std::string& checkpoint_id);
   // Every checkpoint of every tenant (startup reconciliation), by tenant, run, created.
   absl::StatusOr<std::vector<CheckpointRecord>> AllCheckpoints();
+
+  // Retention and sharing (v3). Each is NotFound (GetCheckpoint's message) for an unknown or
+  // another tenant's checkpoint.
+  // Sets (a time) or clears (nullopt) the checkpoint's expiry.
+  absl::Status SetCheckpointExpiry(const std::string& tenant, const std::string& run_id,
+                                   const std::string& checkpoint_id, std::optional<absl::Time> expires);
+  // Publishes or unpublishes; AlreadyExists when it already is in that state (nothing changes).
+  absl::Status SetCheckpointPublished(const std::string& tenant, const std::string& run_id,
+                                      const std::string& checkpoint_id, bool published);
+  // A published checkpoint of any tenant by run and id (run ids are unique server-wide);
+  // NotFound, with GetCheckpoint's message, when there is none or it is not published.
+  absl::StatusOr<CheckpointRecord> GetPublishedCheckpoint(const std::string& run_id,
+                                                          const std::string& checkpoint_id);
+  // Every published checkpoint of tenants other than `tenant`, by tenant, run, created.
+  absl::StatusOr<std::vector<CheckpointRecord>> PublishedCheckpointsOfOthers(const std::string& tenant);
+  // Checkpoints whose expiry is at or before `now`, oldest expiry first, at most `limit`.
+  absl::StatusOr<std::vector<CheckpointRecord>> ExpiredCheckpoints(absl::Time now, int32_t limit);
+  // The sum of size_bytes of the tenant's checkpoints (0 when none).
+  absl::StatusOr<int64_t> TenantStorageBytes(const std::string& tenant);
+  // (tenant, bytes) for every tenant with a checkpoint, by tenant.
+  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> StorageBytesByTenant();
 
   // Futures. Ids are uint64 in the API but SQLite integers are int64: ids must lie in
   // [1, 2^63 - 1] (InvalidArgument otherwise), which the process counter never leaves.

@@ -47,6 +47,10 @@ class Stmt {
     }
     return *this;
   }
+  Stmt& BindNull() {
+    if (rc_ == SQLITE_OK) rc_ = sqlite3_bind_null(stmt_, ++index_);
+    return *this;
+  }
   Stmt& BindBlob(const std::string& s) {
     // s.data() is never null, so an empty string binds a zero-length blob, not NULL.
     if (rc_ == SQLITE_OK) rc_ = sqlite3_bind_blob64(stmt_, ++index_, s.data(), s.size(), SQLITE_TRANSIENT);
@@ -72,6 +76,7 @@ class Stmt {
   }
 
   int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+  bool IsNull(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
   std::string Text(int col) const {
     const unsigned char* p = sqlite3_column_text(stmt_, col);
     const int n = sqlite3_column_bytes(stmt_, col);

@@ -56,8 +56,13 @@ CheckpointRecord ReadCheckpoint(const Stmt& st) {
   c.path = st.Text(4);
   c.size_bytes = st.Int(5);
   c.created = FromMicros(st.Int(6));
+  if (!st.IsNull(7)) c.expires = FromMicros(st.Int(7));
+  c.published = st.Int(8) != 0;
   return c;
 }
+
+constexpr char kCheckpointColumns[] =
+    "tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us, expires_us, published";
 
 // Whether `tenant` owns `run_id`.
 absl::StatusOr<bool> RunExists(sqlite3* db, const std::string& path, const std::string& tenant,
@@ -171,9 +176,9 @@ absl::Status Registry::PutCheckpoint(const CheckpointRecord& checkpoint) {
   if (absl::Status s = NonEmpty(checkpoint.tenant, "tenant"); !s.ok()) return s;
   if (absl::Status s = NonEmpty(checkpoint.run_id, "run_id"); !s.ok()) return s;
   if (absl::Status s = NonEmpty(checkpoint.checkpoint_id, "checkpoint_id"); !s.ok()) return s;
-  if (checkpoint.kind != "training" && checkpoint.kind != "sampler") {
+  if (checkpoint.kind != "training" && checkpoint.kind != "sampler" && checkpoint.kind != "external") {
     return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint kind '", checkpoint.kind, "' is neither 'training' nor 'sampler'"));
+        absl::StrCat("checkpoint kind '", checkpoint.kind, "' is not 'training', 'sampler' or 'external'"));
   }
   absl::MutexLock lock(&mu_);
   Txn txn(db_, path_);
@@ -182,10 +187,11 @@ absl::Status Registry::PutCheckpoint(const CheckpointRecord& checkpoint) {
   if (!exists.ok()) return exists.status();
   if (!*exists) return RunNotFound(checkpoint.run_id);
   Stmt st(db_, path_,
-          "INSERT INTO checkpoints (tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us) "
-          "VALUES (?, ?, ?, ?, ?, ?, ?) "
+          "INSERT INTO checkpoints (tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us, "
+          "expires_us, published) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
           "ON CONFLICT (tenant, run_id, checkpoint_id) DO UPDATE SET kind = excluded.kind, "
-          "path = excluded.path, size_bytes = excluded.size_bytes, created_us = excluded.created_us");
+          "path = excluded.path, size_bytes = excluded.size_bytes, created_us = excluded.created_us, "
+          "expires_us = excluded.expires_us, published = excluded.published");
   st.Bind(checkpoint.tenant)
       .Bind(checkpoint.run_id)
       .Bind(checkpoint.checkpoint_id)
@@ -193,6 +199,12 @@ absl::Status Registry::PutCheckpoint(const CheckpointRecord& checkpoint) {
       .Bind(checkpoint.path)
       .Bind(checkpoint.size_bytes)
       .Bind(Micros(checkpoint.created));
+  if (checkpoint.expires) {
+    st.Bind(Micros(*checkpoint.expires));
+  } else {
+    st.BindNull();
+  }
+  st.Bind(int64_t{checkpoint.published ? 1 : 0});
   if (absl::Status s = st.Run("put checkpoint"); !s.ok()) return s;
   return txn.Commit();
 }
@@ -200,9 +212,9 @@ absl::Status Registry::PutCheckpoint(const CheckpointRecord& checkpoint) {
 absl::StatusOr<CheckpointRecord> Registry::GetCheckpoint(const std::string& tenant, const std::string& run_id,
                                                          const std::string& checkpoint_id) {
   absl::MutexLock lock(&mu_);
-  Stmt st(db_, path_,
-          "SELECT tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us FROM checkpoints "
-          "WHERE tenant = ? AND run_id = ? AND checkpoint_id = ?");
+  const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                       " FROM checkpoints WHERE tenant = ? AND run_id = ? AND checkpoint_id = ?");
+  Stmt st(db_, path_, sql.c_str());
   st.Bind(tenant).Bind(run_id).Bind(checkpoint_id);
   absl::StatusOr<bool> row = st.Step("get checkpoint");
   if (!row.ok()) return row.status();
@@ -220,9 +232,10 @@ absl::StatusOr<std::vector<CheckpointRecord>> Registry::ListCheckpoints(const st
   if (!*exists) return RunNotFound(run_id);
   std::vector<CheckpointRecord> out;
   {
-    Stmt st(db_, path_,
-            "SELECT tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us FROM checkpoints "
-            "WHERE tenant = ? AND run_id = ? ORDER BY created_us, checkpoint_id");
+    const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                         " FROM checkpoints WHERE tenant = ? AND run_id = ? "
+                                         "ORDER BY created_us, checkpoint_id");
+    Stmt st(db_, path_, sql.c_str());
     st.Bind(tenant).Bind(run_id);
     for (;;) {
       absl::StatusOr<bool> row = st.Step("list checkpoints");
@@ -247,15 +260,125 @@ absl::Status Registry::DeleteCheckpoint(const std::string& tenant, const std::st
 
 absl::StatusOr<std::vector<CheckpointRecord>> Registry::AllCheckpoints() {
   absl::MutexLock lock(&mu_);
-  Stmt st(db_, path_,
-          "SELECT tenant, run_id, checkpoint_id, kind, path, size_bytes, created_us FROM checkpoints "
-          "ORDER BY tenant, run_id, created_us, checkpoint_id");
+  const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                       " FROM checkpoints ORDER BY tenant, run_id, created_us, checkpoint_id");
+  Stmt st(db_, path_, sql.c_str());
   std::vector<CheckpointRecord> out;
   for (;;) {
     absl::StatusOr<bool> row = st.Step("list all checkpoints");
     if (!row.ok()) return row.status();
     if (!*row) break;
     out.push_back(ReadCheckpoint(st));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------- //
+// Retention and sharing (v3)
+
+absl::Status Registry::SetCheckpointExpiry(const std::string& tenant, const std::string& run_id,
+                                           const std::string& checkpoint_id, std::optional<absl::Time> expires) {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "UPDATE checkpoints SET expires_us = ? WHERE tenant = ? AND run_id = ? AND checkpoint_id = ?");
+  if (expires) {
+    st.Bind(Micros(*expires));
+  } else {
+    st.BindNull();
+  }
+  st.Bind(tenant).Bind(run_id).Bind(checkpoint_id);
+  if (absl::Status s = st.Run("set checkpoint expiry"); !s.ok()) return s;
+  if (sqlite3_changes64(db_) == 0) return CheckpointNotFound(run_id, checkpoint_id);
+  return absl::OkStatus();
+}
+
+absl::Status Registry::SetCheckpointPublished(const std::string& tenant, const std::string& run_id,
+                                              const std::string& checkpoint_id, bool published) {
+  absl::MutexLock lock(&mu_);
+  Txn txn(db_, path_);
+  if (absl::Status s = txn.Begin(/*write=*/true); !s.ok()) return s;
+  {
+    Stmt st(db_, path_, "SELECT published FROM checkpoints WHERE tenant = ? AND run_id = ? AND checkpoint_id = ?");
+    st.Bind(tenant).Bind(run_id).Bind(checkpoint_id);
+    absl::StatusOr<bool> row = st.Step("read checkpoint published");
+    if (!row.ok()) return row.status();
+    if (!*row) return CheckpointNotFound(run_id, checkpoint_id);
+    if ((st.Int(0) != 0) == published) {
+      return absl::AlreadyExistsError(absl::StrCat("checkpoint '", checkpoint_id, "' of run '", run_id, "' is already ",
+                                                   published ? "published" : "private"));
+    }
+  }
+  Stmt st(db_, path_, "UPDATE checkpoints SET published = ? WHERE tenant = ? AND run_id = ? AND checkpoint_id = ?");
+  st.Bind(int64_t{published ? 1 : 0}).Bind(tenant).Bind(run_id).Bind(checkpoint_id);
+  if (absl::Status s = st.Run("set checkpoint published"); !s.ok()) return s;
+  return txn.Commit();
+}
+
+absl::StatusOr<CheckpointRecord> Registry::GetPublishedCheckpoint(const std::string& run_id,
+                                                                  const std::string& checkpoint_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                       " FROM checkpoints WHERE run_id = ? AND checkpoint_id = ? AND published = 1");
+  Stmt st(db_, path_, sql.c_str());
+  st.Bind(run_id).Bind(checkpoint_id);
+  absl::StatusOr<bool> row = st.Step("get published checkpoint");
+  if (!row.ok()) return row.status();
+  if (!*row) return CheckpointNotFound(run_id, checkpoint_id);
+  return ReadCheckpoint(st);
+}
+
+absl::StatusOr<std::vector<CheckpointRecord>> Registry::PublishedCheckpointsOfOthers(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                       " FROM checkpoints WHERE published = 1 AND tenant <> ? "
+                                       "ORDER BY tenant, run_id, created_us, checkpoint_id");
+  Stmt st(db_, path_, sql.c_str());
+  st.Bind(tenant);
+  std::vector<CheckpointRecord> out;
+  for (;;) {
+    absl::StatusOr<bool> row = st.Step("list published checkpoints");
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    out.push_back(ReadCheckpoint(st));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<CheckpointRecord>> Registry::ExpiredCheckpoints(absl::Time now, int32_t limit) {
+  if (limit < 0) return absl::InvalidArgumentError("limit must not be negative");
+  absl::MutexLock lock(&mu_);
+  const std::string sql = absl::StrCat("SELECT ", std::string(kCheckpointColumns),
+                                       " FROM checkpoints WHERE expires_us IS NOT NULL AND expires_us <= ? "
+                                       "ORDER BY expires_us, tenant, run_id, checkpoint_id LIMIT ?");
+  Stmt st(db_, path_, sql.c_str());
+  st.Bind(Micros(now)).Bind(int64_t{limit});
+  std::vector<CheckpointRecord> out;
+  for (;;) {
+    absl::StatusOr<bool> row = st.Step("list expired checkpoints");
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    out.push_back(ReadCheckpoint(st));
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> Registry::TenantStorageBytes(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "SELECT COALESCE(SUM(size_bytes), 0) FROM checkpoints WHERE tenant = ?");
+  st.Bind(tenant);
+  absl::StatusOr<bool> row = st.Step("sum tenant storage");
+  if (!row.ok()) return row.status();
+  return *row ? st.Int(0) : 0;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> Registry::StorageBytesByTenant() {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "SELECT tenant, SUM(size_bytes) FROM checkpoints GROUP BY tenant ORDER BY tenant");
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (;;) {
+    absl::StatusOr<bool> row = st.Step("sum storage by tenant");
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    out.emplace_back(st.Text(0), st.Int(1));
   }
   return out;
 }

@@ -1,8 +1,13 @@
 #include "core/training/checkpoints.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <set>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -27,8 +32,18 @@ constexpr char kOptimizerConfig[] = "optimizer.json";
 constexpr int kCheckpointVersion = 1;
 
 const char* KindDir(CheckpointKind kind) {
-  return kind == CheckpointKind::kTraining ? "weights" : "sampler_weights";
+  switch (kind) {
+    case CheckpointKind::kTraining:
+      return "weights";
+    case CheckpointKind::kSampler:
+      return "sampler_weights";
+    case CheckpointKind::kExternal:
+      return "external_weights";
+  }
+  return "weights";
 }
+
+constexpr CheckpointKind kAllKinds[] = {CheckpointKind::kTraining, CheckpointKind::kSampler, CheckpointKind::kExternal};
 
 // The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
 const std::vector<std::string>& AllLinear() {
@@ -177,6 +192,27 @@ std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, 
 
 }  // namespace
 
+const char* CheckpointKindName(CheckpointKind kind) {
+  switch (kind) {
+    case CheckpointKind::kTraining:
+      return "training";
+    case CheckpointKind::kSampler:
+      return "sampler";
+    case CheckpointKind::kExternal:
+      return "external";
+  }
+  return "training";
+}
+
+absl::Status ValidateTtl(int64_t ttl_seconds, absl::string_view field) {
+  if (ttl_seconds < 1 || ttl_seconds > kMaxTtlSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": ", ttl_seconds,
+                                                   " is out of range (1 to ", kMaxTtlSeconds,
+                                                   " seconds, or null for no expiry)"));
+  }
+  return absl::OkStatus();
+}
+
 std::string CheckpointPath::checkpoint_id() const { return absl::StrCat(KindDir(kind), "/", name); }
 
 std::string CheckpointPath::uri(absl::string_view scheme) const {
@@ -190,10 +226,12 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
                                                    "' is not a twinkle:// or tinker:// checkpoint path"));
   }
   const std::vector<std::string> parts = absl::StrSplit(rest, '/');
-  if (parts.size() != 3 || (parts[1] != "weights" && parts[1] != "sampler_weights")) {
+  if (parts.size() != 3 ||
+      (parts[1] != "weights" && parts[1] != "sampler_weights" && parts[1] != "external_weights")) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": '", std::string(path),
-                                                   "' must look like twinkle://<run_id>/weights/<name> "
-                                                   "or twinkle://<run_id>/sampler_weights/<name>"));
+                                                   "' must look like twinkle://<run_id>/weights/<name>, "
+                                                   "twinkle://<run_id>/sampler_weights/<name> "
+                                                   "or twinkle://<run_id>/external_weights/<name>"));
   }
   if (absl::Status s = storage::ValidatePathName(parts[0], absl::StrCat(std::string(field), " run id")); !s.ok()) {
     return s;
@@ -201,13 +239,16 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
   if (absl::Status s = storage::ValidatePathName(parts[2], absl::StrCat(std::string(field), " name")); !s.ok()) {
     return s;
   }
-  return CheckpointPath{parts[0], parts[1] == "weights" ? CheckpointKind::kTraining : CheckpointKind::kSampler,
-                        parts[2]};
+  const CheckpointKind kind = parts[1] == "weights"           ? CheckpointKind::kTraining
+                              : parts[1] == "sampler_weights" ? CheckpointKind::kSampler
+                                                              : CheckpointKind::kExternal;
+  return CheckpointPath{parts[0], kind, parts[2]};
 }
 
 CheckpointStore::CheckpointStore(std::string data_dir, storage::FileSystem& fs, registry::Registry& registry,
-                                 std::string base_model)
-    : data_dir_(std::move(data_dir)), fs_(fs), registry_(registry), base_model_(std::move(base_model)) {}
+                                 std::string base_model, const Clock& clock)
+    : data_dir_(std::move(data_dir)), fs_(fs), registry_(registry), base_model_(std::move(base_model)),
+      clock_(clock) {}
 
 std::string CheckpointStore::TenantRoot(const std::string& tenant) const {
   return (fs::path(data_dir_) / "tenants" / tenant).string();
@@ -247,7 +288,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                                             {"config", content.trainer.optimizer_hyper}}.dump(2)});
   }
   const CheckpointPath path{run_id, kind, name};
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_.Now();
   const auto has = [&](const std::string& t) {
     const std::vector<std::string> m = PeftTargetModules(content.lora.targets);
     return std::find(m.begin(), m.end(), t) != m.end();
@@ -257,7 +298,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                       {"tenant", tenant},
                       {"run_id", run_id},
                       {"checkpoint_id", path.checkpoint_id()},
-                      {"checkpoint_type", training ? "training" : "sampler"},
+                      {"checkpoint_type", CheckpointKindName(kind)},
                       {"twinkle_path", path.uri()},
                       {"is_lora", true},
                       {"lora_rank", content.lora.rank},
@@ -266,14 +307,70 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
                       {"train_unembed", has("lm_head")},
                       {"has_optimizer", with_optimizer},
                       {"created", Rfc3339(now)}};
+  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, content.ttl_seconds);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
+    const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
+    const std::vector<storage::FileContent>& files, const json& metadata, std::optional<int64_t> ttl_seconds,
+    const std::function<absl::Status()>& before_write) {
+  if (ttl_seconds) {
+    if (absl::Status s = ValidateTtl(*ttl_seconds, "ttl_seconds"); !s.ok()) return s;
+  }
+  const CheckpointPath path{run_id, kind, name};
+  int64_t size = 0;
+  for (const storage::FileContent& f : files) size += static_cast<int64_t>(f.bytes.size());
+  // The quota, decided before anything is written: what the tenant holds (less the
+  // checkpoint this one replaces), plus what its other writers have reserved, plus this.
+  const int64_t quota = quotas_.For(tenant);
+  int64_t reserved = 0;
+  if (quota > 0) {
+    // Read under the lock: a writer that finishes between the read and the reservation would
+    // otherwise be counted neither as stored nor as reserved.
+    absl::MutexLock lock(&reserve_mu_);
+    absl::StatusOr<int64_t> used = registry_.TenantStorageBytes(tenant);
+    if (!used.ok()) return used.status();
+    int64_t replaced = 0;
+    if (absl::StatusOr<registry::CheckpointRecord> old = registry_.GetCheckpoint(tenant, run_id, path.checkpoint_id());
+        old.ok()) {
+      replaced = old->size_bytes;
+    }
+    const int64_t in_flight = reserved_[tenant];
+    const int64_t after = *used - replaced + in_flight + size;
+    if (after > quota) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "storage quota: tenant '", tenant, "' has a quota of ", quota, " bytes and uses ", *used - replaced + in_flight,
+          " bytes; checkpoint ", path.checkpoint_id(), " needs ", size, " more (", after,
+          " > ", quota, "); delete checkpoints or set TTLs to free space"));
+    }
+    reserved_[tenant] += size;
+    reserved = size;
+  }
+  // The reservation ends when the row is recorded (in the same critical section, so the bytes
+  // are never counted twice nor missed), or when the write fails.
+  auto release_locked = [this, &tenant, &reserved]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reserve_mu_) {
+    if (reserved == 0) return;
+    if ((reserved_[tenant] -= reserved) == 0) reserved_.erase(tenant);
+    reserved = 0;
+  };
+  absl::Cleanup release = [this, &release_locked] {
+    absl::MutexLock lock(&reserve_mu_);
+    release_locked();
+  };
+  if (before_write) {
+    if (absl::Status s = before_write(); !s.ok()) return s;
+  }
   const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
   absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, metadata);
   if (!dir.ok()) return dir.status();
-  int64_t size = 0;
-  for (const storage::FileContent& f : files) size += static_cast<int64_t>(f.bytes.size());
-  registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), training ? "training" : "sampler",
-                                    dir->string(), size, now};
-  if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
+  const absl::Time now = clock_.Now();
+  registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind), dir->string(),
+                                    size, now, std::nullopt, false};
+  if (ttl_seconds) record.expires = now + absl::Seconds(*ttl_seconds);
+  absl::MutexLock lock(&reserve_mu_);
+  absl::Status put = registry_.PutCheckpoint(record);
+  release_locked();
+  if (!put.ok()) return put;
   return record;
 }
 
@@ -291,7 +388,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Resolve(const std::s
   }
   absl::StatusOr<registry::CheckpointRecord> record =
       registry_.GetCheckpoint(tenant, path.run_id, path.checkpoint_id());
-  if (absl::IsNotFound(record.status())) {
+  // Another tenant's checkpoint is readable once published (and never writable).
+  if (absl::IsNotFound(record.status())) record = registry_.GetPublishedCheckpoint(path.run_id, path.checkpoint_id());
+  if (absl::IsNotFound(record.status()) || (record.ok() && record->expires && *record->expires <= clock_.Now())) {
     return absl::NotFoundError(absl::StrCat("no checkpoint '", path.uri(), "'"));
   }
   return record;
@@ -364,7 +463,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
     absl::StatusOr<std::vector<std::string>> run_ids = fs_.ListDir(runs);
     if (!run_ids.ok()) return run_ids.status();
     for (const std::string& run_id : *run_ids) {
-      for (CheckpointKind kind : {CheckpointKind::kTraining, CheckpointKind::kSampler}) {
+      for (CheckpointKind kind : kAllKinds) {
         const fs::path parent = runs / run_id / KindDir(kind);
         if (!fs_.Exists(parent)) continue;
         absl::StatusOr<std::vector<std::string>> recovered = storage::RecoverDir(fs_, parent);
@@ -395,9 +494,8 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
             run.created = run.last_request = absl::Now();
             (void)registry_.PutRun(run);
           }
-          registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(),
-                                            kind == CheckpointKind::kTraining ? "training" : "sampler",
-                                            dir.string(), size, absl::Now()};
+          registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind),
+                                            dir.string(), size, absl::Now(), std::nullopt, false};
           if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
           changes.push_back(absl::StrCat(dir.string(), ": registered (complete on disk, missing from the registry)"));
         }
@@ -413,6 +511,304 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
   }
   for (const std::string& change : changes) LogInfo(kLog, change);
   return changes;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::Reap() {
+  std::vector<std::string> deleted;
+  constexpr int32_t kBatch = 256;
+  for (;;) {
+    absl::StatusOr<std::vector<registry::CheckpointRecord>> expired = registry_.ExpiredCheckpoints(clock_.Now(), kBatch);
+    if (!expired.ok()) return expired.status();
+    for (const registry::CheckpointRecord& c : *expired) {
+      if (absl::Status s = Delete(c.tenant, c.run_id, c.checkpoint_id); !s.ok() && !absl::IsNotFound(s)) return s;
+      LogInfo(kLog, absl::StrCat("tenant ", c.tenant, ": checkpoint ", c.checkpoint_id, " of run ", c.run_id,
+                                 " expired at ", Rfc3339(*c.expires), "; deleted"));
+      deleted.push_back(absl::StrCat(c.run_id, "/", c.checkpoint_id));
+    }
+    if (expired->size() < static_cast<size_t>(kBatch)) return deleted;
+  }
+}
+
+absl::Status CheckpointStore::SetTtl(const std::string& tenant, const std::string& run_id,
+                                     const std::string& checkpoint_id, std::optional<int64_t> ttl_seconds) {
+  if (ttl_seconds) {
+    if (absl::Status s = ValidateTtl(*ttl_seconds, "ttl_seconds"); !s.ok()) return s;
+  }
+  std::optional<absl::Time> expires;
+  if (ttl_seconds) expires = clock_.Now() + absl::Seconds(*ttl_seconds);
+  return registry_.SetCheckpointExpiry(tenant, run_id, checkpoint_id, expires);
+}
+
+absl::StatusOr<json> CheckpointStore::ListFiles(const registry::CheckpointRecord& record) {
+  if (!storage::IsInside(TenantRoot(record.tenant), record.path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", record.checkpoint_id, " lies outside its tenant's root"));
+  }
+  absl::StatusOr<std::string> text = fs_.ReadFile(fs::path(record.path) / storage::kMetadataFile);
+  if (!text.ok()) return text.status();
+  const json metadata = json::parse(*text, nullptr, false);
+  if (!metadata.is_object() || !metadata.contains("files") || !metadata["files"].is_object()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", record.checkpoint_id, ": unreadable metadata"));
+  }
+  return metadata["files"];
+}
+
+absl::StatusOr<std::string> CheckpointStore::ReadListedFile(const registry::CheckpointRecord& record,
+                                                            const std::string& file) {
+  absl::StatusOr<json> files = ListFiles(record);
+  if (!files.ok()) return files.status();
+  if (!storage::ValidatePathName(file, "file").ok() || !files->contains(file)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", record.checkpoint_id, " has no file '", file, "'"));
+  }
+  absl::StatusOr<std::string> bytes = fs_.ReadFile(fs::path(record.path) / file);
+  if (!bytes.ok()) return bytes.status();
+  const json& info = (*files)[file];
+  if (static_cast<int64_t>(bytes->size()) != info.value("size", int64_t{-1}) ||
+      storage::Sha256Hex(*bytes) != info.value("sha256", std::string())) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", record.checkpoint_id, ": file ", file,
+                                            " does not match its recorded size and SHA-256"));
+  }
+  return bytes;
+}
+
+absl::StatusOr<int64_t> CheckpointStore::StorageBytes(const std::string& tenant) {
+  return registry_.TenantStorageBytes(tenant);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Copy(const std::string& tenant,
+                                                                 const registry::CheckpointRecord& source,
+                                                                 const std::string& dst_run_id, CheckpointKind kind,
+                                                                 const std::string& name,
+                                                                 std::optional<int64_t> ttl_seconds,
+                                                                 const std::function<absl::Status()>& before_write) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  if (!storage::IsInside(TenantRoot(source.tenant), source.path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", source.checkpoint_id, " lies outside its tenant's root"));
+  }
+  absl::StatusOr<json> metadata = storage::VerifyCheckpointDir(fs_, source.path);
+  if (!metadata.ok()) return metadata.status();
+  std::vector<storage::FileContent> files;
+  if (metadata->contains("files") && (*metadata)["files"].is_object()) {
+    for (const auto& [file, info] : (*metadata)["files"].items()) {
+      absl::StatusOr<std::string> bytes = fs_.ReadFile(fs::path(source.path) / file);
+      if (!bytes.ok()) return bytes.status();
+      files.push_back({file, *std::move(bytes)});
+    }
+  }
+  json meta = *metadata;
+  meta.erase("files");
+  const CheckpointPath path{dst_run_id, kind, name};
+  meta["tenant"] = tenant;
+  meta["run_id"] = dst_run_id;
+  meta["checkpoint_id"] = path.checkpoint_id();
+  meta["checkpoint_type"] = CheckpointKindName(kind);
+  meta["twinkle_path"] = path.uri();
+  meta["created"] = Rfc3339(clock_.Now());
+  meta["copied_from"] = absl::StrCat("twinkle://", source.run_id, "/", source.checkpoint_id);
+  return WriteAndRecord(tenant, dst_run_id, kind, name, files, meta, ttl_seconds, before_write);
+}
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAdapter(
+    const std::string& tenant, const std::string& run_id, CheckpointKind kind, const std::string& name,
+    std::string safetensors, std::string adapter_config, std::optional<int64_t> ttl_seconds,
+    const std::function<absl::Status()>& before_write) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  if (absl::Status s = storage::ValidatePathName(run_id, "run_id"); !s.ok()) return s;
+  std::vector<storage::FileContent> files;
+  files.push_back({kAdapterWeights, std::move(safetensors)});
+  files.push_back({kAdapterConfig, std::move(adapter_config)});
+  const CheckpointPath path{run_id, kind, name};
+  const json parsed = json::parse(files[1].bytes, nullptr, false);
+  const json metadata{{"checkpoint_version", kCheckpointVersion},
+                      {"base_model", base_model_},
+                      {"tenant", tenant},
+                      {"run_id", run_id},
+                      {"checkpoint_id", path.checkpoint_id()},
+                      {"checkpoint_type", CheckpointKindName(kind)},
+                      {"twinkle_path", path.uri()},
+                      {"is_lora", true},
+                      {"lora_rank", parsed.is_object() ? parsed.value("r", 0) : 0},
+                      {"has_optimizer", false},
+                      {"imported", true},
+                      {"created", Rfc3339(clock_.Now())}};
+  return WriteAndRecord(tenant, run_id, kind, name, files, metadata, ttl_seconds, before_write);
+}
+
+// ---- PEFT import ------------------------------------------------------------------------------
+
+absl::StatusOr<std::map<std::string, std::vector<int64_t>>> BaseWeightShapes(const std::string& model_dir) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(model_dir, ec)) {
+    if (e.path().extension() != ".safetensors") continue;
+    absl::StatusOr<std::unique_ptr<engine::SafetensorsFile>> file = engine::SafetensorsFile::Open(e.path());
+    if (!file.ok()) return file.status();
+    for (const engine::TensorInfo& t : (*file)->tensors()) shapes[t.name] = t.shape;
+  }
+  if (ec) return absl::FailedPreconditionError(absl::StrCat("reading model directory ", model_dir, ": ", ec.message()));
+  if (shapes.empty()) return absl::FailedPreconditionError(absl::StrCat("no safetensors weights in ", model_dir));
+  return shapes;
+}
+
+namespace {
+
+constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
+constexpr char kPeftPrefix[] = "base_model.model.";
+
+absl::Status BadImport(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("import: ", std::string(what)));
+}
+
+std::string KindOf(const std::string& module) {
+  const size_t dot = module.rfind('.');
+  return dot == std::string::npos ? module : module.substr(dot + 1);
+}
+
+bool IsTargetKind(const std::string& kind) {
+  for (const char* k : kAttnKinds) if (kind == k) return true;
+  for (const char* k : kMlpKinds) if (kind == k) return true;
+  return kind == "lm_head";
+}
+
+// The base weight a module's LoRA wraps: "<module>.weight"; a tied lm_head is the embedding.
+const std::vector<int64_t>* BaseShape(const std::map<std::string, std::vector<int64_t>>& base,
+                                      const std::string& module) {
+  if (auto it = base.find(module + ".weight"); it != base.end()) return &it->second;
+  if (module == "lm_head") {
+    for (const auto& [name, shape] : base) {
+      if (absl::EndsWith(name, "embed_tokens.weight")) return &shape;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
+    const std::string& tenant, const std::string& run_id, const std::string& name, const std::string& safetensors,
+    const json& config, const std::map<std::string, std::vector<int64_t>>& base, int64_t max_rank,
+    std::optional<int64_t> ttl_seconds, const std::function<absl::Status(const LoraArgs&)>& before_write) {
+  if (absl::Status s = storage::ValidatePathName(name, "name"); !s.ok()) return s;
+  // The config.
+  if (!config.is_object()) return BadImport("adapter_config: must be a JSON object");
+  if (config.value("peft_type", std::string()) != "LORA") {
+    return BadImport("adapter_config.peft_type: must be \"LORA\"");
+  }
+  if (!config.contains("r") || !config["r"].is_number_integer()) return BadImport("adapter_config.r: must be an integer");
+  const int64_t rank = config["r"].get<int64_t>();
+  if (rank < 1 || rank > max_rank) {
+    return BadImport(absl::StrCat("adapter_config.r: ", rank, " is out of range (1 to ", max_rank, ")"));
+  }
+  const double alpha = config.contains("lora_alpha") && config["lora_alpha"].is_number()
+                           ? config["lora_alpha"].get<double>() : 8.0;  // PEFT's default
+  if (!(alpha > 0) || !std::isfinite(alpha)) return BadImport("adapter_config.lora_alpha: must be a positive number");
+  const bool rslora = config.value("use_rslora", false);
+  if (config.value("use_dora", false)) return BadImport("adapter_config.use_dora: DoRA adapters are not supported");
+  if (config.value("bias", std::string("none")) != "none") return BadImport("adapter_config.bias: must be \"none\"");
+  if (config.value("fan_in_fan_out", false)) return BadImport("adapter_config.fan_in_fan_out: must be false");
+  for (const char* key : {"modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"}) {
+    if (config.contains(key) && !config[key].is_null() && !config[key].empty()) {
+      return BadImport(absl::StrCat("adapter_config.", key, ": not supported (must be empty or null)"));
+    }
+  }
+  // The tensors.
+  const absl::Span<const uint8_t> span(reinterpret_cast<const uint8_t*>(safetensors.data()), safetensors.size());
+  absl::StatusOr<std::vector<engine::TensorInfo>> tensors = engine::ParseSafetensorsHeader(span, "adapter_model.safetensors");
+  if (!tensors.ok()) return BadImport(tensors.status().message());
+  struct Pair {
+    const engine::TensorInfo* a = nullptr;
+    const engine::TensorInfo* b = nullptr;
+  };
+  std::map<std::string, Pair> modules;
+  for (const engine::TensorInfo& t : *tensors) {
+    absl::string_view rest = t.name;
+    const bool is_a = absl::EndsWith(rest, ".lora_A.weight");
+    if (!absl::ConsumePrefix(&rest, kPeftPrefix) || (!is_a && !absl::EndsWith(rest, ".lora_B.weight"))) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': not a LoRA weight (base_model.model.<module>.lora_A/B.weight)"));
+    }
+    rest.remove_suffix(std::string_view(".lora_A.weight").size());
+    const std::string module(rest);
+    if (!IsTargetKind(KindOf(module))) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': module kind '", KindOf(module),
+                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, lm_head)"));
+    }
+    if (t.dtype != engine::SafetensorsDtype::kF32) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': dtype ", std::string(engine::SafetensorsDtypeName(t.dtype)),
+                                    " (F32 is required)"));
+    }
+    const std::vector<int64_t>* shape = BaseShape(base, module);
+    if (shape == nullptr || shape->size() != 2) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': the base model has no 2-D weight '", module, ".weight'"));
+    }
+    const std::vector<int64_t> want = is_a ? std::vector<int64_t>{rank, (*shape)[1]} : std::vector<int64_t>{(*shape)[0], rank};
+    if (t.shape != want) {
+      return BadImport(absl::StrCat("tensor '", t.name, "': shape [", absl::StrJoin(t.shape, ", "), "], expected [",
+                                    absl::StrJoin(want, ", "), "] (r = ", rank, ", base weight [",
+                                    absl::StrJoin(*shape, ", "), "])"));
+    }
+    (is_a ? modules[module].a : modules[module].b) = &t;
+  }
+  if (modules.empty()) return BadImport("adapter_model.safetensors holds no LoRA weights");
+  // Exactly the base model's modules of the targeted kinds, whole groups.
+  std::set<std::string> kinds;
+  for (const auto& [module, pair] : modules) {
+    if (pair.a == nullptr || pair.b == nullptr) {
+      return BadImport(absl::StrCat("module '", module, "': lora_", pair.a == nullptr ? "A" : "B", " is missing"));
+    }
+    kinds.insert(KindOf(module));
+  }
+  auto group = [&](const auto& names) {
+    bool any = false;
+    for (const char* k : names) any = any || kinds.contains(k);
+    if (any) for (const char* k : names) kinds.insert(k);
+  };
+  group(kAttnKinds);
+  group(kMlpKinds);
+  std::set<std::string> expected;
+  for (const auto& [tensor, shape] : base) {
+    if (!absl::EndsWith(tensor, ".weight") || shape.size() != 2) continue;
+    const std::string module = tensor.substr(0, tensor.size() - std::string_view(".weight").size());
+    if (kinds.contains(KindOf(module)) && KindOf(module) != "lm_head") expected.insert(module);
+  }
+  if (kinds.contains("lm_head")) expected.insert("lm_head");
+  for (const std::string& module : expected) {
+    if (!modules.contains(module)) return BadImport(absl::StrCat("module '", module, "' of the base model is missing"));
+  }
+  for (const auto& [module, pair] : modules) {
+    if (!expected.contains(module)) return BadImport(absl::StrCat("module '", module, "' is not a module of the base model"));
+  }
+  // Re-serialised with our scale: B' = B · (their scale / ours).
+  const double theirs = rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+  const double ours = kDefaultLoraAlpha / static_cast<double>(rank);
+  const float factor = static_cast<float>(theirs / ours);
+  std::map<std::string, storage::TensorBytes> out;
+  for (const auto& [module, pair] : modules) {
+    for (const engine::TensorInfo* t : {pair.a, pair.b}) {
+      std::string bytes = safetensors.substr(t->file_offset, t->nbytes());
+      if (t == pair.b && factor != 1.0f) {
+        for (size_t i = 0; i + sizeof(float) <= bytes.size(); i += sizeof(float)) {
+          float v;
+          std::memcpy(&v, bytes.data() + i, sizeof v);
+          v *= factor;
+          std::memcpy(bytes.data() + i, &v, sizeof v);
+        }
+      }
+      out[t->name] = storage::TensorBytes{"F32", t->shape, std::move(bytes)};
+    }
+  }
+  absl::StatusOr<std::string> weights = storage::SerializeSafetensors(out, {{"format", "pt"}});
+  if (!weights.ok()) return weights.status();
+  LoraArgs lora;
+  lora.rank = rank;
+  lora.alpha = kDefaultLoraAlpha;
+  lora.use_rslora = false;
+  lora.targets.clear();
+  for (const char* k : kAttnKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  for (const char* k : kMlpKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  if (kinds.contains("lm_head")) lora.targets.push_back("lm_head");
+  return WriteAdapter(tenant, run_id, CheckpointKind::kTraining, name, *std::move(weights),
+                      PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds,
+                      [&before_write, &lora] { return before_write(lora); });
 }
 
 }  // namespace twinkle::training

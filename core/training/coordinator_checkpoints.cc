@@ -28,8 +28,15 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
   if (args.consumed_train_samples < 0) {
     return absl::InvalidArgumentError("consumed_train_samples: must not be negative");
   }
+  if (args.ttl_seconds) {
+    if (absl::Status s = ValidateTtl(*args.ttl_seconds, "ttl_seconds"); !s.ok()) return s;
+  }
+  const CheckpointKind kind = args.is_external ? CheckpointKind::kExternal
+                              : args.is_sampler ? CheckpointKind::kSampler
+                                                : CheckpointKind::kTraining;
   std::shared_ptr<Adapter> a = *adapter;
-  return SubmitControlOp(tenant, a, args.is_sampler ? "save_weights_for_sampler" : "save", [this, a, checkpoint, args]() -> FutureResult {
+  const char* op_name = args.is_external ? "save_weights_external" : args.is_sampler ? "save_weights_for_sampler" : "save";
+  return SubmitControlOp(tenant, a, op_name, [this, a, checkpoint, args, kind]() -> FutureResult {
     SyncGeneration();
     if (absl::Status s = EnsureResident(*a, {a.get()}); !s.ok()) return s;
     absl::StatusOr<ipc::Message> state =
@@ -54,18 +61,15 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitSave(const TenantContext& te
     // wait (Block) and every other adapter keeps training.
     const uint64_t op = current_op_;
     scheduler_->Block(a->key);
-    auto job = [this, a, op, checkpoint, args, trainer, snapshot = std::make_shared<ipc::Message>(*std::move(state))]() {
-      CheckpointContent content{snapshot.get(), args.save_optimizer, trainer, a->lora};
-      absl::StatusOr<registry::CheckpointRecord> record = options_.checkpoints->Save(
-          a->tenant, a->run_id, args.is_sampler ? CheckpointKind::kSampler : CheckpointKind::kTraining, checkpoint,
-          content);
+    auto job = [this, a, op, checkpoint, args, kind, trainer, snapshot = std::make_shared<ipc::Message>(*std::move(state))]() {
+      CheckpointContent content{snapshot.get(), args.save_optimizer, trainer, a->lora, args.ttl_seconds};
+      absl::StatusOr<registry::CheckpointRecord> record =
+          options_.checkpoints->Save(a->tenant, a->run_id, kind, checkpoint, content);
       FutureResult result = absl::InternalError("unset");
       if (!record.ok()) result = record.status();
       if (record.ok()) {
         OpOutput out;
-        out.checkpoint_uri = CheckpointPath{a->run_id, args.is_sampler ? CheckpointKind::kSampler
-                                                                       : CheckpointKind::kTraining,
-                                            checkpoint}.uri();
+        out.checkpoint_uri = CheckpointPath{a->run_id, kind, checkpoint}.uri();
         out.checkpoint_dir = record->path;
         result = FutureValue(std::move(out));
         LogInfo(kLog, absl::StrCat("tenant ", a->tenant, ": saved ", record->checkpoint_id, " of run ", a->run_id));

@@ -163,7 +163,9 @@ struct SaveArgs {
   std::string name;  // empty: a timestamp, YYYYmmdd_HHMMSS (Twinkle)
   bool save_optimizer = true;
   bool is_sampler = false;
+  bool is_external = false;  // save_weights_external: a PEFT directory for download (adapter files only)
   int64_t consumed_train_samples = 0;
+  std::optional<int64_t> ttl_seconds;  // the checkpoint expires this long after it is saved
 };
 
 enum class LoadMode {

@@ -94,6 +94,7 @@ template <typename V> void VisitFields(V& v, LimitsSection& c) {
   v.Field("max_buffered_tokens", c.max_buffered_tokens, Range(1, 1e12));
   v.Field("tokens_per_s", c.tokens_per_s, Range(0, 1e12));
   v.Field("burst_tokens", c.burst_tokens, Range(1, 1e12));
+  v.Field("storage_quota_bytes", c.storage_quota_bytes, Range(0, 1e18));
 }
 template <typename V> void VisitFields(V& v, TenantConfig& c) {
   v.Field("id", c.id, Required());
@@ -137,6 +138,10 @@ template <typename V> void VisitFields(V& v, SessionsSection& c) {
 }
 template <typename V> void VisitFields(V& v, StorageSection& c) {
   v.Field("data_dir", c.data_dir, Path());
+  v.Field("url_signing_secret", c.url_signing_secret, Secret());
+  v.Field("download_url_ttl_s", c.download_url_ttl_s, Range(1, 7 * 86400));
+  v.Field("reap_interval_s", c.reap_interval_s, Range(1, 86400));
+  v.Field("max_import_bytes", c.max_import_bytes, Range(1024, 64 << 20));
 }
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});
@@ -415,6 +420,8 @@ class YamlReader {
     check("tokens_per_s", q.tokens_per_s, limits.tokens_per_s, true);
     check("burst_tokens", static_cast<double>(q.burst_tokens),
           static_cast<double>(limits.burst_tokens), false);
+    check("storage_quota_bytes", static_cast<double>(q.storage_quota_bytes),
+          static_cast<double>(limits.storage_quota_bytes), true);
   }
 
   const std::string file_;

@@ -80,6 +80,7 @@ struct LimitsSection {
   int64_t max_buffered_tokens = 262144;    // tokens of Tinker ops buffered ahead of seq gaps
   double tokens_per_s = 0;                 // per-tenant token rate; 0 = unlimited
   int64_t burst_tokens = 65536;            // per-tenant token bucket size
+  int64_t storage_quota_bytes = 0;         // checkpoint bytes per tenant; 0 = unlimited
 };
 
 struct TenantConfig {
@@ -143,6 +144,12 @@ struct StorageSection {
   // beside the config file (filled in after parsing). Layout: <data_dir>/registry.sqlite and
   // <data_dir>/tenants/<tenant>/runs/<run_id>/...
   std::string data_dir;
+  // HMAC key of the signed download URLs (hex, >= 32 bytes); secret. Unset: generated once
+  // and kept in <data_dir>/url_signing.key.
+  std::string url_signing_secret;
+  double download_url_ttl_s = 3600;  // how long a signed download URL stays valid
+  double reap_interval_s = 60;       // how often expired checkpoints are deleted
+  int64_t max_import_bytes = int64_t{48} << 20;  // an adapter import's request body, at most
 };
 
 struct TestingSection {

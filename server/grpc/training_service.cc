@@ -283,6 +283,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Save, SaveRequest, SaveResponse) {
         args.save_optimizer = request->save_optimizer();
         args.is_sampler = request->is_sampler();
         args.consumed_train_samples = request->consumed_train_samples();
+        if (request->has_ttl_seconds()) args.ttl_seconds = request->ttl_seconds();
         return state_.coordinator->SubmitSave(training::ContextOf(t), request->adapter_name(), args);
       },
       [](uint64_t) {},

@@ -54,7 +54,13 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerContext* context,
                                                           const twinkle::v1::GetCapacityRequest*,
                                                           twinkle::v1::Capacity* response) {
-  return HandleNow(context, state_, "UtilityService/GetCapacity", [&](const tenancy::Tenant&) -> absl::Status {
+  return HandleNow(context, state_, "UtilityService/GetCapacity", [&](const tenancy::Tenant& tenant) -> absl::Status {
+    if (state_.checkpoints != nullptr) {
+      absl::StatusOr<int64_t> stored = state_.checkpoints->StorageBytes(tenant.id);
+      if (!stored.ok()) return stored.status();
+      response->set_storage_bytes_used(*stored);
+      response->set_storage_quota_bytes(state_.checkpoints->quotas().For(tenant.id));
+    }
     // Server-wide: how many adapters exist, of how many the server holds at most.
     const int32_t max = state_.config.limits.max_adapters;
     const int32_t used = state_.coordinator->adapter_count();

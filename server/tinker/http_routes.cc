@@ -68,6 +68,25 @@ struct Context {
   }
 };
 
+// training_runs/<model_id>/checkpoints/<kind>/<name>/<action>
+struct CheckpointAction {
+  std::string model_id;
+  std::string checkpoint_id;  // <kind>/<name>
+  std::string action;
+};
+std::optional<CheckpointAction> ParseCheckpointAction(const std::string& tail) {
+  std::vector<std::string> parts = absl::StrSplit(tail, '/');
+  if (parts.size() != 5 || parts[1] != "checkpoints") return std::nullopt;
+  return CheckpointAction{parts[0], absl::StrCat(parts[2], "/", parts[3]), parts[4]};
+}
+
+// The URL scheme and host the caller reached us by, for the signed download URLs.
+std::string BaseUrl(const HttpRequest& r, const ServingState& state) {
+  const std::string* host = r.Header("host");
+  const bool tls = !state.config.server.tls.cert_file.empty();
+  return absl::StrCat(tls ? "https://" : "http://", host != nullptr ? *host : std::string("localhost"));
+}
+
 class Routes {
  public:
   Routes(HttpServer& http, TinkerApi& api, ServingState& state)
@@ -214,25 +233,38 @@ class Routes {
 
     // REST.
     Get("/training_runs", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
-      return api.ListTrainingRuns(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0));
+      return api.ListTrainingRunsScoped(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0),
+                                        r.QueryParam("access_scope").value_or(""));
     });
     Get("/checkpoints", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
-      return api.ListUserCheckpoints(t, QueryInt(r, "limit", 100), QueryInt(r, "offset", 0));
+      return api.ListUserCheckpointsScoped(t, QueryInt(r, "limit", 100), QueryInt(r, "offset", 0),
+                                           r.QueryParam("access_scope").value_or(""));
     });
+    AddCheckpointRoutes();
     // training_runs/{id}, training_runs/{id}/checkpoints, .../checkpoints/{checkpoint_id},
     // where checkpoint ids contain a slash (weights/<name>).
-    Prefix("GET", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+    Prefix("GET", "/training_runs/", [&api, ctx = ctx_](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       const std::string& tail = r.path_tail;
       const size_t slash = tail.find('/');
       const std::string run = tail.substr(0, slash);
-      if (slash == std::string::npos) return api.GetTrainingRun(t, run);
+      const std::string scope = r.QueryParam("access_scope").value_or("");
+      if (slash == std::string::npos) return api.GetTrainingRunScoped(t, run, scope);
       const std::string rest = tail.substr(slash + 1);
-      if (rest == "checkpoints") return api.ListCheckpoints(t, run);
+      if (rest == "checkpoints") return api.ListCheckpointsScoped(t, run, scope);
+      if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "external_weights_urls") {
+        return api.ExternalWeightsUrls(t, a->model_id, a->checkpoint_id, BaseUrl(r, ctx->state));
+      }
+      if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "archive") {
+        return api.ArchiveUrl(t, a->model_id, a->checkpoint_id, BaseUrl(r, ctx->state));
+      }
       return absl::NotFoundError(absl::StrCat("no route GET /api/v1/training_runs/", tail));
     });
     Prefix("DELETE", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       const std::string& tail = r.path_tail;
       const size_t slash = tail.find('/');
+      if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "publish") {
+        return api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, false);
+      }
       constexpr absl::string_view kCheckpoints = "checkpoints/";
       if (slash == std::string::npos || !absl::StartsWith(absl::string_view(tail).substr(slash + 1), kCheckpoints)) {
         return absl::NotFoundError(absl::StrCat("no route DELETE /api/v1/training_runs/", tail));
@@ -242,6 +274,61 @@ class Routes {
   }
 
  private:
+
+  // Retention, export and sharing (tinker_checkpoints.cc; docs/api.md).
+  void AddCheckpointRoutes() {
+    TinkerApi& api = api_;
+    Post("/save_weights_external",
+         [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); });
+    Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); });
+    Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); });
+    // The import's body is bounded before it is read (storage.max_import_bytes). A caller
+    // without a valid key is left to the key check (401), learning nothing of the limit; the
+    // lookup here counts no auth failure (the key check does).
+    http_.AddHeaderCheck([ctx = ctx_](const HttpRequest& head) -> std::optional<HttpResponse> {
+      if (head.path != absl::StrCat(kApi, "/twinkle/import_adapter")) return std::nullopt;
+      absl::StatusOr<std::string> key =
+          ExtractApiKey([&head](absl::string_view name) { return head.Header(std::string(name)); });
+      if (!key.ok() || !ctx->state.authenticator->registry().Authenticate(*key).ok()) return std::nullopt;
+      const int64_t max = ctx->state.config.storage.max_import_bytes;
+      const std::string* length = head.Header("content-length");
+      int64_t n = 0;
+      if (length == nullptr || !absl::SimpleAtoi(*length, &n)) {
+        return ErrorResponse(absl::InvalidArgumentError("import_adapter: a Content-Length is required"));
+      }
+      if (n > max) {
+        return ErrorResponse(absl::InvalidArgumentError(absl::StrCat(
+            "import_adapter: the body is ", n, " bytes, over storage.max_import_bytes (", max, ")")));
+      }
+      return std::nullopt;
+    });
+    Prefix("POST", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+      if (std::optional<CheckpointAction> a = ParseCheckpointAction(r.path_tail); a && a->action == "publish") {
+        return api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, true);
+      }
+      return absl::NotFoundError(absl::StrCat("no route POST /api/v1/training_runs/", r.path_tail));
+    });
+    Prefix("PUT", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+      std::optional<CheckpointAction> a = ParseCheckpointAction(r.path_tail);
+      if (!a || a->action != "ttl") {
+        return absl::NotFoundError(absl::StrCat("no route PUT /api/v1/training_runs/", r.path_tail));
+      }
+      absl::StatusOr<Json> body = ParseBody(r);
+      if (!body.ok()) return body.status();
+      return api.SetCheckpointTtl(t, a->model_id, a->checkpoint_id, *body);
+    });
+    // Downloads: outside /api/v1 (no API key; the URL's signature is the credential).
+    http_.RoutePrefix("GET", "/twinkle/weights/", [&api](const HttpRequest& r, HttpResponder respond) {
+      absl::StatusOr<TinkerApi::WeightsFile> file = api.ServeWeightsFile(
+          r.path_tail, r.QueryParam("expires").value_or(""), r.QueryParam("sig").value_or(""));
+      if (!file.ok()) return respond(ErrorResponse(file.status()));
+      HttpResponse out{200, "application/octet-stream", std::move(file->bytes)};
+      out.headers.emplace_back("X-Checksum-SHA256", file->sha256);
+      out.headers.emplace_back("Cache-Control", "no-store");
+      respond(std::move(out));
+    });
+  }
+
   HttpServer& http_;
   TinkerApi& api_;
   std::shared_ptr<Context> ctx_;

@@ -525,10 +525,12 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
   if (!name.ok()) return name.status();
   if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
   const bool overwrite = GetBool(body, "overwrite", false).value_or(false);
+  absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
+  if (!ttl.ok()) return ttl.status();
   const training::TenantContext context = ContextOf(tenant);
   const std::string run_id = (*model)->run_id;
-  Submit submit = [this, context, adapter = (*model)->adapter, name = *name, overwrite,
-                   run_id]() -> absl::StatusOr<uint64_t> {
+  Submit submit = [this, context, adapter = (*model)->adapter, name = *name, overwrite, run_id,
+                   ttl = *ttl]() -> absl::StatusOr<uint64_t> {
     if (!overwrite && registry_ != nullptr &&
         registry_->GetCheckpoint(context.id, run_id, absl::StrCat("weights/", name)).ok()) {
       return absl::AlreadyExistsError(absl::StrCat("path: checkpoint weights/", name, " of ", run_id,
@@ -537,6 +539,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     training::SaveArgs args;
     args.name = name;
     args.save_optimizer = true;
+    args.ttl_seconds = ttl;
     return coordinator_.SubmitSave(context, adapter, args);
   };
   Encoder encode = [model_id = *model_id, name = *name](const FutureValue&) {
@@ -603,7 +606,8 @@ absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const
   if (!parsed.ok()) return parsed.status();
   absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->Resolve(tenant.id, internal, "");
   if (!record.ok()) return record.status();
-  absl::StatusOr<registry::RunRecord> run = registry_->GetRun(tenant.id, record->run_id);
+  // The run's owner: a published checkpoint of another tenant is readable too.
+  absl::StatusOr<registry::RunRecord> run = registry_->GetRun(record->tenant, record->run_id);
   if (!run.ok()) return run.status();
   Json lora = Json::parse(run->lora_config_json, nullptr, false);
   std::vector<std::string> targets;

@@ -63,6 +63,8 @@ class SamplerCoordinator;
 
 namespace twinkle::tinker {
 
+class UrlSigner;
+
 namespace v1 = ::tinker::v1;  // the generated wire messages
 
 using Json = nlohmann::json;
@@ -195,6 +197,63 @@ class TinkerApi {
   std::string TraceSessionOf(const tenancy::Tenant& tenant, const Json& body);
   TraceStore& traces() { return traces_; }
 
+  // ---- checkpoints: retention, export, sharing (tinker_checkpoints.cc) ----
+  // access_scope "owned" (default) or "accessible" (also other tenants' published
+  // checkpoints and their runs); anything else is InvalidArgument.
+  absl::StatusOr<Json> ListTrainingRunsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
+                                              const std::string& access_scope);
+  absl::StatusOr<Json> GetTrainingRunScoped(const tenancy::Tenant& tenant, const std::string& model_id,
+                                            const std::string& access_scope);
+  absl::StatusOr<Json> ListCheckpointsScoped(const tenancy::Tenant& tenant, const std::string& model_id,
+                                             const std::string& access_scope);
+  absl::StatusOr<Json> ListUserCheckpointsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
+                                                 const std::string& access_scope);
+  // Signing of download URLs; without it external_weights_urls is UNIMPLEMENTED. Set once
+  // before serving. `clock` decides URL expiry (the retention clock).
+  void SetDownloads(const UrlSigner* signer, absl::Duration url_ttl, const Clock* clock);
+  // save_weights_external: a future like save_weights_for_sampler; the checkpoint is
+  // external_weights/<path> (a PEFT directory: adapter_model.safetensors + adapter_config.json).
+  absl::StatusOr<Json> SaveWeightsExternal(const tenancy::Tenant& tenant, const Json& body);
+  // PUT .../checkpoints/{id}/ttl {"ttl_seconds": int | null}. Owner only (404 otherwise).
+  absl::StatusOr<Json> SetCheckpointTtl(const tenancy::Tenant& tenant, const std::string& model_id,
+                                        const std::string& checkpoint_id, const Json& body);
+  // POST (publish) / DELETE (unpublish) .../checkpoints/{id}/publish. Owner only (404
+  // otherwise); already in that state: 409.
+  absl::StatusOr<Json> PublishCheckpoint(const tenancy::Tenant& tenant, const std::string& model_id,
+                                         const std::string& checkpoint_id, bool publish);
+  // GET .../checkpoints/external_weights/<name>/external_weights_urls: one signed URL per file
+  // under `base_url` (scheme://host[:port]), {"urls", "expires", "sha256"}. The caller must be
+  // able to read the checkpoint (its own or published).
+  absl::StatusOr<Json> ExternalWeightsUrls(const tenancy::Tenant& tenant, const std::string& model_id,
+                                           const std::string& checkpoint_id, const std::string& base_url);
+  // GET .../checkpoints/{checkpoint_id}/archive (SDKs <= 0.30 get_checkpoint_archive_url and
+  // their `tinker checkpoint download`): {"url", "expires"}, one signed URL of the file
+  // "archive.tar": a tar of the PEFT files (adapter_model.safetensors, adapter_config.json)
+  // plus an empty checkpoint_complete marker. Same access rule and errors as
+  // ExternalWeightsUrls.
+  absl::StatusOr<Json> ArchiveUrl(const tenancy::Tenant& tenant, const std::string& model_id,
+                                  const std::string& checkpoint_id, const std::string& base_url);
+  // GET /twinkle/weights/<tenant>/<run>/<kind>/<name>/<file>?expires=&sig= (no API key: the
+  // signature is the credential). PERMISSION_DENIED for a bad or expired signature; NotFound
+  // when the checkpoint is gone, expired, unpublished (for another tenant) or lacks the file.
+  struct WeightsFile {
+    std::string bytes;
+    std::string sha256;  // lower-case hex, from the checkpoint's verified metadata
+  };
+  absl::StatusOr<WeightsFile> ServeWeightsFile(const std::string& path_tail, const std::string& expires,
+                                               const std::string& signature);
+  // POST /api/v1/copy_weights {"source_path", "destination_project_id", "ttl_seconds"}: a
+  // copy (same kind and name) in a new run of the caller that cannot be trained on.
+  absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body);
+  // POST /api/v1/twinkle/import_adapter: a PEFT LoRA adapter trained elsewhere, as the
+  // caller's checkpoint weights/<name> of a new run (import-<hex>) that load_state,
+  // create_training_client_from_state and sampling use like any other. Body:
+  // {"name", "adapter_config": {...adapter_config.json...}, "adapter_model": base64 of
+  // adapter_model.safetensors, "ttl_seconds"?}. Validated against the served model before
+  // anything is written (CheckpointStore::ImportPeftAdapter); quota-checked. Answers
+  // {"tinker_path", "model_id"}. The body's size is bounded by the route (max_import_bytes).
+  absl::StatusOr<Json> ImportAdapter(const tenancy::Tenant& tenant, const Json& body);
+
   const TinkerOptions& options() const { return options_; }
 
  private:
@@ -258,6 +317,11 @@ class TinkerApi {
   training::CheckpointStore* checkpoints_;
   tenancy::TokenRateLimiter* rate_limiter_;
   sampling::SamplerCoordinator* sampler_;
+  const UrlSigner* signer_ = nullptr;
+  absl::Duration url_ttl_ = absl::Hours(1);
+  const Clock* url_clock_ = &RealClock();
+  absl::Mutex shapes_mu_;
+  std::optional<std::map<std::string, std::vector<int64_t>>> base_shapes_ ABSL_GUARDED_BY(shapes_mu_);
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
   // record_stability_info samples, for stable_reinforce; shared with the sample encoders,

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +38,16 @@ std::string ModelIdOf(const std::string& run_id);
 // scheme://<model_id>/rest → scheme://<run_id>/rest (anything else unchanged), and back.
 std::string InternalPath(const std::string& path);
 std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoint_id);
+
+// REST JSON (tinker_rest.cc): a checkpoint (with expires_at and public) and a training run
+// (model_owner is the run's tenant; last_checkpoint / last_sampler_checkpoint from
+// `checkpoints`, oldest first).
+std::string IsoTime(absl::Time t);
+Json CheckpointJson(const registry::CheckpointRecord& c);
+Json RunJson(const registry::RunRecord& r, const std::vector<registry::CheckpointRecord>& checkpoints);
+// A body's optional "ttl_seconds" (tinker_checkpoints.cc): absent or null = nullopt; else an
+// integer in [1, training::kMaxTtlSeconds] (InvalidArgument naming the field otherwise).
+absl::StatusOr<std::optional<int64_t>> GetTtl(const Json& body);
 
 // A request body's fingerprint for idempotency (tinker_api.cc): a hash, never 0.
 uint64_t FingerprintOf(std::string_view bytes);

@@ -87,8 +87,6 @@ absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, con
 
 // ---- REST ------------------------------------------------------------------------------------
 
-namespace {
-
 std::string IsoTime(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()); }
 
 Json CheckpointJson(const registry::CheckpointRecord& c) {
@@ -97,11 +95,32 @@ Json CheckpointJson(const registry::CheckpointRecord& c) {
           {"time", IsoTime(c.created)},
           {"tinker_path", TinkerPathOf(c.run_id, c.checkpoint_id)},
           {"size_bytes", c.size_bytes},
-          {"public", false},
-          {"expires_at", nullptr}};
+          {"public", c.published},
+          {"expires_at", c.expires ? Json(IsoTime(*c.expires)) : Json(nullptr)}};
 }
 
-}  // namespace
+Json RunJson(const registry::RunRecord& r, const std::vector<registry::CheckpointRecord>& checkpoints) {
+  Json lora = Json::parse(r.lora_config_json, nullptr, false);
+  Json run = {{"training_run_id", ModelIdOf(r.run_id)},
+              {"base_model", r.base_model},
+              {"model_owner", r.tenant},
+              {"is_lora", true},
+              {"corrupted", false},
+              {"lora_rank", lora.is_object() && lora.contains("r") ? lora["r"] : Json(nullptr)},
+              {"last_request_time", IsoTime(r.last_request)},
+              {"last_checkpoint", nullptr},
+              {"last_sampler_checkpoint", nullptr},
+              {"user_metadata", nullptr}};
+  if (!r.user_metadata_json.empty()) {
+    Json metadata = Json::parse(r.user_metadata_json, nullptr, false);
+    if (metadata.is_object()) run["user_metadata"] = std::move(metadata);
+  }
+  for (const registry::CheckpointRecord& c : checkpoints) {  // oldest first: the last one wins
+    if (c.kind == "training") run["last_checkpoint"] = CheckpointJson(c);
+    if (c.kind == "sampler") run["last_sampler_checkpoint"] = CheckpointJson(c);
+  }
+  return run;
+}
 
 absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
   if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
@@ -121,28 +140,8 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, co
   const std::string run_id = RunIdOf(model_id);
   absl::StatusOr<registry::RunRecord> r = registry_->GetRun(tenant.id, run_id);
   if (!r.ok()) return r.status();
-  Json lora = Json::parse(r->lora_config_json, nullptr, false);
-  Json run = {{"training_run_id", ModelIdOf(r->run_id)},
-              {"base_model", r->base_model},
-              {"model_owner", tenant.id},
-              {"is_lora", true},
-              {"corrupted", false},
-              {"lora_rank", lora.is_object() && lora.contains("r") ? lora["r"] : Json(nullptr)},
-              {"last_request_time", IsoTime(r->last_request)},
-              {"last_checkpoint", nullptr},
-              {"last_sampler_checkpoint", nullptr},
-              {"user_metadata", nullptr}};
-  if (!r->user_metadata_json.empty()) {
-    Json metadata = Json::parse(r->user_metadata_json, nullptr, false);
-    if (metadata.is_object()) run["user_metadata"] = std::move(metadata);
-  }
   absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
-  if (cks.ok()) {
-    for (const registry::CheckpointRecord& c : *cks) {  // oldest first: the last one wins
-      run[c.kind == "sampler" ? "last_sampler_checkpoint" : "last_checkpoint"] = CheckpointJson(c);
-    }
-  }
-  return run;
+  return RunJson(*r, cks.ok() ? *cks : std::vector<registry::CheckpointRecord>{});
 }
 
 absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {

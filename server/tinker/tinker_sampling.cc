@@ -36,11 +36,14 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
   if (!name->empty()) {
     // Named: a sampler_weights checkpoint (adapter weights only).
     if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
-    Submit submit = [this, context, adapter = (*model)->adapter, name = *name]() {
+    absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
+    if (!ttl.ok()) return ttl.status();
+    Submit submit = [this, context, adapter = (*model)->adapter, name = *name, ttl = *ttl]() {
       training::SaveArgs args;
       args.name = name;
       args.save_optimizer = false;
       args.is_sampler = true;
+      args.ttl_seconds = ttl;
       return coordinator_.SubmitSave(context, adapter, args);
     };
     Encoder encode = [run_id, name = *name](const FutureValue&) {

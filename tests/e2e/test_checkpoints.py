@@ -378,8 +378,9 @@ def test_bad_checkpoint_names_are_refused_and_nothing_escapes(launch_server: Lau
     assert outside_after == outside_before
     tenant_root = data_dir / "tenants" / "default"
     for p in data_dir.rglob("*"):
+        # Besides the tenant's files: the registry and the download URL signing key (docs/config.md).
         assert p.name == "registry.sqlite" or p.name.startswith("registry.sqlite-") or p == data_dir / "tenants" \
-            or p.is_relative_to(tenant_root), p
+            or p == data_dir / "url_signing.key" or p.is_relative_to(tenant_root), p
 
 
 # ---- crashes during saves ----------------------------------------------------------------------

@@ -976,6 +976,104 @@ TEST_F(RegistryTest, SessionMetadataListAndSearchPaging) {
   EXPECT_EQ(s1->project_id, "p");
   EXPECT_EQ(s1->finished, absl::FromUnixSeconds(900));
   EXPECT_EQ(reg->SearchSessions("alice", name, -1).status().code(), absl::StatusCode::kInvalidArgument);
+
+// ------------------------------------------------------------------------------------------ //
+// Retention and sharing (schema v3)
+
+TEST_F(RegistryTest, MigratesAVersion2FileKeepingItsCheckpoints) {
+  // The v2 shape of the tables the v3 migration rebuilds, with one checkpoint in it.
+  RawExec(R"sql(
+CREATE TABLE runs (run_id TEXT NOT NULL PRIMARY KEY, tenant TEXT NOT NULL, adapter_name TEXT NOT NULL,
+  base_model TEXT NOT NULL, lora_config_json TEXT NOT NULL, created_us INTEGER NOT NULL,
+  last_request_us INTEGER NOT NULL, last_step INTEGER NOT NULL, user_metadata_json TEXT NOT NULL DEFAULT '');
+CREATE UNIQUE INDEX runs_tenant_run ON runs(tenant, run_id);
+CREATE TABLE checkpoints (tenant TEXT NOT NULL, run_id TEXT NOT NULL, checkpoint_id TEXT NOT NULL,
+  kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler')), path TEXT NOT NULL, size_bytes INTEGER NOT NULL,
+  created_us INTEGER NOT NULL, PRIMARY KEY (tenant, run_id, checkpoint_id),
+  FOREIGN KEY (tenant, run_id) REFERENCES runs(tenant, run_id) ON DELETE CASCADE) WITHOUT ROWID;
+INSERT INTO runs VALUES ('r', 'alice', 'a', 'm', '{}', 1, 1, 0, '');
+INSERT INTO checkpoints VALUES ('alice', 'r', 'weights/c', 'training', '/p', 42, 7);
+PRAGMA user_version = 2;
+)sql");
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  EXPECT_EQ(RawInt("PRAGMA user_version"), Registry::kSchemaVersion);
+  absl::StatusOr<CheckpointRecord> c = reg->GetCheckpoint("alice", "r", "weights/c");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->size_bytes, 42);
+  EXPECT_FALSE(c->expires.has_value());
+  EXPECT_FALSE(c->published);
+}
+
+TEST_F(RegistryTest, ExpiryIsStoredSetClearedAndListedWhenDue) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  ASSERT_TRUE(reg->PutRun(MakeRun("alice", "r", T(0))).ok());
+  CheckpointRecord a = MakeCheckpoint("alice", "r", "a", T(1));
+  a.expires = T(100);
+  ASSERT_TRUE(reg->PutCheckpoint(a).ok());
+  ASSERT_TRUE(reg->PutCheckpoint(MakeCheckpoint("alice", "r", "b", T(2))).ok());
+  EXPECT_EQ(reg->GetCheckpoint("alice", "r", "weights/a")->expires, T(100));
+  EXPECT_TRUE(reg->ExpiredCheckpoints(T(99), 10)->empty());
+  absl::StatusOr<std::vector<CheckpointRecord>> due = reg->ExpiredCheckpoints(T(100), 10);
+  ASSERT_TRUE(due.ok());
+  ASSERT_EQ(due->size(), 1u);
+  EXPECT_EQ((*due)[0].checkpoint_id, "weights/a");
+  ASSERT_TRUE(reg->SetCheckpointExpiry("alice", "r", "weights/b", T(50)).ok());
+  ASSERT_TRUE(reg->SetCheckpointExpiry("alice", "r", "weights/a", std::nullopt).ok());
+  due = reg->ExpiredCheckpoints(T(1000), 10);
+  ASSERT_EQ(due->size(), 1u);
+  EXPECT_EQ((*due)[0].checkpoint_id, "weights/b");
+  EXPECT_FALSE(reg->GetCheckpoint("alice", "r", "weights/a")->expires.has_value());
+  // Another tenant's checkpoint is NotFound, like an unknown one.
+  EXPECT_TRUE(absl::IsNotFound(reg->SetCheckpointExpiry("bob", "r", "weights/b", T(1))));
+  EXPECT_TRUE(absl::IsNotFound(reg->SetCheckpointExpiry("alice", "r", "weights/zz", T(1))));
+  EXPECT_TRUE(absl::IsInvalidArgument(reg->ExpiredCheckpoints(T(0), -1).status()));
+}
+
+TEST_F(RegistryTest, PublishIsOwnerOnlyAndVisibleToOthersUntilUnpublished) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  ASSERT_TRUE(reg->PutRun(MakeRun("alice", "r", T(0))).ok());
+  ASSERT_TRUE(reg->PutCheckpoint(MakeCheckpoint("alice", "r", "a", T(1))).ok());
+  EXPECT_TRUE(absl::IsNotFound(reg->GetPublishedCheckpoint("r", "weights/a").status()));
+  EXPECT_TRUE(absl::IsNotFound(reg->SetCheckpointPublished("bob", "r", "weights/a", true)));
+  ASSERT_TRUE(reg->SetCheckpointPublished("alice", "r", "weights/a", true).ok());
+  EXPECT_TRUE(absl::IsAlreadyExists(reg->SetCheckpointPublished("alice", "r", "weights/a", true)));
+  absl::StatusOr<CheckpointRecord> shared = reg->GetPublishedCheckpoint("r", "weights/a");
+  ASSERT_TRUE(shared.ok());
+  EXPECT_EQ(shared->tenant, "alice");
+  EXPECT_TRUE(shared->published);
+  EXPECT_EQ(reg->PublishedCheckpointsOfOthers("bob")->size(), 1u);
+  EXPECT_TRUE(reg->PublishedCheckpointsOfOthers("alice")->empty());
+  ASSERT_TRUE(reg->SetCheckpointPublished("alice", "r", "weights/a", false).ok());
+  EXPECT_TRUE(absl::IsAlreadyExists(reg->SetCheckpointPublished("alice", "r", "weights/a", false)));
+  EXPECT_TRUE(absl::IsNotFound(reg->GetPublishedCheckpoint("r", "weights/a").status()));
+}
+
+TEST_F(RegistryTest, StorageBytesAreSummedPerTenantAndExternalKindIsAccepted) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  ASSERT_TRUE(reg->PutRun(MakeRun("alice", "r", T(0))).ok());
+  ASSERT_TRUE(reg->PutRun(MakeRun("bob", "s", T(0))).ok());
+  EXPECT_EQ(*reg->TenantStorageBytes("alice"), 0);
+  CheckpointRecord a = MakeCheckpoint("alice", "r", "a", T(1));
+  a.size_bytes = 10;
+  CheckpointRecord b = MakeCheckpoint("alice", "r", "b", T(2));
+  b.size_bytes = 5;
+  b.kind = "external";
+  b.checkpoint_id = "external_weights/b";
+  CheckpointRecord c = MakeCheckpoint("bob", "s", "c", T(3));
+  c.size_bytes = 7;
+  for (const CheckpointRecord& r : {a, b, c}) ASSERT_TRUE(reg->PutCheckpoint(r).ok());
+  EXPECT_EQ(*reg->TenantStorageBytes("alice"), 15);
+  EXPECT_EQ(*reg->TenantStorageBytes("bob"), 7);
+  absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> all = reg->StorageBytesByTenant();
+  ASSERT_TRUE(all.ok());
+  EXPECT_THAT(*all, ElementsAre(std::pair<std::string, int64_t>{"alice", 15}, std::pair<std::string, int64_t>{"bob", 7}));
+  CheckpointRecord bad = a;
+  bad.kind = "merged";
+  EXPECT_TRUE(absl::IsInvalidArgument(reg->PutCheckpoint(bad)));
 }
 
 }  // namespace
