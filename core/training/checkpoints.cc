@@ -338,7 +338,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
     const int64_t in_flight = reserved_[tenant];
     const int64_t after = *used - replaced + in_flight + size;
     if (after > quota) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      return absl::FailedPreconditionError(absl::StrCat(
           "storage quota: tenant '", tenant, "' has a quota of ", quota, " bytes and uses ", *used - replaced + in_flight,
           " bytes; checkpoint ", path.checkpoint_id(), " needs ", size, " more (", after,
           " > ", quota, "); delete checkpoints or set TTLs to free space"));

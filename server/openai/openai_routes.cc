@@ -179,12 +179,14 @@ class Handlers {
     Json data = Json::array();
     data.push_back({{"id", options_.base_model}, {"object", "model"}, {"created", 0}, {"owned_by", "twinkle"},
                     {"root", options_.base_model}, {"parent", nullptr}});
-    absl::StatusOr<Json> checkpoints = tinker_.ListUserCheckpoints(**tenant, 1 << 20, 0);
+    // The caller's sampler checkpoints, then other tenants' published ones.
+    absl::StatusOr<Json> checkpoints = tinker_.ListUserCheckpointsScoped(**tenant, 1 << 20, 0, "accessible");
     if (checkpoints.ok()) {
       for (const Json& c : (*checkpoints)["checkpoints"]) {
         if (c.value("checkpoint_type", "") != "sampler") continue;
         data.push_back({{"id", c.value("tinker_path", "")}, {"object", "model"}, {"created", 0},
-                        {"owned_by", (*tenant)->id}, {"root", options_.base_model}, {"parent", options_.base_model}});
+                        {"owned_by", c.value("public", false) ? std::string("published") : (*tenant)->id},
+                        {"root", options_.base_model}, {"parent", options_.base_model}});
       }
     } else if (checkpoints.status().code() != absl::StatusCode::kUnimplemented) {
       return ErrorResponse(checkpoints.status());

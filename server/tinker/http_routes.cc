@@ -11,6 +11,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/tenancy/rate_limiter.h"
+#include "core/common/log.h"
+#include "server/auth/audit.h"
 #include "server/auth/roles.h"
 #include "server/tinker/tinker_json.h"
 
@@ -80,6 +82,36 @@ std::optional<CheckpointAction> ParseCheckpointAction(const std::string& tail) {
   return CheckpointAction{parts[0], absl::StrCat(parts[2], "/", parts[3]), parts[4]};
 }
 
+// A checkpoint state change that succeeded gets its audit row (server/auth/audit.h): who, the
+// action, the tinker:// path, from where. A row that cannot be written is logged; the change
+// stands (it has happened).
+absl::StatusOr<Json> Audited(const Context& ctx, const tenancy::Tenant& who, const HttpRequest& request,
+                             absl::string_view action, absl::string_view object, absl::StatusOr<Json> result) {
+  if (!result.ok() || ctx.state.registry == nullptr) return result;
+  if (absl::Status s = Audit(*ctx.state.registry, who, action, object, request.peer); !s.ok()) {
+    LogWarning("tinker", absl::StrCat("audit row for ", action, " not written: ", s.message()));
+  }
+  return result;
+}
+
+std::string CheckpointPath(const std::string& model_id, const std::string& checkpoint_id) {
+  return absl::StrCat("tinker://", model_id, "/", checkpoint_id);
+}
+
+// What an audited JSON call acted on: the path it answered, else the one it named.
+std::string AuditObjectOf(const Json& body, const absl::StatusOr<Json>& answer) {
+  if (answer.ok()) {
+    for (const char* key : {"tinker_path", "path"}) {
+      if (answer->contains(key) && (*answer)[key].is_string()) return (*answer)[key].get<std::string>();
+    }
+  }
+  auto text = [&body](const char* key) {
+    return body.contains(key) && body[key].is_string() ? body[key].get<std::string>() : std::string();
+  };
+  if (!text("model_id").empty()) return absl::StrCat("tinker://", text("model_id"), "/external_weights/", text("path"));
+  return absl::StrCat("import:", text("name"));
+}
+
 // The URL scheme and host the caller reached us by, for the signed download URLs.
 std::string BaseUrl(const HttpRequest& r, const ServingState& state) {
   const std::string* host = r.Header("host");
@@ -92,15 +124,21 @@ class Routes {
   Routes(HttpServer& http, TinkerApi& api, ServingState& state)
       : http_(http), api_(api), ctx_(std::make_shared<Context>(Context{api, state})) {}
 
-  // A JSON-bodied call answered at once.
-  void Post(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)> fn) {
-    http_.Route("POST", absl::StrCat(kApi, path), [ctx = ctx_, fn = std::move(fn)](const HttpRequest& request) {
+  // A JSON-bodied call answered at once; with `audit_action`, a success gets its audit row.
+  void Post(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)> fn,
+            const char* audit_action = nullptr) {
+    http_.Route("POST", absl::StrCat(kApi, path),
+                [ctx = ctx_, fn = std::move(fn), audit_action](const HttpRequest& request) {
       absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
       if (!tenant.ok()) return ErrorResponse(tenant.status());
       absl::StatusOr<Json> body = ParseBody(request);
       if (!body.ok()) return ErrorResponse(body.status());
       const absl::Time start = absl::Now();
-      HttpResponse response = Answer(fn(**tenant, *body));
+      absl::StatusOr<Json> answer = fn(**tenant, *body);
+      if (audit_action != nullptr) {
+        answer = Audited(*ctx, **tenant, request, audit_action, AuditObjectOf(*body, answer), std::move(answer));
+      }
+      HttpResponse response = Answer(std::move(answer));
       ctx->api.traces().Record((*tenant)->id, ctx->api.TraceSessionOf(**tenant, *body),
                                {request.method + " " + request.path, start, absl::Now() - start,
                                 static_cast<int64_t>(request.body.size()),
@@ -259,17 +297,21 @@ class Routes {
       }
       return absl::NotFoundError(absl::StrCat("no route GET /api/v1/training_runs/", tail));
     });
-    Prefix("DELETE", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+    Prefix("DELETE", "/training_runs/", [&api, ctx = ctx_](const tenancy::Tenant& t,
+                                                         const HttpRequest& r) -> absl::StatusOr<Json> {
       const std::string& tail = r.path_tail;
       const size_t slash = tail.find('/');
       if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "publish") {
-        return api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, false);
+        return Audited(*ctx, t, r, "checkpoint_unpublish", CheckpointPath(a->model_id, a->checkpoint_id),
+                       api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, false));
       }
       constexpr absl::string_view kCheckpoints = "checkpoints/";
       if (slash == std::string::npos || !absl::StartsWith(absl::string_view(tail).substr(slash + 1), kCheckpoints)) {
         return absl::NotFoundError(absl::StrCat("no route DELETE /api/v1/training_runs/", tail));
       }
-      return api.DeleteCheckpoint(t, tail.substr(0, slash), tail.substr(slash + 1 + kCheckpoints.size()));
+      const std::string run = tail.substr(0, slash), checkpoint = tail.substr(slash + 1 + kCheckpoints.size());
+      return Audited(*ctx, t, r, "checkpoint_delete", CheckpointPath(run, checkpoint),
+                     api.DeleteCheckpoint(t, run, checkpoint));
     });
   }
 
@@ -279,9 +321,11 @@ class Routes {
   void AddCheckpointRoutes() {
     TinkerApi& api = api_;
     Post("/save_weights_external",
-         [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); });
-    Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); });
-    Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); });
+         [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); }, "checkpoint_export");
+    Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); },
+         "checkpoint_copy");
+    Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); },
+         "checkpoint_import");
     // The import's body is bounded before it is read (storage.max_import_bytes). A caller
     // without a valid key is left to the key check (401), learning nothing of the limit; the
     // lookup here counts no auth failure (the key check does).
@@ -302,20 +346,24 @@ class Routes {
       }
       return std::nullopt;
     });
-    Prefix("POST", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+    Prefix("POST", "/training_runs/", [&api, ctx = ctx_](const tenancy::Tenant& t,
+                                                       const HttpRequest& r) -> absl::StatusOr<Json> {
       if (std::optional<CheckpointAction> a = ParseCheckpointAction(r.path_tail); a && a->action == "publish") {
-        return api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, true);
+        return Audited(*ctx, t, r, "checkpoint_publish", CheckpointPath(a->model_id, a->checkpoint_id),
+                       api.PublishCheckpoint(t, a->model_id, a->checkpoint_id, true));
       }
       return absl::NotFoundError(absl::StrCat("no route POST /api/v1/training_runs/", r.path_tail));
     });
-    Prefix("PUT", "/training_runs/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
+    Prefix("PUT", "/training_runs/", [&api, ctx = ctx_](const tenancy::Tenant& t,
+                                                      const HttpRequest& r) -> absl::StatusOr<Json> {
       std::optional<CheckpointAction> a = ParseCheckpointAction(r.path_tail);
       if (!a || a->action != "ttl") {
         return absl::NotFoundError(absl::StrCat("no route PUT /api/v1/training_runs/", r.path_tail));
       }
       absl::StatusOr<Json> body = ParseBody(r);
       if (!body.ok()) return body.status();
-      return api.SetCheckpointTtl(t, a->model_id, a->checkpoint_id, *body);
+      return Audited(*ctx, t, r, "checkpoint_ttl_set", CheckpointPath(a->model_id, a->checkpoint_id),
+                     api.SetCheckpointTtl(t, a->model_id, a->checkpoint_id, *body));
     });
     // Downloads: outside /api/v1 (no API key; the URL's signature is the credential).
     http_.RoutePrefix("GET", "/twinkle/weights/", [&api](const HttpRequest& r, HttpResponder respond) {

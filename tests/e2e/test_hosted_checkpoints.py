@@ -237,10 +237,12 @@ def test_storage_quota_refuses_at_limit_plus_one(launch_server: LaunchServer, tm
         "sampler_weights/b1"]
     assert not list((tmp_path / "data").rglob("b2")) and not list((tmp_path / "data").rglob(".tmp-b2*"))
 
-    # Copies count too: a direct route answers 429 naming the quota (nothing written).
+    # Copies count too: a direct route answers 403 naming the quota (nothing written). Not 429:
+    # a full quota does not clear by itself, and the SDK retries a 429 for minutes.
     r = api(server, "POST", "/copy_weights", KEYS["bob"],
             json={"source_path": f"tinker://{bob_id}/sampler_weights/b1", "destination_project_id": "p"})
-    assert r.status_code == 429 and "storage quota" in r.json()["detail"], r.text
+    assert r.status_code == 403 and "storage quota" in r.json()["detail"], r.text
+    assert r.headers["x-should-retry"] == "false"
     assert [r.training_run_id for r in bob_svc.create_rest_client().list_training_runs().result().training_runs] == [
         bob_id]  # no run was left for the refused copy
 
@@ -405,6 +407,13 @@ def test_publish_share_read_only_and_unpublish_revokes(hosted: ServerProcess) ->
     mine = resolved(alice_svc.create_sampling_client(model_path=sampler)).sample(prompt, 2, params).result()
     theirs = resolved(bob_svc.create_sampling_client(model_path=sampler)).sample(prompt, 2, params).result()
     assert [s.tokens for s in theirs.sequences] == [s.tokens for s in mine.sequences]
+    # The OpenAI routes list it as a model for Bob, and sample it.
+    v1 = {"Authorization": f"Bearer {KEYS['bob']}"}
+    models = requests.get(hosted.http_url("/v1/models"), headers=v1, timeout=30).json()["data"]
+    assert {"id": sampler, "owned_by": "published"}.items() <= next(m for m in models if m["id"] == sampler).items()
+    done = requests.post(hosted.http_url("/v1/completions"), headers=v1, timeout=60,
+                         json={"model": sampler, "prompt": SEQ[:4], "max_tokens": 3, "temperature": 0})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3, done.text
     urls = bob_rest.get_external_weights_urls(export).result().urls
     assert "/bob/" in urls["adapter_config.json"]
     assert fetch(urls["adapter_config.json"])[0] == 200
@@ -431,6 +440,8 @@ def test_publish_share_read_only_and_unpublish_revokes(hosted: ServerProcess) ->
         bob_rest.get_weights_info_by_tinker_path(state).result()
     with pytest.raises(Exception, match="no checkpoint"):
         resolved(bob_svc.create_sampling_client(model_path=sampler)).sample(prompt, 1, params).result()
+    models = requests.get(hosted.http_url("/v1/models"), headers=v1, timeout=30).json()["data"]
+    assert sampler not in [m["id"] for m in models]
     r = api(hosted, "GET", "/training_runs?access_scope=everything", KEYS["bob"])
     assert r.status_code == 400 and "access_scope" in r.json()["detail"]
 
@@ -661,3 +672,46 @@ def test_twinkle_native_save_takes_a_ttl(hosted: ServerProcess) -> None:
     assert checkpoint(rest, run, "weights/forever").expires_at is None
     deleted = advance_clock(hosted, HOUR + 60)["deleted"]
     assert deleted == [f"{run}/weights/tw"]
+
+
+# ---- audit ------------------------------------------------------------------------------------
+
+AUDIT_ADMIN_KEY = "tml-ops-audit-00112233445566778899aabbccddeeff"
+
+
+def test_every_checkpoint_change_gets_an_audit_row(launch_server: LaunchServer, tmp_path: Path) -> None:
+    """export, publish, TTL, unpublish, copy and delete each leave one row naming the path, the
+    caller's key id and its peer; no row holds a key."""
+    config = overrides(tmp_path)
+    config["auth"]["tenants"].append({"id": "ops", "key_sha256": [hashlib.sha256(AUDIT_ADMIN_KEY.encode()).hexdigest()],
+                                      "role": "admin"})
+    server = launch_server(config)
+    alice_svc = service(server, KEYS["alice"])
+    rest = alice_svc.create_rest_client()
+    training = lora_client(alice_svc)
+    train(training, 1)
+    state = training.save_state("st").result().path
+    export = training.save_weights_external("ex").result().path
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    rest.set_checkpoint_ttl_from_tinker_path(state, HOUR).result()
+    rest.unpublish_checkpoint_from_tinker_path(state).result()
+    copy = api(server, "POST", "/copy_weights", KEYS["alice"], json={"source_path": state})
+    assert copy.status_code == 200, copy.text
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    # A refused change (bob may not delete alice's checkpoint) leaves no row.
+    with pytest.raises(tinker.NotFoundError):
+        service(server, KEYS["bob"]).create_rest_client().delete_checkpoint_from_tinker_path(export).result()
+
+    me = api(server, "GET", "/auth/apikey/me", KEYS["alice"]).json()
+    log = tinker.AdminClient(base_url=f"http://{server.host}:{server.http_port}",
+                             api_key=AUDIT_ADMIN_KEY).get_audit_log(event_type="checkpoints").result()
+    rows = [(e.event, e.event_details.get("object")) for e in log.entries]
+    for expected in [("checkpoint_export", export), ("checkpoint_publish", state), ("checkpoint_ttl_set", state),
+                     ("checkpoint_unpublish", state), ("checkpoint_copy", copy.json()["tinker_path"]),
+                     ("checkpoint_delete", state)]:
+        assert rows.count(expected) == 1, (expected, rows)
+    assert len(rows) == 6, rows
+    assert all(e.event_details["key_id"] == me["key_id"] and e.event_details.get("peer") for e in log.entries)
+    text = log.model_dump_json()
+    for key in (*KEYS.values(), AUDIT_ADMIN_KEY):
+        assert key not in text and hashlib.sha256(key.encode()).hexdigest() not in text

@@ -157,7 +157,7 @@ TEST_F(CheckpointRetentionTest, QuotaIsDecidedBeforeWritingAtLimitPlusOne) {
   ASSERT_TRUE(Write("alice", "a2").ok());  // exactly at the quota
   ASSERT_TRUE(Write("bob", "b1").ok());
   absl::StatusOr<registry::CheckpointRecord> refused = Write("bob", "b2");  // quota + 1
-  ASSERT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  ASSERT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
   EXPECT_THAT(refused.status().message(), HasSubstr("quota of 203 bytes"));
   EXPECT_THAT(refused.status().message(), HasSubstr("uses 102 bytes"));
   EXPECT_FALSE(fs::exists(dir_ / "data" / "tenants" / "bob" / "runs" / "run-bob" / "sampler_weights" / "b2"));
@@ -170,7 +170,7 @@ TEST_F(CheckpointRetentionTest, QuotaIsDecidedBeforeWritingAtLimitPlusOne) {
         recorded = true;
         return absl::OkStatus();
       });
-  EXPECT_TRUE(absl::IsResourceExhausted(copy.status())) << copy.status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(copy.status())) << copy.status();
   EXPECT_FALSE(recorded);
   // Replacing a checkpoint counts only the difference.
   EXPECT_TRUE(Write("bob", "b1").ok());
@@ -187,7 +187,7 @@ TEST_F(CheckpointRetentionTest, ConcurrentWritersOfOneTenantNeverPassTheQuotaTog
     writers.emplace_back([&, i] {
       absl::StatusOr<registry::CheckpointRecord> r = Write("alice", "c" + std::to_string(i));
       (r.ok() ? accepted : refused)++;
-      if (!r.ok()) EXPECT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+      if (!r.ok()) EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
     });
   }
   for (std::thread& t : writers) t.join();
