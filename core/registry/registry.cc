@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 3> kMigrations = {
+constexpr std::array<const char*, 4> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (

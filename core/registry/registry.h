@@ -7,7 +7,7 @@
 //                last_request, last_step, user metadata (JSON, v2)
 //   checkpoints  tenant, run_id, checkpoint_id ("weights/<name>" | "sampler_weights/<name>" |
 //                "external_weights/<name>"), kind ("training" | "sampler" | "external"), path,
-//                size_bytes, created, expires (v3; NULL = never), published (v3)
+//                size_bytes, created, expires (v4; NULL = never), published (v4)
 //                (a checkpoint belongs to one of its tenant's runs: foreign key)
 //   futures      id, tenant, state ("pending" | "done" | "failed" | "interrupted"),
 //                result (opaque bytes, the caller's serialisation), error code + message,
@@ -212,7 +212,7 @@ class Registry {
   // Every checkpoint of every tenant (startup reconciliation), by tenant, run, created.
   absl::StatusOr<std::vector<CheckpointRecord>> AllCheckpoints();
 
-  // Retention and sharing (v3). Each is NotFound (GetCheckpoint's message) for an unknown or
+  // Retention and sharing (v4). Each is NotFound (GetCheckpoint's message) for an unknown or
   // another tenant's checkpoint.
   // Sets (a time) or clears (nullopt) the checkpoint's expiry.
   absl::Status SetCheckpointExpiry(const std::string& tenant, const std::string& run_id,

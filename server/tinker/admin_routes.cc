@@ -13,6 +13,7 @@
 #include "server/auth/key_admin.h"
 #include "server/auth/roles.h"
 #include "server/tinker/http_routes.h"
+#include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 #include "server/usage_meter.h"
 
@@ -21,7 +22,6 @@ namespace {
 
 constexpr char kApi[] = "/api/v1";
 
-std::string IsoTime(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()); }
 
 absl::StatusOr<const tenancy::Tenant*> Admit(ServingState& state, const HttpRequest& request) {
   if (state.draining.load()) return absl::UnavailableError("server is shutting down");

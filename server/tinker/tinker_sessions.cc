@@ -18,7 +18,6 @@
 namespace twinkle::tinker {
 namespace {
 
-std::string IsoTime(absl::Time t) { return absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()); }
 
 absl::Status CheckProjectId(const std::string& id, const char* field) {
   if (id.empty() || id.size() > kMaxProjectIdBytes) {

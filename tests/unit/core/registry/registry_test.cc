@@ -976,13 +976,18 @@ TEST_F(RegistryTest, SessionMetadataListAndSearchPaging) {
   EXPECT_EQ(s1->project_id, "p");
   EXPECT_EQ(s1->finished, absl::FromUnixSeconds(900));
   EXPECT_EQ(reg->SearchSessions("alice", name, -1).status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 // ------------------------------------------------------------------------------------------ //
-// Retention and sharing (schema v3)
+// Retention and sharing (schema v4)
 
 TEST_F(RegistryTest, MigratesAVersion2FileKeepingItsCheckpoints) {
-  // The v2 shape of the tables the v3 migration rebuilds, with one checkpoint in it.
+  // The v2 shape of the tables the later migrations change (sessions: v3 adds its metadata;
+  // checkpoints: v4 rebuilds it), with one checkpoint in it.
   RawExec(R"sql(
+CREATE TABLE sessions (id TEXT NOT NULL PRIMARY KEY, tenant TEXT NOT NULL, created_us INTEGER NOT NULL,
+  last_heartbeat_us INTEGER NOT NULL);
+CREATE INDEX sessions_by_tenant ON sessions(tenant);
 CREATE TABLE runs (run_id TEXT NOT NULL PRIMARY KEY, tenant TEXT NOT NULL, adapter_name TEXT NOT NULL,
   base_model TEXT NOT NULL, lora_config_json TEXT NOT NULL, created_us INTEGER NOT NULL,
   last_request_us INTEGER NOT NULL, last_step INTEGER NOT NULL, user_metadata_json TEXT NOT NULL DEFAULT '');
