@@ -136,7 +136,8 @@ class Routes {
       const absl::Time start = absl::Now();
       absl::StatusOr<Json> answer = fn(**tenant, *body);
       if (audit_action != nullptr) {
-        answer = Audited(*ctx, **tenant, request, audit_action, AuditObjectOf(*body, answer), std::move(answer));
+        const std::string object = AuditObjectOf(*body, answer);  // before `answer` is moved
+        answer = Audited(*ctx, **tenant, request, audit_action, object, std::move(answer));
       }
       HttpResponse response = Answer(std::move(answer));
       ctx->api.traces().Record((*tenant)->id, ctx->api.TraceSessionOf(**tenant, *body),
