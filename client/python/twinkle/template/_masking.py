@@ -4,10 +4,13 @@ Two ways to find a turn, the first that fits is used:
 1. Prefixes: the turn starts where the rendering of the messages before it plus the generation
    prompt ends, and ends where the rendering up to and including it ends. Works for any
    template whose rendering of a prefix of the conversation is a prefix of the whole.
-2. Placeholders: every assistant content is replaced by a marker; the text between the
-   rendered pieces around the markers, found in order in the real rendering, is the turn (plus
-   the end-of-turn token right after it). Works when earlier turns render differently once
-   later turns exist (e.g. templates that drop old reasoning).
+2. A placeholder: the turn's content is replaced by a marker (everything else as it is) and the
+   result rendered; the turn is what lies between the longest common prefix and the longest
+   common suffix of that rendering and the real one (plus the end-of-turn token right after
+   it). Works when earlier turns render differently once later turns exist (templates that
+   drop old reasoning) and when the turn's own rendering depends on its content (Qwen3.5's
+   `<think>` block around reasoning: the turn then starts where the real reasoning starts,
+   after "<think>\n", as it does after the generation prompt).
 Whitespace at the end of a turn (the newline after <|im_end|>) is never trained.
 """
 
@@ -34,14 +37,11 @@ def assistant_char_spans(
     indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if not indices:
         return []
-    placeholder_spans: list[Span] | None = None
     spans = []
-    for turn, index in enumerate(indices):
+    for index in indices:
         span = _by_prefix(messages, index, text, render)
         if span is None:
-            if placeholder_spans is None:
-                placeholder_spans = _by_placeholder(messages, indices, text, render, end_of_turn)
-            span = placeholder_spans[turn]
+            span = _by_placeholder(messages, index, text, render, end_of_turn)
         spans.append(_trim(text, span))
     return spans
 
@@ -73,36 +73,33 @@ def _by_prefix(messages: Sequence[Mapping[str, Any]], index: int, text: str, ren
 
 
 def _by_placeholder(
-    messages: Sequence[Mapping[str, Any]], indices: Sequence[int], text: str, render: Render,
-    end_of_turn: str | None,
-) -> list[Span]:
+    messages: Sequence[Mapping[str, Any]], index: int, text: str, render: Render, end_of_turn: str | None,
+) -> Span:
     dummy = [dict(m) for m in messages]
-    markers = [_MARKER.format(n) for n in range(len(indices))]
-    for marker, index in zip(markers, indices):
-        dummy[index]["content"] = marker
-        dummy[index].pop("reasoning_content", None)
+    marker = _MARKER.format(index)
+    dummy[index]["content"] = marker
+    dummy[index].pop("reasoning_content", None)
     rendered = render(dummy, False)
-    pieces = re.split("|".join(re.escape(m) for m in markers), rendered)
-    if len(pieces) != len(indices) + 1:
+    if rendered.count(marker) != 1:
         raise MaskingError(
-            f"the chat template rendered {len(pieces) - 1} of {len(indices)} assistant contents verbatim; "
+            f"the chat template rendered assistant turn {index}'s content {rendered.count(marker)} times; "
             "cannot tell which tokens are the assistant's"
         )
-    if not text.startswith(pieces[0]) or not text.endswith(pieces[-1]):
-        raise MaskingError("the chat template renders assistant turns in a way that cannot be aligned")
-    spans: list[Span] = []
-    position = len(pieces[0])
-    tail_start = len(text) - len(pieces[-1])
-    for piece in pieces[1:-1]:
-        found = text.find(piece, position) if piece else position
-        if found < 0 or found > tail_start:
-            raise MaskingError("the chat template renders assistant turns in a way that cannot be aligned")
-        spans.append(_with_end_of_turn(text, (position, found), end_of_turn))
-        position = found + len(piece)
-    if tail_start < position:
-        raise MaskingError("the chat template renders assistant turns in a way that cannot be aligned")
-    spans.append(_with_end_of_turn(text, (position, tail_start), end_of_turn))
-    return spans
+    before, after = rendered.split(marker)
+    start = _common_prefix(before, text)
+    end = len(text) - _common_prefix(after[::-1], text[::-1])
+    # The rest of the conversation must render as it really does: only this turn differs.
+    if not (text.startswith(before[:start]) and text.endswith(after) and start <= end):
+        raise MaskingError(f"the chat template renders assistant turn {index} in a way that cannot be aligned")
+    return _with_end_of_turn(text, (start, end), end_of_turn)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _with_end_of_turn(text: str, span: Span, end_of_turn: str | None) -> Span:
