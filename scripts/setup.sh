@@ -29,6 +29,12 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Commands that any package may provide: Debian's is installed only when the command is
+# missing (kubernetes-client would conflict with a kubectl from another repository, which owns
+# /usr/bin/kubectl too). kubectl renders deploy/k8s in tests/deploy (docs/deploy.md).
+for pair in kubectl:kubernetes-client; do
+  command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
+done
 if ((${#missing[@]})); then
   echo "   installing: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

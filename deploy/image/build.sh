@@ -45,13 +45,16 @@ DRIVER="${TWINKLE_STORAGE_DRIVER:-vfs}"
 WORK="${TWINKLE_IMAGE_WORK:-/var/tmp/twinkle-image}/$variant"
 step() { echo "== image: $*"; }
 
-# ---- tools (image building only) ----------------------------------------------------------
+# ---- tools (image building and running only) ----------------------------------------------
+# mmdebstrap and buildah build it; podman with runc runs it (tests/deploy/test_image.py picks
+# runc: crun refuses hybrid cgroup hierarchies, as some sandboxes have).
 need=()
 ((plan)) && WORK=$(mktemp -d) && trap 'rm -rf "$WORK"' EXIT
-command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
-command -v buildah >/dev/null || need+=(buildah)
+for tool in mmdebstrap buildah podman runc; do
+  command -v "$tool" >/dev/null || need+=("$tool")
+done
 if ((${#need[@]})) && ((!plan)); then
-  step "installing ${need[*]} (image building only)"
+  step "installing ${need[*]} (image building and running only)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${need[@]}"

@@ -97,6 +97,24 @@ def test_deployment_probes_drain_and_security(rendered: tuple[str, list[dict[str
     assert pod["automountServiceAccountToken"] is False
 
 
+def test_each_overlay_runs_its_own_image_variant(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """cpu-demo runs the CPU image, gpu the CUDA one (deploy/image/build.sh --variant) with a GPU
+    and a CUDA device in its config. (An `images` entry in the base once renamed the image
+    before the gpu overlay's entry could match it, so the GPU pod ran the CPU image.)"""
+    overlay, docs = rendered
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    devices = pod_config(docs)["engine"]["devices"]
+    if overlay == "gpu":
+        assert container["image"].endswith("-cuda"), container["image"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert devices == ["cuda:0"]
+    else:
+        assert container["image"].endswith("-cpu"), container["image"]
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+        assert devices == ["cpu"]
+
+
 def test_mounts_match_the_config(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     overlay, docs = rendered
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
