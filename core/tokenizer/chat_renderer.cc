@@ -307,6 +307,28 @@ std::optional<size_t> LastQueryIndex(absl::Span<const ChatMessage> messages, boo
 }
 
 // Qwen/Qwen3-* tokenizer_config.json chat_template.
+// Qwen3 and Qwen3.5 templates: an assistant turn's reasoning is its reasoning_content, or else
+// the text before "</think>" in its content, which then keeps only what follows.
+std::string_view SplitReasoning(const ChatMessage& m, std::string_view& content) {
+  if (!m.reasoning_content.empty()) return m.reasoning_content;
+  if (content.find("</think>") == std::string_view::npos) return {};
+  const std::string_view reasoning =
+      PyLStrip(AfterLast(PyRStrip(BeforeFirst(content, "</think>"), "\n"), "<think>"), "\n");
+  content = PyLStrip(AfterLast(content, "</think>"), "\n");
+  return reasoning;
+}
+
+// Qwen3 and Qwen3.5 templates: a run of tool results is one user turn of <tool_response>
+// blocks. The Qwen3 template also opens that turn when the conversation starts with a tool
+// result (`open_at_start`); Qwen3.5's does not.
+void AppendToolResponse(absl::Span<const ChatMessage> messages, size_t i, std::string_view content,
+                        bool open_at_start, std::string& out) {
+  const bool first_of_run = i == 0 ? open_at_start : messages[i - 1].role != "tool";
+  if (first_of_run) out += "<|im_start|>user";
+  Cat(out, "\n<tool_response>\n", content, "\n</tool_response>");
+  if (i + 1 == messages.size() || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+}
+
 class Qwen3Renderer final : public RendererBase {
  public:
   std::string_view name() const override { return "qwen3"; }
@@ -337,13 +359,7 @@ class Qwen3Renderer final : public RendererBase {
       if (m.role == "user" || (m.role == "system" && i > 0)) {
         Cat(out, "<|im_start|>", m.role, "\n", content, "<|im_end|>\n");
       } else if (m.role == "assistant") {
-        std::string_view reasoning;
-        if (!m.reasoning_content.empty()) {
-          reasoning = m.reasoning_content;
-        } else if (content.find("</think>") != std::string_view::npos) {
-          reasoning = PyLStrip(AfterLast(PyRStrip(BeforeFirst(content, "</think>"), "\n"), "<think>"), "\n");
-          content = PyLStrip(AfterLast(content, "</think>"), "\n");
-        }
+        const std::string_view reasoning = SplitReasoning(m, content);
         if (i > last_query && (last || !reasoning.empty())) {
           Cat(out, "<|im_start|>assistant\n<think>\n", PyStrip(reasoning, "\n"), "\n</think>\n\n",
                           PyLStrip(content, "\n"));
@@ -358,9 +374,7 @@ class Qwen3Renderer final : public RendererBase {
         }
         out += "<|im_end|>\n";
       } else if (m.role == "tool") {
-        if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
-        Cat(out, "\n<tool_response>\n", content, "\n</tool_response>");
-        if (last || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+        AppendToolResponse(messages, i, content, /*open_at_start=*/true, out);
       }
     }
     if (options.add_generation_prompt) {
@@ -407,21 +421,13 @@ class Qwen35Renderer final : public RendererBase {
     if (!last_query) return absl::InvalidArgumentError("no user query in the messages (the qwen3_5 template requires one)");
     for (size_t i = 0; i < messages.size(); ++i) {
       const ChatMessage& m = messages[i];
-      const bool last = i + 1 == messages.size();
       std::string_view content = PyStrip(m.content);
       if (m.role == "system") {
         if (i > 0) return MessageError(i, "a system message must be the first (qwen3_5)");
       } else if (m.role == "user") {
         Cat(out, "<|im_start|>user\n", content, "<|im_end|>\n");
       } else if (m.role == "assistant") {
-        std::string_view reasoning;
-        if (!m.reasoning_content.empty()) {
-          reasoning = m.reasoning_content;
-        } else if (content.find("</think>") != std::string_view::npos) {
-          reasoning = PyLStrip(AfterLast(PyRStrip(BeforeFirst(content, "</think>"), "\n"), "<think>"), "\n");
-          content = PyLStrip(AfterLast(content, "</think>"), "\n");
-        }
-        reasoning = PyStrip(reasoning);
+        const std::string_view reasoning = PyStrip(SplitReasoning(m, content));
         if (i > *last_query) {
           Cat(out, "<|im_start|>assistant\n<think>\n", reasoning, "\n</think>\n\n", content);
         } else {
@@ -447,9 +453,7 @@ class Qwen35Renderer final : public RendererBase {
         }
         out += "<|im_end|>\n";
       } else if (m.role == "tool") {
-        if (i > 0 && messages[i - 1].role != "tool") out += "<|im_start|>user";
-        Cat(out, "\n<tool_response>\n", content, "\n</tool_response>");
-        if (last || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+        AppendToolResponse(messages, i, content, /*open_at_start=*/false, out);
       }
     }
     if (options.add_generation_prompt) {
