@@ -460,6 +460,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     return fail(absl::StrCat(where, ": auth: loading the API keys into the registry: ", s.message()));
   }
   UsageMeter usage(**registry);
+  usage.SetListener([&metrics](const std::string& tenant, const std::string& kind, int64_t amount) {
+    metrics.RecordUsage(tenant, kind, amount);
+  });
   absl::StatusOr<std::unique_ptr<training::RegistryFutureJournal>> journal =
       training::RegistryFutureJournal::Open(**registry);
   if (!journal.ok()) return fail(absl::StrCat(where, ": storage.data_dir: ", journal.status().message()));

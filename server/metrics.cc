@@ -65,6 +65,16 @@ Metrics::Metrics(bool tenant_labels)
                          .Name("twinkle_storage_bytes")
                          .Help("Checkpoint bytes stored, by tenant (labels capped)")
                          .Register(*registry_)),
+      optimizer_steps_(prometheus::BuildCounter()
+                           .Name("twinkle_tenant_optimizer_steps_total")
+                           .Help("Optimizer steps that succeeded (Tinker optim_step, Twinkle step and "
+                                 "clip_grad_and_step), by tenant (labels capped)")
+                           .Register(*registry_)),
+      storage_byte_seconds_(prometheus::BuildCounter()
+                                .Name("twinkle_tenant_storage_byte_seconds_total")
+                                .Help("Checkpoint bytes held x seconds held, accrued at each usage flush, by tenant "
+                                      "(labels capped); / 3600 = byte-hours")
+                                .Register(*registry_)),
       adapters_(prometheus::BuildGauge()
                     .Name("twinkle_adapters")
                     .Help("Adapters held (state=all) and resident on the device (state=resident)")
@@ -208,6 +218,15 @@ void Metrics::RecordSampleTokens(const std::string& tenant, int64_t prefill, int
   const std::string label = TenantLabel(tenant);
   if (prefill > 0) tenant_tokens_.Add({{"tenant", label}, {"kind", "prefill"}}).Increment(static_cast<double>(prefill));
   if (sampled > 0) tenant_tokens_.Add({{"tenant", label}, {"kind", "sampled"}}).Increment(static_cast<double>(sampled));
+}
+
+void Metrics::RecordUsage(const std::string& tenant, const std::string& kind, int64_t amount) {
+  prometheus::Family<prometheus::Counter>* family = kind == "optim_steps"            ? &optimizer_steps_
+                                                    : kind == "storage_byte_seconds" ? &storage_byte_seconds_
+                                                                                     : nullptr;
+  if (family == nullptr || amount <= 0) return;
+  absl::MutexLock lock(&mu_);
+  family->Add({{"tenant", TenantLabel(tenant)}}).Increment(static_cast<double>(amount));
 }
 
 void Metrics::SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths) {

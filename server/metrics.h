@@ -51,6 +51,12 @@ class Metrics {
   // kind "prefill" and "sampled".
   void RecordSampleTokens(const std::string& tenant, int64_t prefill, int64_t sampled);
 
+  // Metered usage (server/usage_meter.h) of the kinds no other series counts: "optim_steps"
+  // into twinkle_tenant_optimizer_steps_total and "storage_byte_seconds" into
+  // twinkle_tenant_storage_byte_seconds_total, by tenant (labels capped like the others);
+  // other kinds are ignored (the token kinds are twinkle_tenant_tokens_total's).
+  void RecordUsage(const std::string& tenant, const std::string& kind, int64_t amount);
+
   // Gauges sampled by the housekeeping loop.
   // Queued ops by tenant; tenants that share a label ("other" past the cap, or "all") are summed.
   void SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths);
@@ -88,6 +94,8 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& queue_wait_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& storage_bytes_;
+  prometheus::Family<prometheus::Counter>& optimizer_steps_;
+  prometheus::Family<prometheus::Counter>& storage_byte_seconds_;
   prometheus::Family<prometheus::Gauge>& adapters_;
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;

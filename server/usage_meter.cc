@@ -19,8 +19,11 @@ bool IsOptimizerStep(const std::string& name) {
 
 void UsageMeter::Add(const Who& who, const char* kind, int64_t amount, absl::Time now) {
   if (amount <= 0) return;
-  absl::MutexLock lock(&mu_);
-  pending_[Key{HourBucketMicros(now), who.tenant, who.key_id, who.session_id, who.run_id, kind}] += amount;
+  {
+    absl::MutexLock lock(&mu_);
+    pending_[Key{HourBucketMicros(now), who.tenant, who.key_id, who.session_id, who.run_id, kind}] += amount;
+  }
+  if (listener_) listener_(who.tenant, kind, amount);
 }
 
 void UsageMeter::RecordStep(const sched::StepStats& step, absl::Time now) {

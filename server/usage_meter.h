@@ -18,6 +18,7 @@
 // the counts of the last interval at most; a failed write keeps them for the next flush.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <tuple>
 
@@ -42,6 +43,10 @@ class UsageMeter {
     std::string run_id;
   };
   void Add(const Who& who, const char* kind, int64_t amount, absl::Time now = absl::Now());
+  // Told of every amount added, as it is added (before the flush that persists it): how the
+  // coordinator's /metrics mirrors the metered counts (Metrics::RecordUsage). Set before use.
+  using Listener = std::function<void(const std::string& tenant, const std::string& kind, int64_t amount)>;
+  void SetListener(Listener listener) { listener_ = std::move(listener); }
   // The scheduler's step listener: training / forward tokens and optimizer steps.
   void RecordStep(const sched::StepStats& step, absl::Time now = absl::Now());
   // The sampler's usage listener: prefill and sampled tokens.
@@ -55,6 +60,7 @@ class UsageMeter {
   absl::Status AccrueStorageLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(flush_mu_);
 
   registry::Registry& registry_;
+  Listener listener_;
   absl::Mutex mu_;
   absl::flat_hash_map<Key, int64_t> pending_ ABSL_GUARDED_BY(mu_);
   absl::Mutex flush_mu_;  // one flush at a time

@@ -205,6 +205,36 @@ absl::StatusOr<nlohmann::json> VerifyCheckpointDir(FileSystem& fs, const fs::pat
   return meta;
 }
 
+absl::Status UpdateCheckpointMetadata(FileSystem& fs, const fs::path& dir, const nlohmann::json& fields) {
+  if (!fields.is_object() || fields.contains("files")) {
+    return absl::InvalidArgumentError("checkpoint metadata update: must be an object without 'files'");
+  }
+  const fs::path file = dir / kMetadataFile;
+  absl::StatusOr<std::string> text = fs.ReadFile(file);
+  if (!text.ok()) return text.status();
+  nlohmann::json meta = nlohmann::json::parse(*text, nullptr, false);
+  if (!meta.is_object()) {
+    return absl::FailedPreconditionError(absl::StrCat(file.string(), ": unparsable checkpoint metadata"));
+  }
+  for (const auto& [key, value] : fields.items()) {
+    if (value.is_null()) {
+      meta.erase(key);
+    } else {
+      meta[key] = value;
+    }
+  }
+  std::string out;
+  try {
+    out = meta.dump(2) + "\n";
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint metadata: ", e.what()));
+  }
+  const fs::path tmp = dir / absl::StrCat(kMetadataFile, ".tmp");
+  if (absl::Status s = WriteOneFile(fs, tmp, out); !s.ok()) return s;
+  if (absl::Status s = fs.Rename(tmp, file); !s.ok()) return s;
+  return fs.SyncDir(dir);
+}
+
 absl::Status DeleteCheckpointDir(FileSystem& fs, const fs::path& dir) {
   if (!fs.Exists(dir)) return absl::OkStatus();
   const fs::path parent = dir.parent_path();

@@ -80,6 +80,13 @@ absl::StatusOr<std::vector<std::string>> RecoverDir(FileSystem& fs, const fs::pa
 // is OK. Errors name the operation and path; nothing is removed when the rename fails.
 absl::Status DeleteCheckpointDir(FileSystem& fs, const fs::path& dir);
 
+// Sets top-level fields of dir's checkpoint_metadata.json (a null value removes the field),
+// atomically: the new text is written to checkpoint_metadata.json.tmp beside it, fsynced and
+// renamed over it, and the directory fsynced; a crash leaves the old or the new metadata.
+// The files and their listing are untouched, so VerifyCheckpointDir passes as before.
+// InvalidArgument when `fields` is not an object or names "files"; NotFound without metadata.
+absl::Status UpdateCheckpointMetadata(FileSystem& fs, const fs::path& dir, const nlohmann::json& fields);
+
 // Lower-case hex SHA-256.
 std::string Sha256Hex(absl::string_view bytes);
 

@@ -31,19 +31,25 @@ constexpr char kOptimizerTensors[] = "optimizer.safetensors";
 constexpr char kOptimizerConfig[] = "optimizer.json";
 constexpr int kCheckpointVersion = 1;
 
-const char* KindDir(CheckpointKind kind) {
-  switch (kind) {
-    case CheckpointKind::kTraining:
-      return "weights";
-    case CheckpointKind::kSampler:
-      return "sampler_weights";
-    case CheckpointKind::kExternal:
-      return "external_weights";
+// Every checkpoint kind: its folder under a run (also the checkpoint id's first part) and its
+// name in the registry. The one table both directions read.
+struct KindInfo {
+  CheckpointKind kind;
+  const char* dir;
+  const char* name;
+};
+constexpr KindInfo kKinds[] = {{CheckpointKind::kTraining, "weights", "training"},
+                               {CheckpointKind::kSampler, "sampler_weights", "sampler"},
+                               {CheckpointKind::kExternal, "external_weights", "external"}};
+
+const KindInfo& InfoOf(CheckpointKind kind) {
+  for (const KindInfo& k : kKinds) {
+    if (k.kind == kind) return k;
   }
-  return "weights";
+  return kKinds[0];
 }
 
-constexpr CheckpointKind kAllKinds[] = {CheckpointKind::kTraining, CheckpointKind::kSampler, CheckpointKind::kExternal};
+const char* KindDir(CheckpointKind kind) { return InfoOf(kind).dir; }
 
 // The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
 const std::vector<std::string>& AllLinear() {
@@ -190,19 +196,18 @@ absl::StatusOr<std::map<std::string, ipc::TensorDesc>> ReadTensors(const std::st
 
 std::string Rfc3339(absl::Time t) { return absl::FormatTime(absl::RFC3339_full, t, absl::UTCTimeZone()); }
 
+// An RFC 3339 time field of checkpoint metadata; nullopt when absent or unparsable.
+std::optional<absl::Time> MetadataTime(const json& metadata, const char* field) {
+  if (!metadata.is_object() || !metadata.contains(field) || !metadata[field].is_string()) return std::nullopt;
+  absl::Time t;
+  std::string error;
+  if (!absl::ParseTime(absl::RFC3339_full, metadata[field].get<std::string>(), &t, &error)) return std::nullopt;
+  return t;
+}
+
 }  // namespace
 
-const char* CheckpointKindName(CheckpointKind kind) {
-  switch (kind) {
-    case CheckpointKind::kTraining:
-      return "training";
-    case CheckpointKind::kSampler:
-      return "sampler";
-    case CheckpointKind::kExternal:
-      return "external";
-  }
-  return "training";
-}
+const char* CheckpointKindName(CheckpointKind kind) { return InfoOf(kind).name; }
 
 absl::Status ValidateTtl(int64_t ttl_seconds, absl::string_view field) {
   if (ttl_seconds < 1 || ttl_seconds > kMaxTtlSeconds) {
@@ -226,8 +231,11 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
                                                    "' is not a twinkle:// or tinker:// checkpoint path"));
   }
   const std::vector<std::string> parts = absl::StrSplit(rest, '/');
-  if (parts.size() != 3 ||
-      (parts[1] != "weights" && parts[1] != "sampler_weights" && parts[1] != "external_weights")) {
+  const KindInfo* kind = nullptr;
+  for (const KindInfo& k : kKinds) {
+    if (parts.size() == 3 && parts[1] == k.dir) kind = &k;
+  }
+  if (kind == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(field), ": '", std::string(path),
                                                    "' must look like twinkle://<run_id>/weights/<name>, "
                                                    "twinkle://<run_id>/sampler_weights/<name> "
@@ -239,10 +247,7 @@ absl::StatusOr<CheckpointPath> ParseCheckpointPath(absl::string_view path, absl:
   if (absl::Status s = storage::ValidatePathName(parts[2], absl::StrCat(std::string(field), " name")); !s.ok()) {
     return s;
   }
-  const CheckpointKind kind = parts[1] == "weights"           ? CheckpointKind::kTraining
-                              : parts[1] == "sampler_weights" ? CheckpointKind::kSampler
-                                                              : CheckpointKind::kExternal;
-  return CheckpointPath{parts[0], kind, parts[2]};
+  return CheckpointPath{parts[0], kind->kind, parts[2]};
 }
 
 CheckpointStore::CheckpointStore(std::string data_dir, storage::FileSystem& fs, registry::Registry& registry,
@@ -360,13 +365,24 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::WriteAndRecord(
   if (before_write) {
     if (absl::Status s = before_write(); !s.ok()) return s;
   }
-  const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
-  absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, metadata);
-  if (!dir.ok()) return dir.status();
+  // The creation time and expiry are kept in the checkpoint's own metadata too (the same
+  // values as its registry row), so that a checkpoint registered again from its directory
+  // (Recover) keeps them.
   const absl::Time now = clock_.Now();
+  std::optional<absl::Time> expires;
+  if (ttl_seconds) expires = now + absl::Seconds(*ttl_seconds);
+  json stored = metadata.is_object() ? metadata : json::object();
+  stored["created"] = Rfc3339(now);
+  if (expires) {
+    stored["expires_at"] = Rfc3339(*expires);
+  } else {
+    stored.erase("expires_at");  // a copy's source may carry one
+  }
+  const fs::path parent = fs::path(RunDir(tenant, run_id)) / KindDir(kind);
+  absl::StatusOr<fs::path> dir = storage::WriteCheckpointDir(fs_, parent, name, files, stored);
+  if (!dir.ok()) return dir.status();
   registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind), dir->string(),
-                                    size, now, std::nullopt, false};
-  if (ttl_seconds) record.expires = now + absl::Seconds(*ttl_seconds);
+                                    size, now, expires, false};
   absl::MutexLock lock(&reserve_mu_);
   absl::Status put = registry_.PutCheckpoint(record);
   release_locked();
@@ -463,7 +479,8 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
     absl::StatusOr<std::vector<std::string>> run_ids = fs_.ListDir(runs);
     if (!run_ids.ok()) return run_ids.status();
     for (const std::string& run_id : *run_ids) {
-      for (CheckpointKind kind : kAllKinds) {
+      for (const KindInfo& k : kKinds) {
+        const CheckpointKind kind = k.kind;
         const fs::path parent = runs / run_id / KindDir(kind);
         if (!fs_.Exists(parent)) continue;
         absl::StatusOr<std::vector<std::string>> recovered = storage::RecoverDir(fs_, parent);
@@ -494,8 +511,10 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::Recover() {
             run.created = run.last_request = absl::Now();
             (void)registry_.PutRun(run);
           }
+          // Its creation time and expiry as its metadata recorded them (a TTL survives).
           registry::CheckpointRecord record{tenant, run_id, path.checkpoint_id(), CheckpointKindName(kind),
-                                            dir.string(), size, absl::Now(), std::nullopt, false};
+                                            dir.string(), size, MetadataTime(metadata, "created").value_or(absl::Now()),
+                                            MetadataTime(metadata, "expires_at"), false};
           if (absl::Status s = registry_.PutCheckpoint(record); !s.ok()) return s;
           changes.push_back(absl::StrCat(dir.string(), ": registered (complete on disk, missing from the registry)"));
         }
@@ -536,6 +555,18 @@ absl::Status CheckpointStore::SetTtl(const std::string& tenant, const std::strin
   }
   std::optional<absl::Time> expires;
   if (ttl_seconds) expires = clock_.Now() + absl::Seconds(*ttl_seconds);
+  absl::StatusOr<registry::CheckpointRecord> record = registry_.GetCheckpoint(tenant, run_id, checkpoint_id);
+  if (!record.ok()) return record.status();
+  if (!storage::IsInside(TenantRoot(tenant), record->path)) {
+    return absl::InternalError(absl::StrCat("checkpoint ", checkpoint_id, " lies outside its tenant's root"));
+  }
+  // The metadata first: should the registry write fail, a re-registration from the directory
+  // gets the new expiry, which is what the caller asked for.
+  if (absl::Status s = storage::UpdateCheckpointMetadata(
+          fs_, record->path, json{{"expires_at", expires ? json(Rfc3339(*expires)) : json(nullptr)}});
+      !s.ok()) {
+    return s;
+  }
   return registry_.SetCheckpointExpiry(tenant, run_id, checkpoint_id, expires);
 }
 
@@ -552,18 +583,25 @@ absl::StatusOr<json> CheckpointStore::ListFiles(const registry::CheckpointRecord
   return metadata["files"];
 }
 
-absl::StatusOr<std::string> CheckpointStore::ReadListedFile(const registry::CheckpointRecord& record,
-                                                            const std::string& file) {
-  absl::StatusOr<json> files = ListFiles(record);
+absl::StatusOr<storage::StreamedFile> CheckpointStore::ListedFile(const registry::CheckpointRecord& record,
+                                                                 const std::string& file) {
+  absl::StatusOr<json> files = ListFiles(record);  // also: the directory lies in its tenant's root
   if (!files.ok()) return files.status();
   if (!storage::ValidatePathName(file, "file").ok() || !files->contains(file)) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", record.checkpoint_id, " has no file '", file, "'"));
   }
-  absl::StatusOr<std::string> bytes = fs_.ReadFile(fs::path(record.path) / file);
-  if (!bytes.ok()) return bytes.status();
   const json& info = (*files)[file];
-  if (static_cast<int64_t>(bytes->size()) != info.value("size", int64_t{-1}) ||
-      storage::Sha256Hex(*bytes) != info.value("sha256", std::string())) {
+  return storage::StreamedFile{file, fs::path(record.path) / file, info.value("size", int64_t{-1}),
+                               info.value("sha256", std::string())};
+}
+
+absl::StatusOr<std::string> CheckpointStore::ReadListedFile(const registry::CheckpointRecord& record,
+                                                            const std::string& file) {
+  absl::StatusOr<storage::StreamedFile> listed = ListedFile(record, file);
+  if (!listed.ok()) return listed.status();
+  absl::StatusOr<std::string> bytes = fs_.ReadFile(listed->path);
+  if (!bytes.ok()) return bytes.status();
+  if (static_cast<int64_t>(bytes->size()) != listed->size || storage::Sha256Hex(*bytes) != listed->sha256) {
     return absl::DataLossError(absl::StrCat("checkpoint ", record.checkpoint_id, ": file ", file,
                                             " does not match its recorded size and SHA-256"));
   }

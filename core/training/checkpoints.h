@@ -56,6 +56,7 @@
 #include "core/registry/registry.h"
 #include "core/storage/checkpoint_dir.h"
 #include "core/storage/filesystem.h"
+#include "core/storage/tar_stream.h"
 #include "core/training/lr_scheduler.h"
 #include "core/training/types.h"
 
@@ -212,6 +213,9 @@ class CheckpointStore {
   // One listed file's bytes, checked against the metadata's size and SHA-256 (DataLoss when
   // they differ); NotFound for a name the metadata does not list.
   absl::StatusOr<std::string> ReadListedFile(const registry::CheckpointRecord& record, const std::string& file);
+  // Where one listed file is, with its recorded size and SHA-256, for a reader that streams
+  // it in chunks and checks it as it goes (core/storage/tar_stream.h). NotFound as above.
+  absl::StatusOr<storage::StreamedFile> ListedFile(const registry::CheckpointRecord& record, const std::string& file);
 
   // The tenant's checkpoint bytes (registry sum).
   absl::StatusOr<int64_t> StorageBytes(const std::string& tenant);

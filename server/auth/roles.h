@@ -7,8 +7,11 @@
 //              AdminService) for every tenant
 //   member     everything of its own tenant except the admin routes
 //   read-only  GETs and the calls that only read or sample: create/heartbeat/finish a
-//              session, create a sampling session, sample, retrieve a future, get_info,
-//              weights_info, search sessions, revoke its own key. Never train, save, load,
+//              session, create a sampling session, sample (also the OpenAI completions
+//              routes), retrieve a future, get_info, weights_info, search sessions, revoke
+//              its own key; downloads of checkpoints it can read (external_weights_urls and
+//              archive are GETs; the signed URL needs no key). Never train, save (also
+//              save_weights_external, which writes a checkpoint), load, copy, import,
 //              delete, publish, set a TTL or a project.
 //
 // Refusals are PermissionDenied (HTTP 403) naming the needed and the caller's role.

@@ -1,5 +1,6 @@
 #include "server/tinker/http_routes.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,6 +128,14 @@ class Routes {
   // A JSON-bodied call answered at once; with `audit_action`, a success gets its audit row.
   void Post(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)> fn,
             const char* audit_action = nullptr) {
+    PostWithRequest(
+        path, [fn = std::move(fn)](const tenancy::Tenant& t, const Json& b, const HttpRequest&) { return fn(t, b); },
+        audit_action);
+  }
+  // The same, for a call that also reads the request's headers.
+  void PostWithRequest(const char* path,
+                       std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&, const HttpRequest&)> fn,
+                       const char* audit_action = nullptr) {
     http_.Route("POST", absl::StrCat(kApi, path),
                 [ctx = ctx_, fn = std::move(fn), audit_action](const HttpRequest& request) {
       absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
@@ -134,7 +143,7 @@ class Routes {
       absl::StatusOr<Json> body = ParseBody(request);
       if (!body.ok()) return ErrorResponse(body.status());
       const absl::Time start = absl::Now();
-      absl::StatusOr<Json> answer = fn(**tenant, *body);
+      absl::StatusOr<Json> answer = fn(**tenant, *body, request);
       if (audit_action != nullptr) {
         const std::string object = AuditObjectOf(*body, answer);  // before `answer` is moved
         answer = Audited(*ctx, **tenant, request, audit_action, object, std::move(answer));
@@ -323,8 +332,14 @@ class Routes {
     TinkerApi& api = api_;
     Post("/save_weights_external",
          [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); }, "checkpoint_export");
-    Post("/copy_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.CopyWeights(t, b); },
-         "checkpoint_copy");
+    // Deduplicated by the SDK's X-Idempotency-Key (the same across its retries of one call).
+    PostWithRequest(
+        "/copy_weights",
+        [&api](const tenancy::Tenant& t, const Json& b, const HttpRequest& r) {
+          const std::string* key = r.Header("x-idempotency-key");
+          return api.CopyWeights(t, b, key != nullptr ? *key : std::string());
+        },
+        "checkpoint_copy");
     Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); },
          "checkpoint_import");
     // The import's body is bounded before it is read (storage.max_import_bytes). A caller
@@ -367,11 +382,25 @@ class Routes {
                      api.SetCheckpointTtl(t, a->model_id, a->checkpoint_id, *body));
     });
     // Downloads: outside /api/v1 (no API key; the URL's signature is the credential).
+    // The body is gathered from the file stream into one response: the HTTP server's streamed
+    // responses (RouteStreaming) take exact paths only, are chunked (no Content-Length, which
+    // the tinker CLI reads for its progress and size) and cannot tell a writer to wait for a
+    // slow client (past max_stream_backlog_bytes it drops the client), so a multi-MB
+    // download cannot go through them yet. The stream checks every file as it reads it.
     http_.RoutePrefix("GET", "/twinkle/weights/", [&api](const HttpRequest& r, HttpResponder respond) {
       absl::StatusOr<TinkerApi::WeightsFile> file = api.ServeWeightsFile(
           r.path_tail, r.QueryParam("expires").value_or(""), r.QueryParam("sig").value_or(""));
       if (!file.ok()) return respond(ErrorResponse(file.status()));
-      HttpResponse out{200, "application/octet-stream", std::move(file->bytes)};
+      HttpResponse out{200, "application/octet-stream", std::string()};
+      out.body.reserve(static_cast<size_t>(std::clamp<int64_t>(file->size, 0, int64_t{1} << 30)));
+      absl::StatusOr<std::string> sha = file->stream([&out](absl::string_view chunk) {
+        out.body.append(chunk.data(), chunk.size());
+        return absl::OkStatus();
+      });
+      if (sha.ok() && *sha != file->sha256) {
+        sha = absl::DataLossError("the download changed while it was read (checksum differs); retry");
+      }
+      if (!sha.ok()) return respond(ErrorResponse(sha.status()));
       out.headers.emplace_back("X-Checksum-SHA256", file->sha256);
       out.headers.emplace_back("Cache-Control", "no-store");
       respond(std::move(out));

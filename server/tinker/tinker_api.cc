@@ -159,6 +159,27 @@ absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const ten
   return it->second;
 }
 
+absl::StatusOr<TinkerApi::ModelCall> TinkerApi::ModelCallOf(const tenancy::Tenant& tenant, const Json& body,
+                                                            bool path_required) {
+  ModelCall call;
+  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
+  if (!model_id.ok()) return model_id.status();
+  call.model_id = *std::move(model_id);
+  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
+  if (!seq.ok()) return seq.status();
+  call.seq = *seq;
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, call.model_id);
+  if (!model.ok()) return model.status();
+  call.model = *std::move(model);
+  absl::StatusOr<std::string> name = path_required ? GetString(body, "path") : GetString(body, "path", "");
+  if (!name.ok()) return name.status();
+  call.name = *std::move(name);
+  if (path_required || !call.name.empty()) {
+    if (absl::Status s = storage::ValidatePathName(call.name, "path"); !s.ok()) return s;
+  }
+  return call;
+}
+
 // ---- create / unload ------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const Json& body) {
@@ -515,21 +536,14 @@ absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const J
 }
 
 absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
-  if (!model.ok()) return model.status();
-  absl::StatusOr<std::string> name = GetString(body, "path");
-  if (!name.ok()) return name.status();
-  if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body);
+  if (!call.ok()) return call.status();
   const bool overwrite = GetBool(body, "overwrite", false).value_or(false);
   absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
   if (!ttl.ok()) return ttl.status();
   const training::TenantContext context = ContextOf(tenant);
-  const std::string run_id = (*model)->run_id;
-  Submit submit = [this, context, adapter = (*model)->adapter, name = *name, overwrite, run_id,
+  const std::string run_id = call->model->run_id;
+  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, overwrite, run_id,
                    ttl = *ttl]() -> absl::StatusOr<uint64_t> {
     if (!overwrite && registry_ != nullptr &&
         registry_->GetCheckpoint(context.id, run_id, absl::StrCat("weights/", name)).ok()) {
@@ -542,13 +556,14 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     args.ttl_seconds = ttl;
     return coordinator_.SubmitSave(context, adapter, args);
   };
-  Encoder encode = [model_id = *model_id, name = *name](const FutureValue&) {
+  Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
     Outcome o;
     o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
     return o;
   };
-  return Sequenced(tenant, *model, *seq, {"save_weights", FingerprintOf(absl::StrCat(*name, "\n", overwrite))},
-                   std::move(submit), std::move(encode));
+  return Sequenced(tenant, call->model, call->seq,
+                   {"save_weights", FingerprintOf(absl::StrCat(call->name, "\n", overwrite))}, std::move(submit),
+                   std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const Json& body) {
@@ -600,7 +615,7 @@ absl::StatusOr<Json> TinkerApi::GetInfo(const tenancy::Tenant& tenant, const Jso
 absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const Json& body) {
   absl::StatusOr<std::string> path = GetString(body, "tinker_path");
   if (!path.ok()) return path.status();
-  if (checkpoints_ == nullptr || registry_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (checkpoints_ == nullptr || registry_ == nullptr) return NoCheckpoints();
   const std::string internal = InternalPath(*path);
   absl::StatusOr<training::CheckpointPath> parsed = training::ParseCheckpointPath(internal, "tinker_path");
   if (!parsed.ok()) return parsed.status();

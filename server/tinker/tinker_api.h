@@ -49,6 +49,7 @@
 #include "absl/time/time.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
+#include "core/storage/tar_stream.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/tenancy/tenant.h"
 #include "core/training/checkpoints.h"
@@ -105,6 +106,8 @@ inline constexpr size_t kMaxTagBytes = 128;
 inline constexpr size_t kMaxDisplayNameBytes = 256;
 inline constexpr size_t kMaxProjectIdBytes = 128;
 inline constexpr int32_t kMaxSearchLimit = 200;
+// The longest X-Idempotency-Key honoured (the SDK's are ~60 bytes).
+inline constexpr size_t kMaxIdempotencyKeyBytes = 256;
 
 struct TinkerOptions {
   std::string base_model;          // the served model's name (config model.name)
@@ -236,15 +239,27 @@ class TinkerApi {
   // GET /twinkle/weights/<tenant>/<run>/<kind>/<name>/<file>?expires=&sig= (no API key: the
   // signature is the credential). PERMISSION_DENIED for a bad or expired signature; NotFound
   // when the checkpoint is gone, expired, unpublished (for another tenant) or lacks the file.
+  // The answer is a stream: its length and checksum are known before the first byte; the
+  // files are read in chunks (core/storage/tar_stream.h) and checked as they go by.
   struct WeightsFile {
-    std::string bytes;
-    std::string sha256;  // lower-case hex, from the checkpoint's verified metadata
+    int64_t size = 0;
+    std::string sha256;  // lower-case hex: the file's recorded one, or the archive's
+    // Hands the bytes to `sink` in chunks; returns their SHA-256 (DataLoss when a file
+    // differs from its record: the transfer must then be aborted).
+    std::function<absl::StatusOr<std::string>(const storage::ChunkSink& sink)> stream;
   };
   absl::StatusOr<WeightsFile> ServeWeightsFile(const std::string& path_tail, const std::string& expires,
                                                const std::string& signature);
   // POST /api/v1/copy_weights {"source_path", "destination_project_id", "ttl_seconds"}: a
   // copy (same kind and name) in a new run of the caller that cannot be trained on.
-  absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body);
+  // `idempotency_key` (the SDK's X-Idempotency-Key header, at most kMaxIdempotencyKeyBytes;
+  // "" = none): a replay with the same key and body answers the first copy's answer and
+  // copies nothing (the answer is a future of the FutureStore, so it is kept, bounded and
+  // expired like every other); the same key with another body is an idempotency conflict
+  // (400); a replay while the first is still copying waits for it (at most 60 s, then 503).
+  // A failed copy keeps nothing: its replay copies again.
+  absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body,
+                                   const std::string& idempotency_key = "");
   // POST /api/v1/twinkle/import_adapter: a PEFT LoRA adapter trained elsewhere, as the
   // caller's checkpoint weights/<name> of a new run (import-<hex>) that load_state,
   // create_training_client_from_state and sampling use like any other. Body:
@@ -275,6 +290,7 @@ class TinkerApi {
     std::vector<std::string> targets;
   };
   using ModelThen = std::function<void(const std::shared_ptr<Model>&, const std::shared_ptr<Entry>&)>;
+  absl::StatusOr<Json> CopyWeightsOnce(const tenancy::Tenant& tenant, const Json& body);
   absl::StatusOr<Json> StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then);
   absl::StatusOr<Json> CreateViaLoad(const tenancy::Tenant& tenant, const Json& body);
 
@@ -283,6 +299,17 @@ class TinkerApi {
   void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
   Json Promise(const Entry& entry) const;
   absl::StatusOr<std::shared_ptr<Model>> FindModel(const tenancy::Tenant& tenant, const std::string& model_id);
+  // What every call on a model names (save_weights, save_weights_for_sampler,
+  // save_weights_external): "model_id" (one of the caller's models), "seq_id" (0 when absent)
+  // and "path", a checkpoint name (ValidatePathName). `path_required` false: an absent or
+  // empty path is "" (save_weights_for_sampler's unnamed form).
+  struct ModelCall {
+    std::string model_id;
+    int64_t seq = 0;
+    std::shared_ptr<Model> model;
+    std::string name;
+  };
+  absl::StatusOr<ModelCall> ModelCallOf(const tenancy::Tenant& tenant, const Json& body, bool path_required = true);
   // What a seq-ordered call is, for idempotency: a replayed seq_id must repeat the same op
   // (`name`) with the same body (`fingerprint`, 0 = not compared).
   struct OpIdentity {

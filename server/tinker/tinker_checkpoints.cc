@@ -3,8 +3,6 @@
 // signed download URLs (and the download itself), and copy_weights.
 #include <algorithm>
 #include <cctype>
-#include <cstdio>
-#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -18,8 +16,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "core/scheduler/op.h"
 #include "core/storage/checkpoint_dir.h"
 #include "core/storage/names.h"
+#include "core/storage/tar_stream.h"
 #include "server/tinker/tinker_api.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
@@ -43,8 +43,6 @@ absl::StatusOr<std::optional<int64_t>> GetTtl(const Json& body) {
 }
 
 namespace {
-
-absl::Status NoCheckpoints() { return absl::UnimplementedError("checkpoints are not configured"); }
 
 absl::Status CheckScope(const std::string& scope) {
   if (scope.empty() || scope == "owned" || scope == "accessible") return absl::OkStatus();
@@ -70,28 +68,6 @@ std::string UrlEncode(absl::string_view s) {
 
 constexpr char kArchive[] = "archive.tar";
 
-// A ustar member header + the data padded to 512 bytes.
-void AppendTarMember(std::string& tar, const std::string& name, absl::string_view data, int64_t mtime) {
-  char h[512] = {};
-  std::snprintf(h, 100, "%s", name.c_str());
-  std::snprintf(h + 100, 8, "%07o", 0644);
-  std::snprintf(h + 108, 8, "%07o", 0);
-  std::snprintf(h + 116, 8, "%07o", 0);
-  std::snprintf(h + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
-  std::snprintf(h + 136, 12, "%011llo", static_cast<unsigned long long>(std::max<int64_t>(mtime, 0)));
-  std::memset(h + 148, ' ', 8);
-  h[156] = '0';
-  std::memcpy(h + 257, "ustar", 6);
-  std::memcpy(h + 263, "00", 2);
-  unsigned sum = 0;
-  for (unsigned char c : h) sum += c;
-  std::snprintf(h + 148, 8, "%06o", sum);
-  h[155] = ' ';
-  tar.append(h, sizeof h);
-  tar.append(data.data(), data.size());
-  tar.append((512 - data.size() % 512) % 512, '\0');
-}
-
 std::string NewCopyRunId() {
   std::random_device rd;
   const uint64_t a = (static_cast<uint64_t>(rd()) << 32) | rd();
@@ -115,7 +91,7 @@ absl::StatusOr<Json> TinkerApi::ListTrainingRunsScoped(const tenancy::Tenant& te
                                                        const std::string& access_scope) {
   if (absl::Status s = CheckScope(access_scope); !s.ok()) return s;
   if (access_scope != "accessible") return ListTrainingRuns(tenant, limit, offset);
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   // The caller's runs, then every other tenant's run that has a published checkpoint.
   int32_t total = 0;
   absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {1 << 20, 0}, &total);
@@ -223,15 +199,8 @@ absl::StatusOr<Json> TinkerApi::PublishCheckpoint(const tenancy::Tenant& tenant,
 // ---- export ----------------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
-  if (!model.ok()) return model.status();
-  absl::StatusOr<std::string> name = GetString(body, "path");
-  if (!name.ok()) return name.status();
-  if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body);
+  if (!call.ok()) return call.status();
   absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
   if (!ttl.ok()) return ttl.status();
   if (body.contains("age_encryption_recipients") && body["age_encryption_recipients"].is_array() &&
@@ -239,7 +208,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenan
     return absl::UnimplementedError("age_encryption_recipients: encrypted exports are not supported by this server");
   }
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, name = *name, ttl = *ttl]() {
+  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = *ttl]() {
     training::SaveArgs args;
     args.name = name;
     args.save_optimizer = false;
@@ -247,21 +216,21 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenan
     args.ttl_seconds = ttl;
     return coordinator_.SubmitSave(context, adapter, args);
   };
-  Encoder encode = [model_id = *model_id, name = *name](const FutureValue&) {
+  Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
     Outcome o;
     o.json = {{"path", absl::StrCat("tinker://", model_id, "/external_weights/", name)},
               {"type", "save_weights_external"}};
     return o;
   };
-  return Sequenced(tenant, *model, *seq,
-                   {"save_weights_external", FingerprintOf(absl::StrCat(*name, "\n", ttl->value_or(0)))},
+  return Sequenced(tenant, call->model, call->seq,
+                   {"save_weights_external", FingerprintOf(absl::StrCat(call->name, "\n", ttl->value_or(0)))},
                    std::move(submit), std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::ExternalWeightsUrls(const tenancy::Tenant& tenant, const std::string& model_id,
                                                     const std::string& checkpoint_id, const std::string& base_url) {
   if (checkpoints_ == nullptr) return NoCheckpoints();
-  if (signer_ == nullptr) return absl::UnimplementedError("signed download URLs are not configured");
+  if (signer_ == nullptr) return NoSigner();
   const std::string run_id = RunIdOf(model_id);
   absl::StatusOr<registry::CheckpointRecord> record =
       checkpoints_->Resolve(tenant.id, absl::StrCat("twinkle://", run_id, "/", checkpoint_id), "");
@@ -288,7 +257,7 @@ absl::StatusOr<Json> TinkerApi::ExternalWeightsUrls(const tenancy::Tenant& tenan
 absl::StatusOr<Json> TinkerApi::ArchiveUrl(const tenancy::Tenant& tenant, const std::string& model_id,
                                            const std::string& checkpoint_id, const std::string& base_url) {
   if (checkpoints_ == nullptr) return NoCheckpoints();
-  if (signer_ == nullptr) return absl::UnimplementedError("signed download URLs are not configured");
+  if (signer_ == nullptr) return NoSigner();
   absl::StatusOr<registry::CheckpointRecord> record =
       checkpoints_->Resolve(tenant.id, absl::StrCat("twinkle://", RunIdOf(model_id), "/", checkpoint_id), "");
   if (!record.ok()) return record.status();
@@ -305,7 +274,7 @@ absl::StatusOr<TinkerApi::WeightsFile> TinkerApi::ServeWeightsFile(const std::st
                                                                    const std::string& expires,
                                                                    const std::string& signature) {
   if (checkpoints_ == nullptr) return NoCheckpoints();
-  if (signer_ == nullptr) return absl::UnimplementedError("signed download URLs are not configured");
+  if (signer_ == nullptr) return NoSigner();
   const std::vector<std::string> parts = absl::StrSplit(path_tail, '/');
   if (parts.size() != 5) {
     return absl::InvalidArgumentError("download URL: expected /twinkle/weights/<tenant>/<run>/<kind>/<name>/<file>");
@@ -332,33 +301,103 @@ absl::StatusOr<TinkerApi::WeightsFile> TinkerApi::ServeWeightsFile(const std::st
   absl::StatusOr<registry::CheckpointRecord> record =
       checkpoints_->Resolve(tenant, absl::StrCat("twinkle://", parts[1], "/", checkpoint_id), "");
   if (!record.ok()) return record.status();
-  absl::StatusOr<Json> files = checkpoints_->ListFiles(*record);
-  if (!files.ok()) return files.status();
   if (parts[4] == kArchive) {
-    // The PEFT adapter as one tar (what SDKs <= 0.30 download and extract), built from the
-    // verified files, with Tinker's checkpoint_complete marker last.
-    std::string tar;
-    const int64_t mtime = absl::ToUnixSeconds(record->created);
+    // The PEFT adapter as one tar (what SDKs <= 0.30 download and extract), with Tinker's
+    // checkpoint_complete marker last. Its checksum goes in the answer's header, before the
+    // body: a first pass reads (and checks) the files to compute it.
+    std::vector<storage::StreamedFile> members;
     for (const char* name : {"adapter_model.safetensors", "adapter_config.json"}) {
-      if (!files->contains(name)) continue;
-      absl::StatusOr<std::string> bytes = checkpoints_->ReadListedFile(*record, name);
-      if (!bytes.ok()) return bytes.status();
-      AppendTarMember(tar, name, *bytes, mtime);
+      absl::StatusOr<storage::StreamedFile> f = checkpoints_->ListedFile(*record, name);
+      if (absl::IsNotFound(f.status())) continue;
+      if (!f.ok()) return f.status();
+      members.push_back(*std::move(f));
     }
-    AppendTarMember(tar, "checkpoint_complete", "", mtime);
-    tar.append(1024, '\0');
-    std::string sha = storage::Sha256Hex(tar);
-    return WeightsFile{std::move(tar), std::move(sha)};
+    members.push_back({"checkpoint_complete", "", 0, ""});  // empty: no file behind it
+    const int64_t mtime = absl::ToUnixSeconds(record->created);
+    absl::StatusOr<std::string> sha =
+        storage::StreamTar(members, mtime, [](absl::string_view) { return absl::OkStatus(); });
+    if (!sha.ok()) return sha.status();
+    return WeightsFile{storage::TarSize(members), *std::move(sha),
+                       [members = std::move(members), mtime](const storage::ChunkSink& sink) {
+                         return storage::StreamTar(members, mtime, sink);
+                       }};
   }
-  absl::StatusOr<std::string> bytes = checkpoints_->ReadListedFile(*record, parts[4]);
-  if (!bytes.ok()) return bytes.status();
-  return WeightsFile{*std::move(bytes), (*files)[parts[4]].value("sha256", std::string())};
+  absl::StatusOr<storage::StreamedFile> file = checkpoints_->ListedFile(*record, parts[4]);
+  if (!file.ok()) return file.status();
+  return WeightsFile{file->size, file->sha256,
+                     [file = *file](const storage::ChunkSink& sink) { return storage::StreamFile(file, sink); }};
 }
 
 // ---- copy ------------------------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const Json& body) {
+absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const Json& body,
+                                            const std::string& idempotency_key) {
   if (checkpoints_ == nullptr || registry_ == nullptr) return NoCheckpoints();
+  if (idempotency_key.empty()) return CopyWeightsOnce(tenant, body);
+  if (idempotency_key.size() > kMaxIdempotencyKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("X-Idempotency-Key: ", idempotency_key.size(),
+                                                   " bytes, over the limit of ", kMaxIdempotencyKeyBytes));
+  }
+  const std::string key = absl::StrCat("copy_weights\n", tenant.id, "\n", idempotency_key);
+  const uint64_t fingerprint = FingerprintOf(body.dump(-1, ' ', false, Json::error_handler_t::replace));
+  auto first_of = [this, &key]() -> std::shared_ptr<Entry> {
+    absl::MutexLock lock(&mu_);
+    auto d = dedupe_.find(key);
+    if (d == dedupe_.end()) return nullptr;
+    auto e = entries_.find(d->second);
+    return e == entries_.end() ? nullptr : e->second;
+  };
+  std::shared_ptr<Entry> first = first_of();
+  std::shared_ptr<Entry> mine;
+  if (first == nullptr) {
+    mine = NewEntry(tenant.id, "");
+    mine->fingerprint = fingerprint;
+    absl::MutexLock lock(&mu_);
+    auto d = dedupe_.find(key);
+    if (auto e = d == dedupe_.end() ? entries_.end() : entries_.find(d->second); e != entries_.end()) {
+      first = e->second;  // another replay got there first: answer as it does
+    } else {
+      dedupe_[key] = mine->request_id;
+    }
+  }
+  if (first != nullptr) {
+    if (mine != nullptr) {
+      Complete(mine, Outcome::Failed(absl::CancelledError("a duplicate")));
+      futures_.Release(mine->future);
+    }
+    if (first->fingerprint != fingerprint) {
+      return sched::IdempotencyConflict(absl::StrCat("X-Idempotency-Key '", idempotency_key,
+                                                     "' was already used for a copy_weights with another body"));
+    }
+    absl::StatusOr<FutureResult> answer = futures_.Wait(first->future, tenant.id, absl::Seconds(60));
+    if (absl::IsUnavailable(answer.status())) {
+      return absl::UnavailableError("copy_weights: the first call with this X-Idempotency-Key is still copying; retry");
+    }
+    if (!answer.ok()) return answer.status();
+    if (!answer->ok()) return answer->status();  // dropped over a results bound: says which
+    absl::StatusOr<const EncodedResult*> encoded = ValueAs<EncodedResult>(**answer, "copy_weights answer");
+    if (!encoded.ok()) return encoded.status();
+    Json json = Json::parse((*encoded)->json, nullptr, /*allow_exceptions=*/false);
+    if (json.is_discarded()) return absl::DataLossError("the stored answer of this copy_weights is not JSON");
+    return json;
+  }
+  absl::StatusOr<Json> answer = CopyWeightsOnce(tenant, body);
+  if (!answer.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      dedupe_.erase(key);
+    }
+    Complete(mine, Outcome::Failed(answer.status()));
+    futures_.Release(mine->future);
+    return answer;
+  }
+  Outcome done;
+  done.json = *answer;
+  Complete(mine, std::move(done));
+  return answer;
+}
+
+absl::StatusOr<Json> TinkerApi::CopyWeightsOnce(const tenancy::Tenant& tenant, const Json& body) {
   absl::StatusOr<std::string> source = GetString(body, "source_path");
   if (!source.ok()) return source.status();
   absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);

@@ -14,6 +14,10 @@
 
 namespace twinkle::tinker {
 
+absl::Status NoCheckpoints() { return absl::UnimplementedError("checkpoints are not configured"); }
+absl::Status NoRegistry() { return absl::UnimplementedError("the run registry is not configured"); }
+absl::Status NoSigner() { return absl::UnimplementedError("signed download URLs are not configured"); }
+
 uint64_t FingerprintOf(std::string_view bytes) {
   return static_cast<uint64_t>(std::hash<std::string_view>{}(bytes)) | 1;
 }

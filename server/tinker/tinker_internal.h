@@ -49,6 +49,12 @@ Json RunJson(const registry::RunRecord& r, const std::vector<registry::Checkpoin
 // integer in [1, training::kMaxTtlSeconds] (InvalidArgument naming the field otherwise).
 absl::StatusOr<std::optional<int64_t>> GetTtl(const Json& body);
 
+// The UNIMPLEMENTED answers of a server built without a part: checkpoints, the run registry,
+// signed download URLs.
+absl::Status NoCheckpoints();
+absl::Status NoRegistry();
+absl::Status NoSigner();
+
 // A request body's fingerprint for idempotency (tinker_api.cc): a hash, never 0.
 uint64_t FingerprintOf(std::string_view bytes);
 // A protobuf's, over its deterministic serialization.
@@ -75,6 +81,7 @@ struct TinkerApi::Entry {
   uint64_t future = 0;
   FutureStore* store = nullptr;
   absl::Time created;
+  uint64_t fingerprint = 0;  // a call deduplicated by X-Idempotency-Key (copy_weights): its body's
 };
 
 struct TinkerApi::Model {

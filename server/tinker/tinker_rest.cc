@@ -123,7 +123,7 @@ Json RunJson(const registry::RunRecord& r, const std::vector<registry::Checkpoin
 }
 
 absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   int32_t total = 0;
   absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {limit, offset}, &total);
   if (!runs.ok()) return runs.status();
@@ -136,7 +136,7 @@ absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, 
 }
 
 absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& model_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   const std::string run_id = RunIdOf(model_id);
   absl::StatusOr<registry::RunRecord> r = registry_->GetRun(tenant.id, run_id);
   if (!r.ok()) return r.status();
@@ -145,7 +145,7 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, co
 }
 
 absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   absl::StatusOr<std::vector<registry::CheckpointRecord>> cks =
       registry_->ListCheckpoints(tenant.id, RunIdOf(model_id));
   if (!cks.ok()) return cks.status();
@@ -155,7 +155,7 @@ absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, c
 }
 
 absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   int32_t total = 0;
   absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {1 << 20, 0}, &total);
   if (!runs.ok()) return runs.status();
@@ -176,7 +176,7 @@ absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenan
 
 absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
                                                  const std::string& checkpoint_id) {
-  if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
+  if (checkpoints_ == nullptr) return NoCheckpoints();
   if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
   return Json::object();
 }

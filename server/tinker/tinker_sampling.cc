@@ -23,22 +23,15 @@ absl::Status NoSampler() { return absl::UnimplementedError("sampling is not avai
 }  // namespace
 
 absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
-  if (!model.ok()) return model.status();
-  absl::StatusOr<std::string> name = GetString(body, "path", "");
-  if (!name.ok()) return name.status();
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body, /*path_required=*/false);
+  if (!call.ok()) return call.status();
   const training::TenantContext context = ContextOf(tenant);
-  const std::string run_id = *model_id;
-  if (!name->empty()) {
+  const std::string run_id = call->model_id;
+  if (!call->name.empty()) {
     // Named: a sampler_weights checkpoint (adapter weights only).
-    if (absl::Status s = storage::ValidatePathName(*name, "path"); !s.ok()) return s;
     absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
     if (!ttl.ok()) return ttl.status();
-    Submit submit = [this, context, adapter = (*model)->adapter, name = *name, ttl = *ttl]() {
+    Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = *ttl]() {
       training::SaveArgs args;
       args.name = name;
       args.save_optimizer = false;
@@ -46,14 +39,14 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
       args.ttl_seconds = ttl;
       return coordinator_.SubmitSave(context, adapter, args);
     };
-    Encoder encode = [run_id, name = *name](const FutureValue&) {
+    Encoder encode = [run_id, name = call->name](const FutureValue&) {
       Outcome o;
       o.json = {{"path", absl::StrCat("tinker://", run_id, "/sampler_weights/", name)},
                 {"type", "save_weights_for_sampler"}};
       return o;
     };
-    return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", FingerprintOf(*name)}, std::move(submit),
-                     std::move(encode));
+    return Sequenced(tenant, call->model, call->seq, {"save_weights_for_sampler", FingerprintOf(call->name)},
+                     std::move(submit), std::move(encode));
   }
   if (sampler_ == nullptr) return NoSampler();
   // Unnamed: a live snapshot in the adapter's queue and a sampling session on it.
@@ -63,7 +56,7 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
   // on each retry of one call, so that is not part of it.
   const uint64_t fingerprint = FingerprintOf(std::string_view());
   // The sampling session belongs to the model's session: released when that one finishes.
-  Submit submit = [this, context, adapter = (*model)->adapter, owner = (*model)->session_id, seq = *seq,
+  Submit submit = [this, context, adapter = call->model->adapter, owner = call->model->session_id, seq = call->seq,
                    fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
@@ -77,7 +70,8 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
     o.json = {{"sampling_session_id", (*session)->sampling_session_id}, {"type", "save_weights_for_sampler"}};
     return o;
   };
-  return Sequenced(tenant, *model, *seq, {"save_weights_for_sampler", fingerprint}, std::move(submit), std::move(encode));
+  return Sequenced(tenant, call->model, call->seq, {"save_weights_for_sampler", fingerprint}, std::move(submit),
+                   std::move(encode));
 }
 
 absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {

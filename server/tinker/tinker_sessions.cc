@@ -112,7 +112,7 @@ absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, con
 }
 
 absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   int32_t total = 0;
   absl::StatusOr<std::vector<registry::SessionRecord>> rows =
       registry_->ListSessions(tenant.id, {std::min(limit, 1000), offset}, &total);
@@ -123,7 +123,7 @@ absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant, int3
 }
 
 absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const std::string& session_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   absl::StatusOr<registry::SessionRecord> r = registry_->GetSession(session_id, tenant.id);
   if (!r.ok()) return r.status();
   std::vector<std::string> runs;
@@ -146,7 +146,7 @@ absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const 
 }
 
 absl::StatusOr<Json> TinkerApi::SearchSessions(const tenancy::Tenant& tenant, const Json& body) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   if (!body.is_object()) return absl::InvalidArgumentError("body: expected a SessionSearchRequest object");
   registry::SessionFilter filter;
   absl::StatusOr<int64_t> limit = GetInt(body, "limit", 50);
@@ -252,7 +252,7 @@ absl::StatusOr<Json> TinkerApi::SearchSessions(const tenancy::Tenant& tenant, co
 
 absl::StatusOr<Json> TinkerApi::SetSessionProject(const tenancy::Tenant& tenant, const std::string& session_id,
                                                   const Json& body, const std::string& peer) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   if (!body.is_object() || !body.contains("project_id") || !body["project_id"].is_string()) {
     return absl::InvalidArgumentError("project_id: required (a string)");
   }
@@ -285,7 +285,7 @@ std::string TinkerApi::TraceSessionOf(const tenancy::Tenant& tenant, const Json&
 }
 
 absl::StatusOr<Json> TinkerApi::TraceExport(const tenancy::Tenant& tenant, const std::string& session_id) {
-  if (registry_ == nullptr) return absl::UnimplementedError("the run registry is not configured");
+  if (registry_ == nullptr) return NoRegistry();
   if (absl::StatusOr<registry::SessionRecord> r = registry_->GetSession(session_id, tenant.id); !r.ok()) {
     return r.status();
   }

@@ -190,6 +190,108 @@ def test_whoami_and_roles(admin_server: ServerProcess) -> None:
         viewer.create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
 
 
+def test_read_only_key_downloads_and_samples_but_never_writes(admin_server: ServerProcess, server_bin: Path,
+                                                               tmp_path: Path) -> None:
+    """A read-only key downloads what it can read (its tenant's checkpoints, others' published
+    ones) and samples (also through the OpenAI routes); it never trains, exports or copies."""
+    import hashlib
+    import urllib.request
+
+    ro = admin_json(server_bin, admin_server, "create-key", "--tenant", "alice", "--role", "read-only")["key"]
+    alice = service(admin_server, KEYS["alice"]).create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    alice.forward_backward([datum(SEQS[0])], "cross_entropy").result()
+    export = alice.save_weights_external("ro-export").result().path
+    state = alice.save_state("ro-state").result().path
+    bob = service(admin_server, KEYS["bob"]).create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    published = bob.save_weights_external("ro-published").result().path
+    private = bob.save_weights_external("ro-private").result().path
+    rest(admin_server, KEYS["bob"]).publish_checkpoint_from_tinker_path(published).result()
+
+    def download(url: str) -> bytes:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            body = r.read()
+            assert r.headers["X-Checksum-SHA256"] == hashlib.sha256(body).hexdigest()
+            return body
+
+    viewer = rest(admin_server, ro)
+    for path in (export, published):
+        signed = viewer.get_external_weights_urls(path).result()
+        assert set(signed.urls) == {"adapter_model.safetensors", "adapter_config.json"}
+        assert all(download(url) for url in signed.urls.values())
+    with pytest.raises(tinker.NotFoundError):
+        viewer.get_external_weights_urls(private).result()
+    model_id = alice.get_info().model_id
+    archive = http(admin_server, "GET", f"/training_runs/{model_id}/checkpoints/weights/ro-state/archive", ro)
+    assert archive.status_code == 200, archive.text
+    assert download(archive.json()["url"])[257:262] == b"ustar"
+    # The real CLI, with the read-only key, downloads an export (GETs only).
+    env = dict(os.environ, TINKER_BASE_URL=base_url(admin_server), TINKER_API_KEY=ro)
+    cli = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", export, "--output",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    got = tmp_path / export.replace("tinker://", "").replace("/", "_")
+    assert {p.name for p in got.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+
+    # Sampling is reading: the OpenAI completions routes, under /v1 and under /api/v1.
+    headers = {"X-API-Key": ro, "Authorization": f"Bearer {ro}"}
+    for path in ("/v1/completions", "/api/v1/completions"):
+        r = requests.post(f"{base_url(admin_server)}{path}", headers=headers, timeout=120,
+                          json={"model": MODEL_NAME, "prompt": SEQS[0], "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, (path, r.text)
+        assert len(r.json()["choices"]) == 1
+    # Writing is refused, before the body is read: training, exporting, copying, saving.
+    for path, body in (("/forward_backward", {}), ("/optim_step", {}), ("/create_model", {}),
+                       ("/save_weights_external", {"model_id": model_id, "path": "x"}),
+                       ("/copy_weights", {"source_path": export}), ("/save_weights_for_sampler", {})):
+        r = http(admin_server, "POST", path, ro, json=body)
+        assert r.status_code == 403, (path, r.text)
+        assert "read-only" in r.json()["detail"], r.text
+
+
+def test_optimizer_steps_and_storage_on_metrics(launch_server: LaunchServer, tmp_path: Path) -> None:
+    """/metrics serves the metered optimizer steps and storage byte-seconds per tenant: the
+    same integers the billing routes persist, and the steps equal the optim_steps sent."""
+    overrides = _overrides(tmp_path / "data")
+    overrides["auth"]["usage_flush_interval_s"] = 3600  # only billing reads flush (no race with a scrape)
+    server = launch_server(overrides)
+
+    def scrape(name: str, tenant: str) -> float:
+        samples = prom.select(prom.parse(requests.get(f"{base_url(server)}/metrics", timeout=10).text), name,
+                              tenant=tenant)
+        assert len(samples) <= 1, samples
+        return samples[0].value if samples else 0.0
+
+    def billed(kind: str, tenant: str) -> int:
+        return sum(r["amount"] for r in usage_rows(server) if r["kind"] == kind and r["tenant"] == tenant)
+
+    training = service(server, KEYS["alice"]).create_lora_training_client(base_model=MODEL_NAME, rank=4).result()
+    steps = 3
+    for _ in range(steps):
+        training.forward_backward([datum(SEQS[0])], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    training.save_state("metered").result()
+    assert scrape("twinkle_tenant_optimizer_steps_total", "alice") == steps
+    assert billed("optim_steps", "alice") == steps
+    assert scrape("twinkle_tenant_optimizer_steps_total", "bob") == 0
+
+    # Storage accrues from the first flush on; let whole seconds pass between two billing reads.
+    wait_until(lambda: billed("storage_byte_seconds", "alice") > 0, scaled(30), "storage byte-seconds accrued")
+    total = billed("storage_byte_seconds", "alice")  # flushes: nothing accrues until the next read
+    assert scrape("twinkle_tenant_storage_byte_seconds_total", "alice") == total
+    # The bytes held, independently: the checkpoint's listed files on disk. Every accrual adds
+    # bytes x whole seconds, so the total is a multiple of them.
+    held = 0
+    for meta in (tmp_path / "data").rglob("checkpoint_metadata.json"):
+        if "/tenants/alice/" in str(meta):
+            listed = json.loads(meta.read_text())["files"]
+            held += sum((meta.parent / name).stat().st_size for name in listed)
+    assert held > 0 and total > 0 and total % held == 0, (total, held)
+    # Per tenant only: no key, session or run labels on these series.
+    text = requests.get(f"{base_url(server)}/metrics", timeout=10).text
+    for name in ("twinkle_tenant_optimizer_steps_total", "twinkle_tenant_storage_byte_seconds_total"):
+        assert all(set(s.labels) == {"tenant"} for s in prom.select(prom.parse(text), name))
+
+
 def test_tinker_auth_login_verifies_the_key(admin_server: ServerProcess, tmp_path: Path) -> None:
     """`tinker auth login` (the real CLI) checks a pasted key with GET /auth/apikey/me."""
     env = dict(os.environ, HOME=str(tmp_path), TINKER_BASE_URL=base_url(admin_server))

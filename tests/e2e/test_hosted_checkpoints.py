@@ -360,6 +360,86 @@ def test_copy_weights(hosted: ServerProcess) -> None:
         alice_rest.copy_weights(source, "archive", ttl_seconds=-1).result()
 
 
+def test_copy_weights_honours_the_idempotency_key(hosted: ServerProcess, tmp_path: Path) -> None:
+    """The SDK sends one X-Idempotency-Key across its HTTP retries of a call: a replay answers
+    the first copy and copies nothing; the key with another body is refused; a new key copies."""
+    svc = service(hosted, KEYS["alice"])
+    rest = svc.create_rest_client()
+    training = lora_client(svc)
+    source = training.save_state("idem").result().path
+
+    def copies() -> list[str]:
+        return sorted(c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints
+                      if c.tinker_path.endswith("/weights/idem") and c.tinker_path != source)
+
+    def copy(key: str, body: dict[str, Any]) -> requests.Response:
+        return requests.post(hosted.http_url("/api/v1/copy_weights"), json=body, timeout=30,
+                             headers={"X-API-Key": KEYS["alice"], "X-Idempotency-Key": key})
+
+    body = {"source_path": source, "destination_project_id": "p", "ttl_seconds": HOUR}
+    first = copy("stainless-python-retry-1", body)
+    assert first.status_code == 200, first.text
+    assert copies() == [first.json()["tinker_path"]]
+    directories = sorted(str(p) for p in (tmp_path / "data").rglob("weights/idem"))
+    for _ in range(3):
+        again = copy("stainless-python-retry-1", body)
+        assert again.status_code == 200 and again.json() == first.json(), again.text
+    assert copies() == [first.json()["tinker_path"]]
+    assert sorted(str(p) for p in (tmp_path / "data").rglob("weights/idem")) == directories  # nothing written
+    conflict = copy("stainless-python-retry-1", {**body, "ttl_seconds": 2 * HOUR})
+    assert conflict.status_code == 400 and "X-Idempotency-Key" in conflict.json()["detail"], conflict.text
+    other = copy("stainless-python-retry-2", body)
+    assert other.status_code == 200 and other.json() != first.json()
+    assert len(copies()) == 2
+    # A failed copy keeps nothing: its replay is tried again (and fails again, the same way).
+    for _ in range(2):
+        bad = copy("stainless-python-retry-3", {**body, "source_path": source + "-missing"})
+        assert bad.status_code == 404, bad.text
+    assert copy("x" * 257, body).status_code == 400  # the key's length, at limit + 1
+    assert copy("x" * 256, body).status_code == 200
+    # Without a key, each call copies (the SDK always sends one).
+    requests.post(hosted.http_url("/api/v1/copy_weights"), json=body, headers={"X-API-Key": KEYS["alice"]},
+                  timeout=30).raise_for_status()
+    assert len(copies()) == 4
+    # Another tenant's replay of the same key is its own call (keys are per tenant).
+    bob = requests.post(hosted.http_url("/api/v1/copy_weights"), json=body, timeout=30,
+                        headers={"X-API-Key": KEYS["bob"], "X-Idempotency-Key": "stainless-python-retry-1"})
+    assert bob.status_code == 404, bob.text
+
+
+def test_a_ttl_survives_re_registration_after_a_restart(launch_server: LaunchServer, tmp_path: Path) -> None:
+    """A checkpoint registered again from its directory at startup (its registry row lost,
+    e.g. a registry restored from an older backup) keeps its expiry, also one set after the
+    save, and the reaper still deletes it when it is due."""
+    import sqlite3
+
+    server = launch_server(overrides(tmp_path))
+    svc = service(server, KEYS["alice"])
+    rest = svc.create_rest_client()
+    training = lora_client(svc)
+    model_id = training.get_info().model_id
+    training.save_state("saved-ttl", ttl_seconds=HOUR).result()
+    later = training.save_state("later-ttl").result().path
+    rest.set_checkpoint_ttl_from_tinker_path(later, 3 * HOUR).result()
+    cleared = training.save_weights_for_sampler("cleared", ttl_seconds=HOUR).result().path
+    rest.set_checkpoint_ttl_from_tinker_path(cleared, None).result()
+    training.save_state("forever").result()
+    before = {c.checkpoint_id: (c.expires_at, c.time) for c in rest.list_checkpoints(model_id).result().checkpoints}
+    assert before["weights/saved-ttl"][0] is not None and before["weights/later-ttl"][0] is not None
+    assert before["sampler_weights/cleared"][0] is None and before["weights/forever"][0] is None
+    server.stop()  # SIGTERM
+    with sqlite3.connect(tmp_path / "data" / "registry.sqlite") as db:
+        assert db.execute("DELETE FROM checkpoints").rowcount == len(before)
+    server = launch_server(overrides(tmp_path))
+    assert "registered (complete on disk, missing from the registry)" in server.logs()
+    rest = service(server, KEYS["alice"]).create_rest_client()
+    after = {c.checkpoint_id: (c.expires_at, c.time) for c in rest.list_checkpoints(model_id).result().checkpoints}
+    assert after == before
+    advance_clock(server, HOUR + 1)
+    assert {c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints} == {
+        "weights/later-ttl", "sampler_weights/cleared", "weights/forever"}
+
+
 # ---- publish and share -------------------------------------------------------------------------
 
 def test_publish_share_read_only_and_unpublish_revokes(hosted: ServerProcess) -> None:

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/registry/registry.h"
+#include "server/metrics.h"
 
 namespace twinkle {
 namespace {
@@ -105,6 +106,47 @@ TEST_F(UsageMeterTest, StorageAccruesWholeSecondsWithTheRemainderCarried) {
   EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 10000);
   ASSERT_TRUE(meter.Flush(t0 + absl::Seconds(11)).ok());  // 0.5 s carried + 0.5 s = 1 s
   EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 11000);
+}
+
+TEST_F(UsageMeterTest, MetricsMirrorOptimizerStepsAndStorageByTenantExactly) {
+  registry::RunRecord run;
+  run.run_id = "s1-a";
+  run.tenant = "alice";
+  run.adapter_name = "a";
+  run.base_model = "m";
+  run.lora_config_json = "{}";
+  ASSERT_TRUE(registry_->PutRun(run).ok());
+  registry::CheckpointRecord c;
+  c.tenant = "alice";
+  c.run_id = "s1-a";
+  c.checkpoint_id = "weights/x";
+  c.kind = "training";
+  c.path = "/tmp/x";
+  c.size_bytes = 1234;
+  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  Metrics metrics(/*tenant_labels=*/true);
+  UsageMeter meter(*registry_);
+  meter.SetListener([&metrics](const std::string& tenant, const std::string& kind, int64_t amount) {
+    metrics.RecordUsage(tenant, kind, amount);
+  });
+  const absl::Time t0 = absl::FromUnixSeconds(3600 * 300);
+  meter.RecordStep(Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "clip_grad_and_step", true},
+                                                {"bob", 0, "step", true}, {"alice", 0, "optim_step", false},
+                                                {"alice", 0, "zero_grad", true}}),
+                   t0);
+  meter.RecordStep(Step(sched::OpKind::kForwardBackward, {{"alice", 11, "forward_backward", true}}), t0);
+  ASSERT_TRUE(meter.Flush(t0).ok());
+  ASSERT_TRUE(meter.Flush(t0 + absl::Seconds(7)).ok());
+  const std::string text = metrics.Render();
+  // The same integers the billing rows hold; no key, session or run label.
+  EXPECT_EQ(Totals("alice")["optim_steps"], 2);
+  EXPECT_EQ(Totals("alice")["storage_byte_seconds"], 1234 * 7);
+  EXPECT_THAT(text, ::testing::HasSubstr("twinkle_tenant_optimizer_steps_total{tenant=\"alice\"} 2\n"));
+  EXPECT_THAT(text, ::testing::HasSubstr("twinkle_tenant_optimizer_steps_total{tenant=\"bob\"} 1\n"));
+  EXPECT_THAT(text, ::testing::HasSubstr("twinkle_tenant_storage_byte_seconds_total{tenant=\"alice\"} 8638\n"));
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("twinkle_tenant_storage_byte_seconds_total{tenant=\"bob\"}")));
+  // Tokens are twinkle_tenant_tokens_total's (from the scheduler), not counted twice here.
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("kind=\"training\"")));
 }
 
 }  // namespace

@@ -147,6 +147,41 @@ TEST_F(CheckpointRetentionTest, SetTtlValidatesAndIsOwnerOnly) {
   EXPECT_TRUE(absl::IsInvalidArgument(Write("alice", "neg", -5).status()));
 }
 
+TEST_F(CheckpointRetentionTest, ATtlSurvivesReRegistrationFromTheDirectory) {
+  // One saved with a TTL, one given a TTL later, one whose TTL was cleared, one without.
+  ASSERT_TRUE(Write("alice", "saved", 3600).ok());
+  ASSERT_TRUE(Write("alice", "set").ok());
+  ASSERT_TRUE(Write("alice", "cleared", 60).ok());
+  ASSERT_TRUE(Write("alice", "none").ok());
+  const absl::Time created = clock_.Now();
+  clock_.Advance(absl::Seconds(10));
+  ASSERT_TRUE(store_->SetTtl("alice", "run-alice", "sampler_weights/set", 7200).ok());
+  ASSERT_TRUE(store_->SetTtl("alice", "run-alice", "sampler_weights/cleared", std::nullopt).ok());
+  const std::map<std::string, std::optional<absl::Time>> want = {
+      {"sampler_weights/saved", created + absl::Seconds(3600)},
+      {"sampler_weights/set", created + absl::Seconds(10 + 7200)},
+      {"sampler_weights/cleared", std::nullopt},
+      {"sampler_weights/none", std::nullopt}};
+  // The registry loses the rows (a restore from an older backup); the directories stay.
+  for (const auto& [id, expires] : want) ASSERT_TRUE(registry_->DeleteCheckpoint("alice", "run-alice", id).ok());
+  absl::StatusOr<std::vector<std::string>> changes = store_->Recover();
+  ASSERT_TRUE(changes.ok()) << changes.status();
+  EXPECT_EQ(changes->size(), want.size());
+  for (const auto& [id, expires] : want) {
+    absl::StatusOr<registry::CheckpointRecord> c = registry_->GetCheckpoint("alice", "run-alice", id);
+    ASSERT_TRUE(c.ok()) << id << ": " << c.status();
+    EXPECT_EQ(c->expires, expires) << id;
+    EXPECT_EQ(c->created, created) << id;
+    // The metadata update kept the files verifiable.
+    EXPECT_TRUE(store_->ListFiles(*c).ok()) << id;
+  }
+  // And the restored expiry is enforced: the reaper deletes the first one when it is due.
+  clock_.Advance(absl::Seconds(3600));
+  absl::StatusOr<std::vector<std::string>> reaped = store_->Reap();
+  ASSERT_TRUE(reaped.ok());
+  EXPECT_THAT(*reaped, ::testing::ElementsAre("run-alice/sampler_weights/saved"));
+}
+
 TEST_F(CheckpointRetentionTest, QuotaIsDecidedBeforeWritingAtLimitPlusOne) {
   // Each checkpoint is 100 + 2 bytes (weights + "{}").
   StorageQuotas q;
