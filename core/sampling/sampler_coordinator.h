@@ -67,6 +67,13 @@ struct SamplingParams {
   double temperature = 1.0;  // 0 = greedy
   double top_p = 1.0;        // 1 = off
   int64_t top_k = 0;         // <= 0 = off
+  // The engine's penalties and min-p (ipc::SampleRowMsg, engine/sampler/sampler.h): each off
+  // at its default; repetition_penalty > 0, presence / frequency in [-ipc::kMaxPenalty,
+  // ipc::kMaxPenalty], min_p in [0, 1].
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double min_p = 0.0;
   std::vector<int64_t> stop_token_ids;
   // Matched on the decoded text of the generated tokens; the token that completes a stop
   // string is the last one returned (as for a stop token).

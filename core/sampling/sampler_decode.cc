@@ -331,6 +331,10 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       r.temperature = request.params.temperature;
       r.top_p = request.params.top_p;
       r.top_k = request.params.top_k;
+      r.repetition_penalty = request.params.repetition_penalty;
+      r.presence_penalty = request.params.presence_penalty;
+      r.frequency_penalty = request.params.frequency_penalty;
+      r.min_p = request.params.min_p;
       r.stop_token_ids = request.params.stop_token_ids;
       if (!request.params.ignore_eos) {
         r.stop_token_ids.insert(r.stop_token_ids.end(), eos_token_ids_.begin(), eos_token_ids_.end());

@@ -54,6 +54,11 @@ struct Request {
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;  // 0 = off
+  // The engine's penalties and min-p (docs/openai.md, "Penalties and min_p"); off at these.
+  double min_p = 0;                 // [0, 1]
+  double presence_penalty = 0;      // [-2, 2]
+  double frequency_penalty = 0;     // [-2, 2]
+  double repetition_penalty = 1;    // > 0 (vLLM's extension)
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   std::vector<int64_t> stop_token_ids;  // vLLM's extension

@@ -397,6 +397,10 @@ class Handlers {
     p.temperature = r.temperature;
     p.top_p = r.top_p;
     p.top_k = r.top_k;
+    p.min_p = r.min_p;
+    p.presence_penalty = r.presence_penalty;
+    p.frequency_penalty = r.frequency_penalty;
+    p.repetition_penalty = r.repetition_penalty;
     p.seed = r.seed;
     p.stop_strings = r.stop;
     p.stop_token_ids = r.stop_token_ids;

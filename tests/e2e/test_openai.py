@@ -441,19 +441,127 @@ def test_model_names_and_unsupported_parameters(oa_server: ServerProcess) -> Non
         with pytest.raises(openai.NotFoundError) as err:
             oa.completions.create(model=name, prompt=PROMPT, max_tokens=1)
         assert err.value.code == "model_not_found"
-    for key, value in (("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("logit_bias", {"5": 1}),
-                       ("suffix", "x"), ("best_of", 3)):
+    for key, value in (("logit_bias", {"5": 1}), ("suffix", "x"), ("best_of", 3)):
         with pytest.raises(openai.BadRequestError) as err:
             oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, **{key: value})
         assert err.value.param == key and err.value.code == "unsupported_parameter"
-    for key, value in (("min_p", 0.1), ("repetition_penalty", 1.2)):
-        with pytest.raises(openai.BadRequestError) as err:
-            oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={key: value})
-        assert err.value.param == key
     # No-op values of those, and unknown parameters, are accepted.
-    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, presence_penalty=0, frequency_penalty=0,
-                                user="u1", extra_body={"no_such_parameter": {"x": 1}, "min_p": 0})
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={}, user="u1",
+                                extra_body={"no_such_parameter": {"x": 1}, "best_of": 1})
     assert len(out.choices) == 1
+
+
+def penalised_greedy(model: Any, prompt: list[int], max_tokens: int, eos: set[int], repetition: float = 1.0,
+                     presence: float = 0.0, frequency: float = 0.0) -> tuple[list[int], list[float]]:
+    """The engine-level reference (tests/engine/test_sampler_penalties.py) on the transformers
+    model: greedy over the logits with transformers' RepetitionPenaltyLogitsProcessor over prompt +
+    generated tokens, then OpenAI's formula over the generated ones, logit - count * frequency -
+    (count > 0) * presence; ending after an end-of-sequence token, as the server does. Returns
+    the tokens and each step's top-2 gap."""
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([prompt])
+    counts = torch.zeros(1, model.config.vocab_size)
+    processor = RepetitionPenaltyLogitsProcessor(float(repetition)) if repetition != 1.0 else None
+    tokens: list[int] = []
+    gaps: list[float] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(input_ids=ids).logits[:, -1].float()
+            if processor is not None:
+                logits = processor(ids, logits)
+            logits = logits - counts * frequency - (counts > 0).float() * presence
+            top2 = logits[0].double().topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            token = int(logits[0].argmax())
+            tokens.append(token)
+            counts[0, token] += 1
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            if token in eos:
+                break
+    return tokens, gaps
+
+
+def agree_until_near_tie(got: list[int], ref: list[int], gaps: list[float], what: Any) -> bool:
+    """Tokens equal up to the reference's first top-2 gap below 1e-4; whether all were compared."""
+    for t, want in enumerate(ref):
+        if gaps[t] < 1e-4:
+            return False
+        assert t < len(got) and got[t] == want, f"{what}: token {t}: ours {got}, reference {ref}"
+    assert len(got) == len(ref), (what, got, ref)
+    return True
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+
+
+def test_penalties_change_greedy_output_as_the_reference(oa_server: ServerProcess, hf_model: Any) -> None:
+    """presence_penalty / frequency_penalty (OpenAI's) and repetition_penalty (extra_body, vLLM's)
+    give the greedy tokens of the engine-level reference on the same model; streamed and whole
+    answers agree; and the penalties do change the answer."""
+    oa = client(oa_server)
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    max_tokens = 24
+    plain = token_ids(oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                            temperature=0).choices[0])
+    cases: list[dict[str, Any]] = [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": -1.0, "frequency_penalty": 0.5},
+        {"extra_body": {"repetition_penalty": 1.5}},
+        {"extra_body": {"repetition_penalty": 0.7}},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "extra_body": {"repetition_penalty": 1.3}},
+    ]
+    full = changed = 0
+    for case in cases:
+        params = {**{k: v for k, v in case.items() if k != "extra_body"}, **case.get("extra_body", {})}
+        ref, gaps = penalised_greedy(hf_model, PROMPT, max_tokens, eos, params.get("repetition_penalty", 1.0),
+                                     params.get("presence_penalty", 0.0), params.get("frequency_penalty", 0.0))
+        got = token_ids(oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                              **case).choices[0])
+        full += agree_until_near_tie(got, ref, gaps, params)
+        changed += got != plain
+        streamed = [t for c in oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                                     stream=True, **case) if c.choices for t in token_ids(c.choices[0])]
+        assert streamed == got, params
+    print(f"{full}/{len(cases)} penalised answers compared over all their tokens; {changed} changed by the penalty")
+    assert full >= len(cases) - 1
+    # Not every setting moves this prompt's greedy answer (those that favour repeats may not).
+    assert changed >= len(cases) // 2
+    # min_p (extra_body) = 1 keeps only the most likely token: sampled choices (temperature 1,
+    # top_k too, n = 3 with their own generators and counts) all equal the penalised greedy.
+    ref, gaps = penalised_greedy(hf_model, PROMPT, max_tokens, eos, 1.5, 0.0, 1.0)
+    out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, n=3, seed=5,
+                                frequency_penalty=1.0, extra_body={"min_p": 1.0, "top_k": 50, "repetition_penalty": 1.5})
+    for choice in out.choices:
+        agree_until_near_tie(token_ids(choice), ref, gaps, ("min_p", choice.index))
+    # Chat takes them too.
+    chat = oa.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                      presence_penalty=1.0, extra_body={"repetition_penalty": 1.2, "min_p": 0.1})
+    assert len(token_ids(chat.choices[0])) >= 1
+
+
+def test_penalty_limits_at_limit_plus_one(oa_server: ServerProcess) -> None:
+    """Accepted at each limit; just past it 400 in OpenAI's shape naming the parameter."""
+    oa = client(oa_server)
+    for key, ok, bad in (("presence_penalty", 2.0, 2.01), ("presence_penalty", -2.0, -2.01),
+                         ("frequency_penalty", 2.0, 2.01), ("frequency_penalty", -2.0, -2.01),
+                         ("min_p", 1.0, 1.01), ("min_p", 0.0, -0.01), ("repetition_penalty", 0.01, 0.0)):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, key: ok}
+        assert post(oa_server, "/v1/completions", body).status_code == 200, (key, ok)
+        error = assert_openai_error(post(oa_server, "/v1/completions", {**body, key: bad}), 400, key)
+        assert error["type"] == "invalid_request_error" and key in error["message"], error
+        with pytest.raises(openai.BadRequestError) as err:
+            oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={key: bad})
+        assert err.value.param == key
+    wait_idle(oa_server)
 
 
 def test_rate_limit_and_quota_as_tinker(launch_server: LaunchServer) -> None:
