@@ -311,7 +311,14 @@ struct SampleProgressMsg {
   std::vector<float> logprobs;
   std::vector<int64_t> top_token_ids;
   std::vector<float> top_logprobs;
-  MSGPACK_DEFINE_MAP(request_id, sample, tokens, logprobs, top_token_ids, top_logprobs);
+  // A request's first report only (one of its samples'), when its row asked for them: the
+  // prompt's log-probs as its result will carry them ([P - 1], and [P - 1, k] row-major), so
+  // a stream can send them before the row finishes (the OpenAI routes' echo).
+  std::vector<float> prompt_logprobs;
+  std::vector<int64_t> prompt_top_token_ids;
+  std::vector<float> prompt_top_logprobs;
+  MSGPACK_DEFINE_MAP(request_id, sample, tokens, logprobs, top_token_ids, top_logprobs, prompt_logprobs,
+                     prompt_top_token_ids, prompt_top_logprobs);
 };
 struct SampleFinishedMsg {
   uint64_t request_id = 0;

@@ -337,10 +337,6 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
                                                    limits.max_top_logprobs, "]"));
       }
     }
-    if (r.echo && r.logprobs && r.stream) {
-      return ParamError("echo", "echo: with logprobs, not supported with stream: true (the prompt's log-probs come "
-                        "with the whole answer)", absl::StatusCode::kInvalidArgument, "unsupported_parameter");
-    }
   } else {
     if (absl::Status s = Bool(body, "logprobs", &r.logprobs); !s.ok()) return s;
     int64_t top = 0;
@@ -490,6 +486,12 @@ Json EchoedLogprobs(const std::vector<int64_t>& prompt, const sampling::PromptOu
 }
 
 }  // namespace
+
+Json EchoedLogprobsOf(const Request& request, const std::vector<int64_t>& prompt,
+                      const sampling::PromptOutput& scores, const sampling::SampledSequence& seq,
+                      const TextCodec& codec) {
+  return EchoedLogprobs(prompt, scores, seq, codec, request.top_logprobs);
+}
 
 Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
                 size_t text_offset) {

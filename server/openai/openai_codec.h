@@ -133,6 +133,12 @@ Json StreamChunk(const Request& request, const std::string& id, int64_t created,
 // top_logprobs, text_offset from `text_offset`; chat: content), request.top_logprobs wide.
 Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
                 size_t text_offset = 0);
+// Completions with echo and logprobs: the prompt's tokens with their log-probs (`scores`'
+// prompt_logprobs / prompt_top_logprobs; the first token's null), then `seq`'s tokens, one
+// list, offsets from 0. The whole answer's, and a stream's first chunk of each choice.
+Json EchoedLogprobsOf(const Request& request, const std::vector<int64_t>& prompt,
+                      const sampling::PromptOutput& scores, const sampling::SampledSequence& seq,
+                      const TextCodec& codec);
 Json UsageChunk(const Request& request, const std::string& id, int64_t created, const std::string& model,
                 int64_t prompt_tokens, int64_t completion_tokens);
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,6 +245,35 @@ def test_disconnect_mid_stream_frees_the_rows(oa_server: ServerProcess) -> None:
     # And the server still serves.
     out = oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     assert len(token_ids(out.choices[0])) >= 1
+
+
+def test_disconnect_while_a_whole_answer_is_pending_frees_the_rows(oa_server: ServerProcess) -> None:
+    """A non-streaming request whose client closes its socket before the answer is cancelled
+    like a streaming one: its rows leave the batch and their KV blocks go back (cancelled, not
+    finished: the generated-token counter does not move); keep-alive connections still work."""
+    wait_idle(oa_server)
+    generated_before = prom.value(metrics(oa_server), "twinkle_sampler_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": [PROMPT] * 16, "n": MAX_N, "max_tokens": MAX_POSITIONS - len(PROMPT),
+                       "temperature": 0, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {oa_server.host}\r\nAuthorization: Bearer {KEYS['alice']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.create_connection((oa_server.host, oa_server.http_port), timeout=30)
+    try:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + scaled(60)
+        while sampler_idle(oa_server):  # the request reaches the sampler
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    finally:
+        sock.close()
+    wait_idle(oa_server)
+    assert prom.value(metrics(oa_server), "twinkle_sampler_tokens_total") == generated_before
+    # Whole answers on one keep-alive connection are unaffected by the watch.
+    with requests.Session() as http:
+        for _ in range(2):
+            r = http.post(oa_server.http_url("/v1/completions"), json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
 
 def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None:
@@ -705,6 +735,32 @@ def test_echo_with_logprobs_scores_the_prompt_like_tinker(oa_server: ServerProce
     text = "".join(c.choices[0].text for c in streamed if c.choices)
     whole = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, echo=True)
     assert text == whole.choices[0].text and text.startswith(TEXT)
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_answer(oa_server: ServerProcess, hf_tokenizer: Any) -> None:
+    """echo + logprobs + stream: each choice's first chunk leads with the prompt's tokens and
+    log-probs (the first null), as OpenAI's legacy completions send them; the chunks together
+    equal the whole (non-streamed) answer's log-probs, offsets and text."""
+    oa = client(oa_server)
+    ids = hf_tokenizer.encode(TEXT, add_special_tokens=False).ids
+    for max_tokens in (1, 6):
+        params = {"model": MODEL, "prompt": TEXT, "max_tokens": max_tokens, "temperature": 0, "echo": True,
+                  "logprobs": 2, "n": 2}
+        whole = oa.completions.create(**params)
+        chunks = [c for c in oa.completions.create(**params, stream=True) if c.choices]
+        for index in (0, 1):
+            mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+            with_lp = [c for c in mine if c.logprobs is not None]
+            first = with_lp[0].logprobs
+            assert mine[0].logprobs is not None and len(first.tokens) == len(ids) + len(token_ids(mine[0]))
+            assert first.token_logprobs[0] is None and first.top_logprobs[0] is None
+            want = whole.choices[index].logprobs
+            assert [t for c in with_lp for t in c.logprobs.tokens] == want.tokens
+            got_lps = [v for c in with_lp for v in c.logprobs.token_logprobs]
+            assert got_lps[0] is None and got_lps[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-6)
+            assert [t for c in with_lp for t in c.logprobs.top_logprobs] == want.top_logprobs
+            assert [o for c in with_lp for o in c.logprobs.text_offset] == want.text_offset
+            assert "".join(c.text for c in mine) == whole.choices[index].text
 
 
 def test_routes_also_under_the_tinker_api_prefix(oa_server: ServerProcess) -> None:

@@ -141,6 +141,7 @@ struct GenRequest {
   // Whether a penalty changes this row's logits (Penalised); else no counts are kept.
   bool penalised = false;
   std::vector<int64_t> prompt_set;  // repetition_penalty != 1: the prompt's distinct ids, sorted
+  bool prompt_reported = false;     // report_tokens rows: the prompt's log-probs went with a report
 
   // Whether the prefill needs the logits of every prompt row, not just the last.
   bool wants_prompt_rows() const {
@@ -562,6 +563,18 @@ class GenerationBatch {
         if (const int64_t k = r->row.top_logprobs; k > 0) {
           m.top_token_ids.assign(seq.top_ids.begin() + from * k, seq.top_ids.end());
           m.top_logprobs.assign(seq.top_lps.begin() + from * k, seq.top_lps.end());
+        }
+        if (!r->prompt_reported) {  // the request's first report carries the prompt's log-probs
+          r->prompt_reported = true;
+          if (const at::Tensor& lp = r->prompt_logprobs; lp.defined()) {
+            m.prompt_logprobs.assign(lp.const_data_ptr<float>(), lp.const_data_ptr<float>() + lp.numel());
+          }
+          if (r->prompt_top_ids.defined()) {
+            const at::Tensor& ids = r->prompt_top_ids;
+            const at::Tensor& lps = r->prompt_top_lps;
+            m.prompt_top_token_ids.assign(ids.const_data_ptr<int64_t>(), ids.const_data_ptr<int64_t>() + ids.numel());
+            m.prompt_top_logprobs.assign(lps.const_data_ptr<float>(), lps.const_data_ptr<float>() + lps.numel());
+          }
         }
         out.push_back(std::move(m));
         seq.reported = seq.tokens.size();

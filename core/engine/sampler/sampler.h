@@ -54,7 +54,8 @@
 //                but shares the pool with it).
 //   sample_step  the coordinator's continuous batch (ipc::SampleStepRequest): cancels,
 //                early stops of single samples (a stop string the coordinator matched on
-//                the tokens report_tokens rows report each call), FIFO admission (rejected /
+//                the tokens report_tokens rows report each call; a request's first report
+//                also carries its prompt log-probs when asked, for a stream's echo), FIFO admission (rejected /
 //                deferred / admitted), up to max_decode_steps steps, finished results. With nothing to admit and max_decode_steps 0 it
 //                does no work and only reports the cache occupancy (the stats call).
 // Removing an adapter drops its running sample_step requests; the next sample_step reply

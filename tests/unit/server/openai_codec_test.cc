@@ -85,7 +85,6 @@ TEST(OpenAiCodec, RefusesBadInputNamingTheParameter) {
        "stop"},
       {Completion({{"logprobs", 21}}), "logprobs"},
       {Completion({{"stream_options", {{"include_usage", true}}}}), "stream_options"},
-      {Completion({{"echo", true}, {"logprobs", 1}, {"stream", true}}), "echo"},
       {Completion({{"presence_penalty", 2.01}}), "presence_penalty"},
       {Completion({{"presence_penalty", "1"}}), "presence_penalty"},
       {Completion({{"frequency_penalty", -2.01}}), "frequency_penalty"},
@@ -161,6 +160,14 @@ TEST(OpenAiCodec, AcceptsNoOpValuesOfUnsupportedParameters) {
                                        {"user", "u"}, {"tools", Json::array()}, {"tool_choice", "none"}}),
                            Endpoint::kCompletions, Limits{})
                   .ok());
+}
+
+TEST(OpenAiCodec, EchoWithLogprobsMayStream) {
+  absl::StatusOr<Request> r =
+      ParseRequest(Completion({{"echo", true}, {"logprobs", 2}, {"stream", true}}), Endpoint::kCompletions, Limits{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->echo && r->logprobs && r->stream);
+  EXPECT_EQ(r->top_logprobs, 2);
 }
 
 TEST(OpenAiCodec, PenaltiesAndMinPAreParsed) {
