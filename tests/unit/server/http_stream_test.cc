@@ -222,5 +222,28 @@ TEST(HttpStream, AnAnsweredRequestIsNotReportedAndKeepAliveGoesOn) {
   http.Stop();
 }
 
+// An answer that comes later than the idle timeout (a long generation) is still written: the
+// idle timeout is for waiting on the client's next request, not on the server's answer.
+TEST(HttpStream, AnAnswerLaterThanTheIdleTimeoutIsStillWritten) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  HttpServerLimits limits;
+  limits.idle_timeout_s = 1;
+  http.SetLimits(limits);
+  http.RouteStreaming("POST", "/stream", [](const HttpRequest&, HttpResponder respond, HttpStreamer) {
+    std::thread([respond = std::move(respond)] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      respond({200, "application/json", R"({"late":true})"});
+    }).detach();
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  const std::string got = client.ReadUntil(R"({"late":true})");
+  EXPECT_NE(got.find(R"({"late":true})"), std::string::npos) << got;
+  http.Stop();
+}
+
 }  // namespace
 }  // namespace twinkle
