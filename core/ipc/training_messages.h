@@ -186,6 +186,8 @@ inline constexpr int64_t kMaxTopLogprobs = 64;
 // The largest K of target_prompt_tokens and prompt_alt_tokens_k (each asked prompt position
 // costs K ids and logprobs in the reply).
 inline constexpr int64_t kMaxPromptTargets = 64;
+// The largest |presence_penalty| and |frequency_penalty|: OpenAI's documented range [-2, 2].
+inline constexpr double kMaxPenalty = 2.0;
 
 struct SampleRowMsg {
   std::string adapter_id;          // "" = base model only
@@ -214,9 +216,21 @@ struct SampleRowMsg {
   // argmax; no top-k/top-p) from the distribution at every prompt position after the first,
   // from a generator of their own seeded by `seed`. At most kMaxPromptTargets.
   int64_t prompt_alt_tokens_k = 0;
+  // Penalties and min-p (sampler.h has the order; docs/openai.md the sources). Each sample
+  // counts its own tokens. Off at their defaults, and then they cost nothing.
+  //   repetition_penalty  > 0, 1 = off: transformers' RepetitionPenaltyLogitsProcessor over
+  //                       the prompt and the tokens generated so far (logit > 0: / p, else × p)
+  //   presence_penalty,   in [-kMaxPenalty, kMaxPenalty], 0 = off: OpenAI's formula over the
+  //   frequency_penalty   tokens generated so far, logit − count × frequency − (count > 0) × presence
+  //   min_p               in [0, 1], 0 = off: transformers' MinPLogitsWarper (sampling only)
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double min_p = 0.0;
   MSGPACK_DEFINE_MAP(adapter_id, prompt_tokens, max_tokens, temperature, top_p, top_k,
                      stop_token_ids, seed, num_samples, want_prompt_logprobs, top_logprobs,
-                     prompt_top_logprobs, report_tokens, target_prompt_tokens, prompt_alt_tokens_k);
+                     prompt_top_logprobs, report_tokens, target_prompt_tokens, prompt_alt_tokens_k,
+                     repetition_penalty, presence_penalty, frequency_penalty, min_p);
 };
 struct SampleRequest {
   std::vector<SampleRowMsg> rows;
@@ -297,7 +311,14 @@ struct SampleProgressMsg {
   std::vector<float> logprobs;
   std::vector<int64_t> top_token_ids;
   std::vector<float> top_logprobs;
-  MSGPACK_DEFINE_MAP(request_id, sample, tokens, logprobs, top_token_ids, top_logprobs);
+  // A request's first report only (one of its samples'), when its row asked for them: the
+  // prompt's log-probs as its result will carry them ([P - 1], and [P - 1, k] row-major), so
+  // a stream can send them before the row finishes (the OpenAI routes' echo).
+  std::vector<float> prompt_logprobs;
+  std::vector<int64_t> prompt_top_token_ids;
+  std::vector<float> prompt_top_logprobs;
+  MSGPACK_DEFINE_MAP(request_id, sample, tokens, logprobs, top_token_ids, top_logprobs, prompt_logprobs,
+                     prompt_top_token_ids, prompt_top_logprobs);
 };
 struct SampleFinishedMsg {
   uint64_t request_id = 0;

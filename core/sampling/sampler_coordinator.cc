@@ -520,6 +520,20 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   if (!(params.top_p > 0 && params.top_p <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat("top_p: ", params.top_p, " must be in (0, 1]"));
   }
+  if (!(params.repetition_penalty > 0) || std::isinf(params.repetition_penalty)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty: ", params.repetition_penalty, " must be finite and > 0"));
+  }
+  for (const auto& [name, value] : {std::pair<const char*, double>{"presence_penalty", params.presence_penalty},
+                                    std::pair<const char*, double>{"frequency_penalty", params.frequency_penalty}}) {
+    if (!(std::fabs(value) <= ipc::kMaxPenalty)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", value, " must be in [", -ipc::kMaxPenalty, ", ", ipc::kMaxPenalty, "]"));
+    }
+  }
+  if (!(params.min_p >= 0 && params.min_p <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p: ", params.min_p, " must be in [0, 1]"));
+  }
   if (params.num_samples == 0) params.num_samples = 1;
   if (params.num_samples < 0 || params.num_samples > options_.max_num_samples) {
     return absl::InvalidArgumentError(

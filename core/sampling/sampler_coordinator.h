@@ -67,6 +67,13 @@ struct SamplingParams {
   double temperature = 1.0;  // 0 = greedy
   double top_p = 1.0;        // 1 = off
   int64_t top_k = 0;         // <= 0 = off
+  // The engine's penalties and min-p (ipc::SampleRowMsg, engine/sampler/sampler.h): each off
+  // at its default; repetition_penalty > 0, presence / frequency in [-ipc::kMaxPenalty,
+  // ipc::kMaxPenalty], min_p in [0, 1].
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  double min_p = 0.0;
   std::vector<int64_t> stop_token_ids;
   // Matched on the decoded text of the generated tokens; the token that completes a stop
   // string is the last one returned (as for a stop token).
@@ -96,6 +103,10 @@ struct StreamDelta {
   std::vector<float> logprobs;  // theirs, as SampledSequence::logprobs
   TopLogprobs top_logprobs;     // when the request asked top_logprobs: one position per token
   std::string finish_reason;    // on the sample's last delta only: "stop" | "length"
+  // On the sample's first delta only, when the request asked prompt_logprobs (and
+  // prompt_top_logprobs): the prompt's, aligned as PromptOutput's ([0] NaN / placeholders).
+  std::vector<float> prompt_logprobs;
+  TopLogprobs prompt_top_logprobs;
 };
 
 // A streaming request's consumer. `on_delta` runs on a decode thread, once per decode step
@@ -103,10 +114,16 @@ struct StreamDelta {
 // future completes; it must be quick (hand the bytes to a writer, never block). Cancel
 // through SamplerCoordinator::CancelStream: the request's rows leave the batch within one
 // decode step and its future completes Cancelled.
+//
+// A SampleStream made without a consumer is a cancellation handle only: the request is not
+// streamed (no deltas, the usual decode chunks), and CancelStream ends it the same way (the
+// OpenAI routes' non-streamed request whose client closed its connection).
 class SampleStream {
  public:
+  SampleStream() = default;
   explicit SampleStream(std::function<void(const StreamDelta&)> on_delta) : on_delta_(std::move(on_delta)) {}
   bool cancelled() const { return cancelled_.load(); }
+  bool streams() const { return static_cast<bool>(on_delta_); }
 
  private:
   friend class SamplerCoordinator;

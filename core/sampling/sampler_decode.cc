@@ -39,6 +39,20 @@ absl::StatusOr<TopLogprobs> ReadTop(const std::optional<ipc::TensorDesc>& ids,
   return TopLogprobs{k, *std::move(token_ids), *std::move(logprobs)};
 }
 
+// The prompt's log-probs of a row ([P - 1], top-k [P - 1, k]) aligned as PromptOutput's:
+// position 0 predicts nothing (NaN; ids -1 and NaN).
+void AlignPromptLogprobs(const std::vector<float>& lps, int64_t k, const std::vector<int64_t>& top_ids,
+                         const std::vector<float>& top_lps, std::vector<float>* out, TopLogprobs* top) {
+  out->assign(1, std::numeric_limits<float>::quiet_NaN());
+  out->insert(out->end(), lps.begin(), lps.end());
+  if (k <= 0) return;
+  top->k = k;
+  top->token_ids.assign(k, -1);
+  top->logprobs.assign(k, std::numeric_limits<float>::quiet_NaN());
+  top->token_ids.insert(top->token_ids.end(), top_ids.begin(), top_ids.end());
+  top->logprobs.insert(top->logprobs.end(), top_lps.begin(), top_lps.end());
+}
+
 }  // namespace
 
 void SamplerCoordinator::Finish(Request& request, FutureResult result) {
@@ -99,11 +113,9 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
         seq.stop_reason = "stop";
       }
     }
-    if (request.stream != nullptr) {
-      EmitDelta(row, out.sequences.size(), seq, seq.tokens.size(), seq.stop_reason);
-    }
     out.sequences.push_back(std::move(seq));
   }
+  const size_t first_sequence = out.sequences.size() - result.samples.size();
   if (request.params.prompt_logprobs) {
     out.prompt_logprobs.assign(1, std::numeric_limits<float>::quiet_NaN());
     if (result.prompt_logprobs) {
@@ -128,6 +140,17 @@ void SamplerCoordinator::Collect(Row& row, const ipc::SampleRowResultMsg& result
     aligned.logprobs.assign(k, std::numeric_limits<float>::quiet_NaN());
     aligned.token_ids.insert(aligned.token_ids.end(), top->token_ids.begin(), top->token_ids.end());
     aligned.logprobs.insert(aligned.logprobs.end(), top->logprobs.begin(), top->logprobs.end());
+  }
+  if (request.streams()) {
+    // A row that finished before any progress report: its prompt log-probs come from here.
+    if (request.params.prompt_logprobs && row.prompt_logprobs.empty()) {
+      row.prompt_logprobs = out.prompt_logprobs;
+      row.prompt_top_logprobs = out.prompt_top_logprobs;
+    }
+    for (size_t s = first_sequence; s < out.sequences.size(); ++s) {
+      const SampledSequence& seq = out.sequences[s];
+      EmitDelta(row, s - first_sequence, seq, seq.tokens.size(), seq.stop_reason);
+    }
   }
   if (request.params.target_prompt_width > 0) {
     absl::StatusOr<std::vector<float>> lp =
@@ -216,6 +239,10 @@ void SamplerCoordinator::EmitDelta(Row& row, size_t sample, const SampledSequenc
   StreamDelta delta;
   delta.prompt_index = row.prompt_index;
   delta.sample = static_cast<int64_t>(sample);
+  if (emitted == 0) {  // the sample's first delta
+    delta.prompt_logprobs = row.prompt_logprobs;
+    delta.prompt_top_logprobs = row.prompt_top_logprobs;
+  }
   if (upto > emitted) {
     const auto from = static_cast<std::ptrdiff_t>(emitted), to = static_cast<std::ptrdiff_t>(upto);
     delta.tokens.assign(tokens.begin() + from, tokens.begin() + to);
@@ -255,7 +282,7 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
         for (const auto& [id, row] : lane.running) gone(row);
       }
       for (const std::shared_ptr<Request>& r : cancelled) {
-        Finish(*r, absl::CancelledError("the client of the streaming request went away"));
+        Finish(*r, absl::CancelledError("the client of the request went away"));
       }
     }
     {
@@ -270,8 +297,8 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       admit.assign(lane.waiting.begin(), lane.waiting.end());
       cancel.swap(lane.cancel);
       have_running = !lane.running.empty();
-      for (const auto& [id, row] : lane.running) streaming |= row->request->stream != nullptr;
-      for (const std::shared_ptr<Row>& row : admit) streaming |= row->request->stream != nullptr;
+      for (const auto& [id, row] : lane.running) streaming |= row->request->streams();
+      for (const std::shared_ptr<Row>& row : admit) streaming |= row->request->streams();
     }
     // A new engine process holds neither snapshots nor running rows: rebuild, replay.
     const uint64_t gen = engine.generation();
@@ -331,6 +358,10 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       r.temperature = request.params.temperature;
       r.top_p = request.params.top_p;
       r.top_k = request.params.top_k;
+      r.repetition_penalty = request.params.repetition_penalty;
+      r.presence_penalty = request.params.presence_penalty;
+      r.frequency_penalty = request.params.frequency_penalty;
+      r.min_p = request.params.min_p;
       r.stop_token_ids = request.params.stop_token_ids;
       if (!request.params.ignore_eos) {
         r.stop_token_ids.insert(r.stop_token_ids.end(), eos_token_ids_.begin(), eos_token_ids_.end());
@@ -350,15 +381,15 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       // the final result is cut again in Collect, so the early stop only saves decoding.
       // Streaming rows report every step's tokens too, for their stream.
       r.report_tokens =
-          (!request.params.stop_strings.empty() && token_text_.has_value()) || request.stream != nullptr;
+          (!request.params.stop_strings.empty() && token_text_.has_value()) || request.streams();
       if (r.report_tokens) {
         row->partial.assign(request.params.num_samples, {});
         row->stop_sent.assign(request.params.num_samples, false);
       }
       // Kept across a replay after an engine restart: the seeded rows decode the same tokens
       // again, and the stream goes on after what it already has.
-      if (request.stream != nullptr && row->emitted.empty()) row->emitted.assign(request.params.num_samples, 0);
-      if (request.stream != nullptr) row->partial_streamed.assign(request.params.num_samples, {});
+      if (request.streams() && row->emitted.empty()) row->emitted.assign(request.params.num_samples, 0);
+      if (request.streams()) row->partial_streamed.assign(request.params.num_samples, {});
       step.admit.push_back(std::move(msg));
       admitted.emplace(row->engine_id, row);
     }
@@ -422,6 +453,12 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       lane.block_size = body->block_size;
     }
     for (auto& [row, m] : progress) {
+      const Request& request = *row->request;
+      if (request.streams() && request.params.prompt_logprobs &&
+          (!m->prompt_logprobs.empty() || !m->prompt_top_token_ids.empty())) {
+        AlignPromptLogprobs(m->prompt_logprobs, request.params.prompt_top_logprobs, m->prompt_top_token_ids,
+                            m->prompt_top_logprobs, &row->prompt_logprobs, &row->prompt_top_logprobs);
+      }
       const size_t sample = static_cast<size_t>(m->sample);
       if (sample >= row->partial.size() || row->stop_sent[sample]) continue;
       std::vector<int64_t>& tokens = row->partial[sample];
@@ -435,7 +472,7 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
           upto = *n;  // a stream never sees the tokens after the stop string's end
         }
       }
-      if (row->request->stream != nullptr && sample < row->partial_streamed.size()) {
+      if (row->request->streams() && sample < row->partial_streamed.size()) {
         SampledSequence& so_far = row->partial_streamed[sample];
         so_far.tokens.insert(so_far.tokens.end(), m->tokens.begin(), m->tokens.end());  // = `tokens`
         so_far.logprobs.insert(so_far.logprobs.end(), m->logprobs.begin(), m->logprobs.end());

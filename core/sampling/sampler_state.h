@@ -53,7 +53,10 @@ struct SamplerCoordinator::Request {
   std::shared_ptr<Snapshot> snapshot;
   std::vector<std::vector<int64_t>> prompts;
   SamplingParams params;
-  std::shared_ptr<SampleStream> stream;  // streaming requests only
+  // Streaming requests, and non-streamed ones their caller may cancel (a SampleStream with no
+  // consumer): CancelStream ends either.
+  std::shared_ptr<SampleStream> stream;
+  bool streams() const { return stream != nullptr && stream->streams(); }
   SampleOutput output;
   size_t rows_left = 0;
   bool finished = false;  // guarded by the coordinator's mu_
@@ -72,6 +75,11 @@ struct SamplerCoordinator::Row {
   std::vector<SampledSequence> partial_streamed;
   // Streaming rows (decode thread only): each sample's tokens already handed to the stream.
   std::vector<size_t> emitted;
+  // Streaming rows that asked for prompt log-probs (decode thread only): the prompt's, aligned
+  // as PromptOutput's, from the engine's first progress report (or the result), for each
+  // sample's first delta.
+  std::vector<float> prompt_logprobs;
+  TopLogprobs prompt_top_logprobs;
 };
 
 // One engine that samples (the training engine when colocated, else one dedicated sampler

@@ -30,6 +30,7 @@ sampling::SamplingParams ToParams(const v1::SamplingParams& p) {
   s.ignore_eos = p.ignore_eos();
   s.top_logprobs = p.top_logprobs();
   s.prompt_top_logprobs = p.prompt_top_logprobs();
+  s.repetition_penalty = p.repetition_penalty() == 0 ? 1.0 : p.repetition_penalty();
   return s;
 }
 

@@ -11,6 +11,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/socket.h>
+
+#include <cerrno>
+
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -89,12 +93,35 @@ LogLevel AccessLogLevel(const std::string& label) {
                                                                                         : LogLevel::kInfo;
 }
 
-// What a streamed response's writer and its session share.
+// What a streamed response's writer and its session share; also, for a streaming route's
+// pending answer, what HttpRequest::on_client_gone and the session share (`ended`: answered).
 struct StreamState {
   std::atomic<bool> gone{false};   // the client went away (or the server stopped)
-  std::atomic<bool> ended{false};  // End was called
+  std::atomic<bool> ended{false};  // End was called (a pending answer: the answer was sent)
   std::mutex mu;
   std::function<void()> on_gone;  // guarded by mu
+
+  // Registers `callback` (HttpStream::OnClientGone, HttpRequest::on_client_gone).
+  void Register(std::function<void()> callback) {
+    {
+      std::lock_guard lock(mu);
+      if (!gone.load()) {
+        on_gone = std::move(callback);
+        return;
+      }
+    }
+    if (!ended.load()) callback();
+  }
+  // The client is gone: runs the callback once, unless the answer was already out.
+  void Gone() {
+    if (gone.exchange(true)) return;
+    std::function<void()> callback;
+    {
+      std::lock_guard lock(mu);
+      callback.swap(on_gone);
+    }
+    if (callback && !ended.load()) callback();
+  }
 };
 
 // HttpStream over a session (Session<kTls> below): every call posts to the session's strand.
@@ -115,16 +142,7 @@ class StreamWriter : public HttpStream {
     session_->Post([s = session_] { s->EndStream(); });
   }
   bool client_gone() const override { return state_->gone.load(); }
-  void OnClientGone(std::function<void()> callback) override {
-    {
-      std::lock_guard lock(state_->mu);
-      if (!state_->gone.load()) {
-        state_->on_gone = std::move(callback);
-        return;
-      }
-    }
-    if (!state_->ended.load()) callback();
-  }
+  void OnClientGone(std::function<void()> callback) override { state_->Register(std::move(callback)); }
 
  private:
   std::shared_ptr<S> session_;
@@ -327,6 +345,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   }
 
   void StartStream(HttpResponse head, unsigned version, std::shared_ptr<StreamState> state) {
+    EndPendingWatch();
     stream_state_ = std::move(state);
     // A stream may run for as long as its generation does; the client's close ends it.
     beast::get_lowest_layer(stream_).expires_never();
@@ -385,6 +404,39 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     }
   }
 
+  // A streaming route's answer is pending: waits (without reading: a pipelined request stays
+  // in the socket) until the connection turns readable; a close, a reset or a shut-down
+  // sending side (a peek that finds no byte) means the client is gone. Bytes mean it is still
+  // there: the watch ends, the next request waits its turn. (Over TLS a close_notify is
+  // bytes too: a client that sends one before closing is not noticed until the answer.)
+  void WatchPending(std::shared_ptr<StreamState> watch) {
+    pending_watch_ = watch;
+    auto& socket = beast::get_lowest_layer(stream_).socket();
+    socket.async_wait(tcp::socket::wait_read, [self = this->shared_from_this(), watch](beast::error_code ec) {
+      if (self->pending_watch_ != watch || ec == asio::error::operation_aborted) return;
+      self->pending_watch_.reset();
+      if (self->core_->stopped.load()) return;  // the server's Stop, not the client
+      if (!ec) {
+        char byte = 0;
+        const ssize_t n = ::recv(beast::get_lowest_layer(self->stream_).socket().native_handle(), &byte, 1,
+                                 MSG_PEEK | MSG_DONTWAIT);
+        if (n > 0) return;  // a request, not a close
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+          return self->WatchPending(watch);  // nothing after all
+        }
+      }
+      watch->Gone();
+    });
+  }
+  // The answer is on its way: the watch's wait is cancelled and its callback never runs.
+  void EndPendingWatch() {
+    if (pending_watch_ == nullptr) return;
+    pending_watch_->ended = true;
+    pending_watch_.reset();
+    beast::error_code ignored;
+    beast::get_lowest_layer(stream_).socket().cancel(ignored);
+  }
+
   void StreamGone() {
     if (stream_state_ == nullptr || stream_state_->gone.exchange(true)) return;
     std::function<void()> callback;
@@ -399,6 +451,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   }
 
   void Write(HttpResponse response, unsigned version, bool keep_alive) {
+    EndPendingWatch();
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(response.status),
                                                                    version);
     res->set(http::field::server, "twinkle-server");
@@ -428,6 +481,9 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     std::string request_id = RequestIdOf(request);
     std::string tenant = routes_.tenant_of ? routes_.tenant_of(request) : std::string();
     if (auto st = routes_.streaming.find(key); st != routes_.streaming.end()) {
+      auto watch = std::make_shared<StreamState>();
+      request.on_client_gone = [watch](std::function<void()> callback) { watch->Register(std::move(callback)); };
+      WatchPending(watch);
       auto done = std::make_shared<std::atomic<bool>>(false);
       const std::string label = absl::StrCat(request.method, " ", request.path);
       HttpResponder respond = MakeResponder(label, request_id, tenant, version, keep_alive, done);
@@ -476,6 +532,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   beast::flat_buffer buffer_;
   // A streamed response (strand only): its shared state, the chunks not yet written.
   std::shared_ptr<StreamState> stream_state_;
+  std::shared_ptr<StreamState> pending_watch_;  // a streaming route's answer is pending (WatchPending)
   std::deque<std::string> out_;
   size_t backlog_ = 0;  // bytes queued or being written
   bool head_sent_ = false, writing_ = false, ending_ = false, last_sent_ = false;

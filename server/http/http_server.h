@@ -34,6 +34,13 @@ struct HttpRequest {
   std::string path_tail;
   // The client's address ("ip:port"; audit rows' "from where"); empty in tests without sockets.
   std::string peer;
+  // Streaming routes (RouteStreaming) only, else unset: registers `callback` to run once (on
+  // an I/O thread; at once if it already has) when the client closes its connection (or
+  // shuts down its sending side, or resets it) while the response is still pending, i.e.
+  // before the responder or the streamer was called; so a handler that answers later can
+  // stop work nobody will read. One callback; a later one replaces it. After the streamer
+  // was called, HttpStream::OnClientGone takes over.
+  std::function<void(std::function<void()> callback)> on_client_gone;
   // Returns the header's value, or nullptr; `lower_name` must be lower-case.
   const std::string* Header(const std::string& lower_name) const {
     auto it = headers.find(lower_name);

@@ -68,13 +68,6 @@ absl::Status RefuseUnsupported(const Json& body, Endpoint endpoint) {
                                         why.empty() ? "" : ")"),
                       absl::StatusCode::kInvalidArgument, "unsupported_parameter");
   };
-  for (const char* key : {"min_p", "presence_penalty", "frequency_penalty"}) {
-    const Json* v = Find(body, key);
-    if (v != nullptr && !(v->is_number() && v->get<double>() == 0)) return refuse(key, "only 0");
-  }
-  if (const Json* v = Find(body, "repetition_penalty"); v != nullptr && !(v->is_number() && v->get<double>() == 1)) {
-    return refuse("repetition_penalty", "only 1");
-  }
   if (const Json* v = Find(body, "logit_bias"); v != nullptr && !(v->is_object() && v->empty())) {
     return refuse("logit_bias", "");
   }
@@ -279,6 +272,9 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
   for (absl::Status s : {Int(body, "n", &r.n), Int(body, "max_tokens", &r.max_tokens),
                          Int(body, "max_completion_tokens", &r.max_tokens), Number(body, "temperature", &temperature),
                          Number(body, "top_p", &top_p), Int(body, "top_k", &top_k), Int(body, "seed", &seed),
+                         Number(body, "min_p", &r.min_p), Number(body, "presence_penalty", &r.presence_penalty),
+                         Number(body, "frequency_penalty", &r.frequency_penalty),
+                         Number(body, "repetition_penalty", &r.repetition_penalty),
                          Bool(body, "stream", &r.stream), Bool(body, "echo", &r.echo),
                          Bool(body, "ignore_eos", &r.ignore_eos),
                          Bool(body, "skip_special_tokens", &r.skip_special_tokens)}) {
@@ -294,6 +290,15 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
   if (absl::Status s = Range("temperature", temperature, 0, 2); !s.ok()) return s;
   if (!(top_p > 0 && top_p <= 1)) return ParamError("top_p", absl::StrCat("top_p: ", top_p, " must be in (0, 1]"));
   if (top_k < -1) return ParamError("top_k", absl::StrCat("top_k: ", top_k, " must be -1 (off) or >= 0"));
+  // OpenAI's ranges for presence / frequency, transformers' (and vLLM's) for the others.
+  for (absl::Status s : {Range("presence_penalty", r.presence_penalty, -2, 2),
+                         Range("frequency_penalty", r.frequency_penalty, -2, 2), Range("min_p", r.min_p, 0, 1)}) {
+    if (!s.ok()) return s;
+  }
+  if (!(r.repetition_penalty > 0) || std::isinf(r.repetition_penalty)) {
+    return ParamError("repetition_penalty",
+                      absl::StrCat("repetition_penalty: ", r.repetition_penalty, " must be finite and > 0 (1 = off)"));
+  }
   r.temperature = temperature;
   r.top_p = top_p;
   r.top_k = std::max<int64_t>(top_k, 0);
@@ -331,10 +336,6 @@ absl::StatusOr<Request> ParseRequest(const Json& body, Endpoint endpoint, const 
         return ParamError("logprobs", absl::StrCat("logprobs: ", r.top_logprobs, " must be in [0, ",
                                                    limits.max_top_logprobs, "]"));
       }
-    }
-    if (r.echo && r.logprobs && r.stream) {
-      return ParamError("echo", "echo: with logprobs, not supported with stream: true (the prompt's log-probs come "
-                        "with the whole answer)", absl::StatusCode::kInvalidArgument, "unsupported_parameter");
     }
   } else {
     if (absl::Status s = Bool(body, "logprobs", &r.logprobs); !s.ok()) return s;
@@ -485,6 +486,12 @@ Json EchoedLogprobs(const std::vector<int64_t>& prompt, const sampling::PromptOu
 }
 
 }  // namespace
+
+Json EchoedLogprobsOf(const Request& request, const std::vector<int64_t>& prompt,
+                      const sampling::PromptOutput& scores, const sampling::SampledSequence& seq,
+                      const TextCodec& codec) {
+  return EchoedLogprobs(prompt, scores, seq, codec, request.top_logprobs);
+}
 
 Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
                 size_t text_offset) {

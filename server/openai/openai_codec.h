@@ -54,6 +54,11 @@ struct Request {
   double temperature = 1.0;
   double top_p = 1.0;
   int64_t top_k = 0;  // 0 = off
+  // The engine's penalties and min-p (docs/openai.md, "Penalties and min_p"); off at these.
+  double min_p = 0;                 // [0, 1]
+  double presence_penalty = 0;      // [-2, 2]
+  double frequency_penalty = 0;     // [-2, 2]
+  double repetition_penalty = 1;    // > 0 (vLLM's extension)
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   std::vector<int64_t> stop_token_ids;  // vLLM's extension
@@ -128,6 +133,12 @@ Json StreamChunk(const Request& request, const std::string& id, int64_t created,
 // top_logprobs, text_offset from `text_offset`; chat: content), request.top_logprobs wide.
 Json LogprobsOf(const Request& request, const sampling::SampledSequence& seq, const TextCodec& codec,
                 size_t text_offset = 0);
+// Completions with echo and logprobs: the prompt's tokens with their log-probs (`scores`'
+// prompt_logprobs / prompt_top_logprobs; the first token's null), then `seq`'s tokens, one
+// list, offsets from 0. The whole answer's, and a stream's first chunk of each choice.
+Json EchoedLogprobsOf(const Request& request, const std::vector<int64_t>& prompt,
+                      const sampling::PromptOutput& scores, const sampling::SampledSequence& seq,
+                      const TextCodec& codec);
 Json UsageChunk(const Request& request, const std::string& id, int64_t created, const std::string& model,
                 int64_t prompt_tokens, int64_t completion_tokens);
 

@@ -103,6 +103,7 @@ struct StreamCall {
   TextCodec codec;
   EventSink sink;
   std::vector<std::string> echoed;  // echo: each prompt's text, sent first in each of its choices
+  std::vector<std::vector<int64_t>> prompts;  // echo with logprobs: each prompt's tokens, likewise
   absl::Mutex mu;  // deltas of different lanes may interleave
   std::vector<ChoiceText> choices ABSL_GUARDED_BY(mu);
 
@@ -156,8 +157,16 @@ struct StreamCall {
       c.started = true;
       text = NewText(c, d);
       if (first && d.prompt_index < echoed.size()) text = echoed[d.prompt_index] + text;
-      if (request.logprobs && !d.tokens.empty()) {
-        const sampling::SampledSequence seq{d.tokens, d.logprobs, "", d.top_logprobs};
+      const sampling::SampledSequence seq{d.tokens, d.logprobs, "", d.top_logprobs};
+      if (first && request.logprobs && d.prompt_index < prompts.size()) {
+        // echo: the prompt's tokens and log-probs lead the choice's first chunk.
+        sampling::PromptOutput scores;
+        scores.prompt_logprobs = d.prompt_logprobs;
+        scores.prompt_top_logprobs = d.prompt_top_logprobs;
+        logprobs = EchoedLogprobsOf(request, prompts[d.prompt_index], scores, seq, codec);
+        for (int64_t t : prompts[d.prompt_index]) c.offset += codec.TokenName(t).size();
+        for (int64_t t : d.tokens) c.offset += codec.TokenName(t).size();
+      } else if (request.logprobs && !d.tokens.empty()) {
         logprobs = LogprobsOf(request, seq, codec, c.offset);
         for (int64_t t : d.tokens) c.offset += codec.TokenName(t).size();
       }
@@ -199,7 +208,7 @@ class Handlers {
     absl::StatusOr<Call> call = Prepare(endpoint, http);
     if (!call.ok()) return respond(ErrorResponse(call.status()));
     call->request->stream ? Stream(*std::move(call), std::move(respond), std::move(streamer))
-                          : Whole(*std::move(call), std::move(respond));
+                          : Whole(*std::move(call), std::move(respond), http.on_client_gone);
   }
 
   // Runs `done` once the future completes, then lets the future go.
@@ -271,10 +280,18 @@ class Handlers {
     return TextCodec{options_.tokenizer.get(), request.skip_special_tokens};
   }
 
-  // stream: false: one JSON answer when the request completes.
-  void Whole(Call call, HttpResponder respond) {
-    absl::StatusOr<uint64_t> future = Submit(call, nullptr);
+  // stream: false: one JSON answer when the request completes. A client that closes its
+  // connection before then cancels it, as a streaming one does (a SampleStream with no
+  // consumer is the cancellation handle).
+  void Whole(Call call, HttpResponder respond, const std::function<void(std::function<void()>)>& on_client_gone) {
+    auto cancel = std::make_shared<sampling::SampleStream>();
+    absl::StatusOr<uint64_t> future = Submit(call, cancel);
     if (!future.ok()) return respond(ErrorResponse(future.status()));
+    if (on_client_gone) {
+      on_client_gone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(cancel)] {
+        if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
+      });
+    }
     OnDone(*future, call.tenant->id, [call, codec = CodecOf(*call.request), respond](const FutureResult& result) {
       if (!result.ok()) return respond(ErrorResponse(result.status()));
       const auto* out = std::get_if<sampling::SampleOutput>(&*result);
@@ -295,6 +312,7 @@ class Handlers {
     events->codec = CodecOf(*call.request);
     if (call.request->echo) {
       for (const std::vector<int64_t>& p : call.prompts) events->echoed.push_back(events->codec.Text(p));
+      if (call.request->logprobs) events->prompts = call.prompts;
     }
     auto stream = std::make_shared<sampling::SampleStream>(
         [events](const sampling::StreamDelta& d) { events->OnDelta(d); });
@@ -397,6 +415,10 @@ class Handlers {
     p.temperature = r.temperature;
     p.top_p = r.top_p;
     p.top_k = r.top_k;
+    p.min_p = r.min_p;
+    p.presence_penalty = r.presence_penalty;
+    p.frequency_penalty = r.frequency_penalty;
+    p.repetition_penalty = r.repetition_penalty;
     p.seed = r.seed;
     p.stop_strings = r.stop;
     p.stop_token_ids = r.stop_token_ids;

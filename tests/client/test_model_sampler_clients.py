@@ -226,8 +226,14 @@ def test_sampler_returns_twinkle_shapes_and_training_rows(client, script, templa
     assert len(script.calls_to("CreateSamplingSession")) == 1
     sampler.sample(inputs=prompts[:1])
     assert len(script.calls_to("CreateSamplingSession")) == 2 and len(script.calls_to("CloseSamplingSession")) == 1
-    with pytest.raises(UnsupportedFeatureError):
-        sampler.sample(inputs=prompts, sampling_params={"repetition_penalty": 1.1})
+    # repetition_penalty travels (1 = off is sent as 1); a value the server would refuse fails here.
+    assert script.calls_to("Sample")[0].request.params.repetition_penalty == 1.0
+    sampler.sample(inputs=prompts[:1], sampling_params={"repetition_penalty": 1.1})
+    assert script.calls_to("Sample")[-1].request.params.repetition_penalty == pytest.approx(1.1)
+    calls = len(script.calls_to("Sample"))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sampler.sample(inputs=prompts, sampling_params={"repetition_penalty": 0.0})
+    assert len(script.calls_to("Sample")) == calls
 
 
 def test_sampler_maps_top_k_logprobs_both_ways(client, script, template):

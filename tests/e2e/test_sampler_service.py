@@ -81,14 +81,14 @@ def expect_code(code: grpc.StatusCode, fn: Callable[[], Any]) -> grpc.RpcError:
     return info.value
 
 
-def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+def greedy_reference(model: Any, prompt: list[int], max_new: int, **generate_kw: Any) -> tuple[list[int], list[float]]:
     """transformers generate, greedy (stopping at the model's EOS, as the server does), with
-    the top-2 logit gap at each step."""
+    the top-2 gap of the (processed) scores at each step."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         # An explicit mask: otherwise generate masks prompt tokens equal to the pad id (0 here).
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
+                             output_scores=True, return_dict_in_generate=True, **generate_kw)
     tokens = out.sequences[0, len(prompt):].tolist()
     gaps = []
     for scores in out.scores:
@@ -148,6 +148,33 @@ def test_sampler_weights_checkpoint_matches_peft_generate_and_training_logprobs(
           f"sampled logprobs vs forward {worst_lp:.2e}, prompt logprobs vs forward {worst_prompt:.2e}")
     assert full >= 0.9 * len(prompts)
     assert worst_lp <= 1e-5 and worst_prompt <= 1e-5
+
+
+def test_repetition_penalty_matches_transformers_generate(launch_server: LaunchServer, tiny_model: Path) -> None:
+    """SamplingParams.repetition_penalty (Twinkle's field) through SamplerService: greedy equals
+    transformers generate(repetition_penalty=...) on the base model; 0 means off; a negative
+    one is INVALID_ARGUMENT naming the field."""
+    from transformers import AutoModelForCausalLM
+
+    server = launch_server()
+    s = Sampler(Client(server.grpc_address, None))
+    session = s.call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    prompts = prompts_for(7, vocab(tiny_model), 6)
+    full = changed = 0
+    for penalty in (1.5, 0.7):
+        reply = s.sample(session, prompts, max_tokens=12, temperature=0.0, repetition_penalty=penalty)
+        plain = s.sample(session, prompts, max_tokens=12, temperature=0.0, repetition_penalty=0.0)
+        for prompt, got, off in zip(prompts, reply.results, plain.results):
+            ref, gaps = greedy_reference(model, prompt, 12, repetition_penalty=penalty)
+            full += compare_greedy(list(got.sequences[0].tokens), ref, gaps)
+            changed += list(got.sequences[0].tokens) != list(off.sequences[0].tokens)
+    print(f"repetition_penalty vs transformers generate: {full}/{2 * len(prompts)} compared to full length, "
+          f"{changed} changed by the penalty")
+    assert full >= len(prompts) and changed >= len(prompts) // 2
+    err = expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                      lambda: s.sample(session, prompts[:1], max_tokens=2, repetition_penalty=-1.0))
+    assert "repetition_penalty" in err.details()
 
 
 def check_top_k(name: str, tops: Any, ref_lsm: torch.Tensor, k: int, tol: float = 1e-5) -> float:

@@ -10,6 +10,7 @@
 #include <exception>
 #include <limits>
 #include <set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,7 @@ uint64_t Mix(uint64_t x) {
 constexpr uint64_t kAltTokensStream = 0xa17a17a17a17a17aULL;
 
 // One token from a float32 [vocab] row of logits (host memory), as sampler.h describes.
+// `logits` are the penalised ones when the row has penalties (Penalised).
 int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::Generator& gen) {
   if (row.temperature == 0) return logits.argmax().item<int64_t>();
   at::Tensor scores = logits / row.temperature;
@@ -48,6 +50,12 @@ int64_t ChooseToken(const at::Tensor& logits, const ipc::SampleRowMsg& row, at::
     remove.select(0, vocab - 1).fill_(false);
     const at::Tensor mask = remove.scatter(0, order, remove);
     scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  if (row.min_p > 0) {
+    // MinPLogitsWarper: remove tokens whose probability is < min_p x the largest one (the
+    // most likely token always stays, as min_p <= 1).
+    const at::Tensor probs = scores.softmax(0);
+    scores = scores.masked_fill(probs < probs.max() * row.min_p, -std::numeric_limits<float>::infinity());
   }
   const at::Tensor probs = scores.softmax(0);
   return at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
@@ -112,6 +120,8 @@ struct SampleSeq {
   std::string stop_reason;
   bool done = false;
   size_t reported = 0;  // tokens already sent as progress (report_tokens rows)
+  // Rows with penalties (GenRequest::penalised) only: how often each token was generated.
+  std::unordered_map<int64_t, int64_t> counts;
 };
 
 struct GenRequest {
@@ -128,6 +138,10 @@ struct GenRequest {
   at::Tensor target_lps;       // float32 [P - 1, K]
   at::Tensor alt_ids;          // int64 [P - 1, k] when asked (row.prompt_alt_tokens_k)
   at::Tensor alt_lps;          // float32 [P - 1, k]
+  // Whether a penalty changes this row's logits (Penalised); else no counts are kept.
+  bool penalised = false;
+  std::vector<int64_t> prompt_set;  // repetition_penalty != 1: the prompt's distinct ids, sorted
+  bool prompt_reported = false;     // report_tokens rows: the prompt's log-probs went with a report
 
   // Whether the prefill needs the logits of every prompt row, not just the last.
   bool wants_prompt_rows() const {
@@ -228,6 +242,20 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
     return absl::InvalidArgumentError(absl::StrCat("prompt_alt_tokens_k (", row.prompt_alt_tokens_k,
                                                    ") must be in [0, ", ipc::kMaxPromptTargets, "]"));
   }
+  if (!(row.repetition_penalty > 0) || std::isinf(row.repetition_penalty)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty (", row.repetition_penalty, ") must be finite and > 0"));
+  }
+  for (const auto& [name, value] : {std::pair<const char*, double>{"presence_penalty", row.presence_penalty},
+                                    std::pair<const char*, double>{"frequency_penalty", row.frequency_penalty}}) {
+    if (!(std::fabs(value) <= ipc::kMaxPenalty)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " (", value, ") must be in [", -ipc::kMaxPenalty, ", ", ipc::kMaxPenalty, "]"));
+    }
+  }
+  if (!(row.min_p >= 0 && row.min_p <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p (", row.min_p, ") must be in [0, 1]"));
+  }
   at::Tensor target_ids;
   if (row.target_prompt_tokens.has_value()) {
     absl::StatusOr<at::Tensor> t = ReadTensor(*row.target_prompt_tokens, message);
@@ -253,7 +281,39 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
   request->target_ids = std::move(target_ids);
   request->prompt = *std::move(prompt);
   request->blocks_needed = needed;
+  request->penalised =
+      row.repetition_penalty != 1.0 || row.presence_penalty != 0.0 || row.frequency_penalty != 0.0;
+  if (row.repetition_penalty != 1.0) {
+    const int64_t* ids = request->prompt.const_data_ptr<int64_t>();
+    request->prompt_set.assign(ids, ids + prompt_len);
+    std::sort(request->prompt_set.begin(), request->prompt_set.end());
+    request->prompt_set.erase(std::unique(request->prompt_set.begin(), request->prompt_set.end()),
+                              request->prompt_set.end());
+  }
   return request;
+}
+
+// The row's penalties (sampler.h) on a copy of `logits` (float32 [vocab], host), for the
+// sample `seq`: repetition_penalty on every distinct token of the prompt and of the sample's
+// tokens so far, then presence / frequency on the sample's tokens so far.
+at::Tensor Penalised(const at::Tensor& logits, const GenRequest& r, const SampleSeq& seq) {
+  at::Tensor out = logits.clone();
+  float* v = out.data_ptr<float>();
+  const bool repeat = r.row.repetition_penalty != 1.0;
+  const auto penalty = static_cast<float>(r.row.repetition_penalty);
+  // RepetitionPenaltyLogitsProcessor: where(score < 0, score * penalty, score / penalty).
+  const auto repeat_one = [v, penalty](int64_t id) { v[id] = v[id] < 0 ? v[id] * penalty : v[id] / penalty; };
+  if (repeat) {
+    for (int64_t id : r.prompt_set) repeat_one(id);
+  }
+  const auto frequency = static_cast<float>(r.row.frequency_penalty);
+  const auto presence = static_cast<float>(r.row.presence_penalty);
+  for (const auto& [id, count] : seq.counts) {
+    if (repeat && !std::binary_search(r.prompt_set.begin(), r.prompt_set.end(), id)) repeat_one(id);
+    // OpenAI: logit - count * frequency_penalty - (count > 0) * presence_penalty.
+    v[id] = v[id] - static_cast<float>(count) * frequency - presence;
+  }
+  return out;
 }
 
 // Whether the pool can take the request now: its blocks and, for a hybrid model, a
@@ -504,6 +564,18 @@ class GenerationBatch {
           m.top_token_ids.assign(seq.top_ids.begin() + from * k, seq.top_ids.end());
           m.top_logprobs.assign(seq.top_lps.begin() + from * k, seq.top_lps.end());
         }
+        if (!r->prompt_reported) {  // the request's first report carries the prompt's log-probs
+          r->prompt_reported = true;
+          if (const at::Tensor& lp = r->prompt_logprobs; lp.defined()) {
+            m.prompt_logprobs.assign(lp.const_data_ptr<float>(), lp.const_data_ptr<float>() + lp.numel());
+          }
+          if (r->prompt_top_ids.defined()) {
+            const at::Tensor& ids = r->prompt_top_ids;
+            const at::Tensor& lps = r->prompt_top_lps;
+            m.prompt_top_token_ids.assign(ids.const_data_ptr<int64_t>(), ids.const_data_ptr<int64_t>() + ids.numel());
+            m.prompt_top_logprobs.assign(lps.const_data_ptr<float>(), lps.const_data_ptr<float>() + lps.numel());
+          }
+        }
         out.push_back(std::move(m));
         seq.reported = seq.tokens.size();
       }
@@ -554,7 +626,8 @@ class GenerationBatch {
   void Advance(const GenRequest& r, SampleSeq& seq, const at::Tensor& logits, const at::Tensor& lse,
                int64_t row) {
     const at::Tensor l = logits.select(0, row);
-    const int64_t token = ChooseToken(l, r.row, seq.generator);
+    const int64_t token = ChooseToken(r.penalised ? Penalised(l, r, seq) : l, r.row, seq.generator);
+    if (r.penalised) ++seq.counts[token];
     // The training forward's formula: logit[token] - logsumexp(logits).
     seq.logprobs.push_back(l.const_data_ptr<float>()[token] - lse.const_data_ptr<float>()[row]);
     if (const int64_t k = r.row.top_logprobs; k > 0) {

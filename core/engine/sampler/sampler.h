@@ -21,11 +21,19 @@
 // rows, LoRA as one segment per sequence (its request's adapter), attention per sequence
 // over its own blocks (kernels::PagedDecodeAttention).
 //
-// Token choice, in transformers' LogitsWarper order: temperature 0 = argmax; otherwise
-// logits / temperature, then top-k (keep scores >= the k-th largest), then top-p (drop the
-// smallest-probability tokens whose cumulative probability is <= 1 - top_p, always keeping
-// the most likely one), softmax, one multinomial draw from the sample's own generator,
-// seeded by (seed, sample index). Reported logprobs are those of the unwarped model
+// Token choice, in the order of transformers' generate (_get_logits_processor: processors,
+// then the warpers when sampling). First the penalties, on a copy of the raw logits, each off
+// at its default and then costing nothing (no copy, no counts): repetition_penalty
+// (RepetitionPenaltyLogitsProcessor: each distinct token of the prompt and of the sample's
+// tokens so far, logit > 0 divided by it, else multiplied), then presence / frequency
+// (OpenAI's formula over the sample's tokens so far, not the prompt: logit - count x
+// frequency - (count > 0) x presence; each sample keeps its own counts). Then temperature 0 =
+// argmax of those; otherwise logits / temperature, then top-k (keep scores >= the k-th
+// largest), then top-p (drop the smallest-probability tokens whose cumulative probability is
+// <= 1 - top_p, always keeping the most likely one), then min-p (MinPLogitsWarper: drop
+// tokens whose probability is < min_p x the largest), softmax, one multinomial draw from the
+// sample's own generator, seeded by (seed, sample index). Reported logprobs are those of the
+// unwarped, unpenalised model
 // (logit - logsumexp of the raw logits), as a training forward pass computes them. Asked
 // for (row.top_logprobs, row.prompt_top_logprobs: k <= min(vocab, ipc::kMaxTopLogprobs)),
 // the k most likely tokens of each generated / prompt position come with the same logprobs,
@@ -46,7 +54,8 @@
 //                but shares the pool with it).
 //   sample_step  the coordinator's continuous batch (ipc::SampleStepRequest): cancels,
 //                early stops of single samples (a stop string the coordinator matched on
-//                the tokens report_tokens rows report each call), FIFO admission (rejected /
+//                the tokens report_tokens rows report each call; a request's first report
+//                also carries its prompt log-probs when asked, for a stream's echo), FIFO admission (rejected /
 //                deferred / admitted), up to max_decode_steps steps, finished results. With nothing to admit and max_decode_steps 0 it
 //                does no work and only reports the cache occupancy (the stats call).
 // Removing an adapter drops its running sample_step requests; the next sample_step reply

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <string>
@@ -168,6 +169,79 @@ TEST(HttpStream, AStreamingRouteMayAnswerWholeAndThenCannotStream) {
   const std::string got = client.ReadUntil(R"({"error":"no"})");
   EXPECT_NE(got.find("HTTP/1.1 400"), std::string::npos) << got;
   EXPECT_NE(got.find("Content-Length: 14"), std::string::npos) << got;
+  http.Stop();
+}
+
+// HttpRequest::on_client_gone: a client that closes while a streaming route's answer is
+// pending is reported; one that waits gets its answer, and its keep-alive connection then
+// serves a second request (the watch reads nothing from the socket).
+TEST(HttpStream, AClientThatClosesWhileTheAnswerIsPendingIsReported) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  std::promise<void> gone;
+  std::promise<HttpResponder> pending;
+  http.RouteStreaming("POST", "/stream", [&](const HttpRequest& request, HttpResponder respond, HttpStreamer) {
+    ASSERT_TRUE(request.on_client_gone);
+    request.on_client_gone([&gone] { gone.set_value(); });
+    pending.set_value(std::move(respond));  // answered later, if ever
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  HttpResponder respond = pending.get_future().get();
+  client.Close();
+  ASSERT_EQ(gone.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  respond({200, "application/json", "{}"});  // to nobody: harmless
+  http.Stop();
+}
+
+TEST(HttpStream, AnAnsweredRequestIsNotReportedAndKeepAliveGoesOn) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  std::atomic<int> gone{0};
+  std::atomic<int> calls{0};
+  http.RouteStreaming("POST", "/stream", [&](const HttpRequest& request, HttpResponder respond, HttpStreamer) {
+    request.on_client_gone([&gone] { ++gone; });
+    const int n = ++calls;
+    std::thread([respond = std::move(respond), n] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      respond({200, "application/json", "{\"n\":" + std::to_string(n) + "}"});
+    }).detach();
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  EXPECT_NE(client.ReadUntil("{\"n\":1}").find("{\"n\":1}"), std::string::npos);
+  client.Send(kRequest);  // the same connection
+  EXPECT_NE(client.ReadUntil("{\"n\":2}").find("{\"n\":2}"), std::string::npos);
+  client.Close();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(gone.load(), 0);  // both were answered before the close
+  http.Stop();
+}
+
+// An answer that comes later than the idle timeout (a long generation) is still written: the
+// idle timeout is for waiting on the client's next request, not on the server's answer.
+TEST(HttpStream, AnAnswerLaterThanTheIdleTimeoutIsStillWritten) {
+  Metrics metrics;
+  HttpServer http(metrics);
+  HttpServerLimits limits;
+  limits.idle_timeout_s = 1;
+  http.SetLimits(limits);
+  http.RouteStreaming("POST", "/stream", [](const HttpRequest&, HttpResponder respond, HttpStreamer) {
+    std::thread([respond = std::move(respond)] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      respond({200, "application/json", R"({"late":true})"});
+    }).detach();
+  });
+  absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
+  ASSERT_TRUE(port.ok()) << port.status();
+  RawClient client(*port);
+  client.Send(kRequest);
+  const std::string got = client.ReadUntil(R"({"late":true})");
+  EXPECT_NE(got.find(R"({"late":true})"), std::string::npos) << got;
   http.Stop();
 }
 

@@ -2,6 +2,10 @@
 // the error, response and chunk shapes the openai SDK reads.
 #include "server/openai/openai_codec.h"
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -81,11 +85,13 @@ TEST(OpenAiCodec, RefusesBadInputNamingTheParameter) {
        "stop"},
       {Completion({{"logprobs", 21}}), "logprobs"},
       {Completion({{"stream_options", {{"include_usage", true}}}}), "stream_options"},
-      {Completion({{"echo", true}, {"logprobs", 1}, {"stream", true}}), "echo"},
-      {Completion({{"presence_penalty", 0.1}}), "presence_penalty"},
-      {Completion({{"frequency_penalty", -1}}), "frequency_penalty"},
-      {Completion({{"repetition_penalty", 1.1}}), "repetition_penalty"},
-      {Completion({{"min_p", 0.05}}), "min_p"},
+      {Completion({{"presence_penalty", 2.01}}), "presence_penalty"},
+      {Completion({{"presence_penalty", "1"}}), "presence_penalty"},
+      {Completion({{"frequency_penalty", -2.01}}), "frequency_penalty"},
+      {Completion({{"repetition_penalty", 0}}), "repetition_penalty"},
+      {Completion({{"repetition_penalty", -1.5}}), "repetition_penalty"},
+      {Completion({{"min_p", 1.01}}), "min_p"},
+      {Completion({{"min_p", -0.01}}), "min_p"},
       {Completion({{"logit_bias", {{"5", 1}}}}), "logit_bias"},
       {Completion({{"best_of", 2}}), "best_of"},
       {Completion({{"suffix", "x"}}), "suffix"},
@@ -133,6 +139,16 @@ TEST(OpenAiCodec, LimitsAtLimitAndLimitPlusOne) {
   EXPECT_TRUE(ParseRequest(logprobs, Endpoint::kCompletions, limits).ok());
   logprobs["logprobs"] = limits.max_top_logprobs + 1;
   EXPECT_EQ(ParamOf(ParseRequest(logprobs, Endpoint::kCompletions, limits).status()), "logprobs");
+  // Penalties and min_p: OpenAI's [-2, 2], min_p in [0, 1], repetition_penalty > 0.
+  for (const auto& [key, ok, bad] : std::vector<std::tuple<std::string, double, double>>{
+           {"presence_penalty", 2, 2.001}, {"presence_penalty", -2, -2.001}, {"frequency_penalty", 2, 2.001},
+           {"frequency_penalty", -2, -2.001}, {"min_p", 1, 1.001}, {"min_p", 0, -0.001},
+           {"repetition_penalty", 1e-9, 0}}) {
+    Json body = {{"model", "m"}, {"prompt", {1}}, {key, ok}};
+    EXPECT_TRUE(ParseRequest(body, Endpoint::kCompletions, limits).ok()) << body.dump();
+    body[key] = bad;
+    EXPECT_EQ(ParamOf(ParseRequest(body, Endpoint::kCompletions, limits).status()), key) << body.dump();
+  }
   Json n = {{"model", "m"}, {"prompt", {1}}, {"n", limits.max_n}};
   EXPECT_TRUE(ParseRequest(n, Endpoint::kCompletions, limits).ok());
   n["n"] = limits.max_n + 1;
@@ -140,11 +156,36 @@ TEST(OpenAiCodec, LimitsAtLimitAndLimitPlusOne) {
 }
 
 TEST(OpenAiCodec, AcceptsNoOpValuesOfUnsupportedParameters) {
-  EXPECT_TRUE(ParseRequest(Completion({{"presence_penalty", 0}, {"frequency_penalty", 0.0}, {"repetition_penalty", 1},
-                                       {"min_p", 0}, {"logit_bias", Json::object()}, {"best_of", 1}, {"suffix", ""},
+  EXPECT_TRUE(ParseRequest(Completion({{"logit_bias", Json::object()}, {"best_of", 1}, {"suffix", ""},
                                        {"user", "u"}, {"tools", Json::array()}, {"tool_choice", "none"}}),
                            Endpoint::kCompletions, Limits{})
                   .ok());
+}
+
+TEST(OpenAiCodec, EchoWithLogprobsMayStream) {
+  absl::StatusOr<Request> r =
+      ParseRequest(Completion({{"echo", true}, {"logprobs", 2}, {"stream", true}}), Endpoint::kCompletions, Limits{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->echo && r->logprobs && r->stream);
+  EXPECT_EQ(r->top_logprobs, 2);
+}
+
+TEST(OpenAiCodec, PenaltiesAndMinPAreParsed) {
+  absl::StatusOr<Request> off = ParseRequest(Completion(), Endpoint::kCompletions, Limits{});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->presence_penalty, 0);
+  EXPECT_EQ(off->frequency_penalty, 0);
+  EXPECT_EQ(off->repetition_penalty, 1);
+  EXPECT_EQ(off->min_p, 0);
+  absl::StatusOr<Request> r =
+      ParseRequest(Completion({{"presence_penalty", -1.5}, {"frequency_penalty", 0.25}, {"repetition_penalty", 1.3},
+                               {"min_p", 0.05}}),
+                   Endpoint::kCompletions, Limits{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->presence_penalty, -1.5);
+  EXPECT_EQ(r->frequency_penalty, 0.25);
+  EXPECT_EQ(r->repetition_penalty, 1.3);
+  EXPECT_EQ(r->min_p, 0.05);
 }
 
 TEST(OpenAiCodec, ErrorBodyHasOpenAisShape) {

@@ -152,8 +152,6 @@ class vLLMSampler:  # noqa: N801 - Twinkle's name
         if adapter_name:
             raise UnsupportedFeatureError("sample(adapter_name=...): pass adapter_uri (a saved checkpoint's twinkle:// path)")
         params = SamplingParams.from_any(sampling_params)
-        if params.repetition_penalty != 1.0:
-            raise UnsupportedFeatureError("sampling_params.repetition_penalty is not supported")
         count = int(num_samples) if num_samples != 1 else int(params.num_samples or 1)
         wire_params = self._params(params, count)  # bad parameters fail before any call
         rows = self._prompt_rows(as_rows(inputs))
@@ -192,6 +190,10 @@ class vLLMSampler:  # noqa: N801 - Twinkle's name
                                  prompt_logprobs=prompt_k > 0, top_logprobs=k if k > 1 else 0,
                                  prompt_top_logprobs=0 if params.prompt_logprobs is True else prompt_k)
         out.temperature = float(params.temperature)
+        penalty = float(1.0 if params.repetition_penalty is None else params.repetition_penalty)
+        if not penalty > 0 or math.isinf(penalty):
+            raise ValueError(f"sampling_params.repetition_penalty: {params.repetition_penalty!r} must be > 0 (1 = off)")
+        out.repetition_penalty = penalty
         if params.seed is not None:
             out.seed = int(params.seed)
         stop = params.stop
