@@ -4,7 +4,9 @@
 #   2. Python venv with pinned packages, outside the checkout and keyed by the requirements'
 #      hash (~/.cache/twinkle/venv-<hash>), linked as .venv, so fresh clones reuse it
 #   3. a wheelhouse for the offline clean-venv check of the Python client
-#      (~/.cache/twinkle/wheelhouse-<hash>, linked as .wheelhouse)
+#      (~/.cache/twinkle/wheelhouse-<hash>, linked as .wheelhouse), the older tinker SDKs
+#      (.tinker-sdks) and the tinker-cookbook venv (~/.cache/twinkle/cookbook-venv-<hash>,
+#      linked as .cookbook-venv)
 #   4. the Python client (client/python) with its generated gRPC code
 #   5. a tiny random Qwen3 model in HF format under models/ (no hub: made locally)
 #   6. CMake configure + Release build with ccache into build/ (binaries in build/bin/)
@@ -117,6 +119,28 @@ for v in 0.16.1 0.25.0 0.30.4; do
   fi
 done
 if [ "$(readlink .tinker-sdks 2>/dev/null)" != "$SDKS" ]; then ln -sfn "$SDKS" .tinker-sdks; fi
+phase_done
+
+# ---- 3c. tinker-cookbook venv ----------------------------------------------------------------
+phase "tinker-cookbook venv (tests/e2e/test_cookbook.py)"
+# Its own venv: tinker-cookbook 0.5.8 needs transformers<=5.5.4, the main venv pins 5.23.0
+# (scripts/requirements-cookbook.txt says why 0.5.8). torch and its CUDA libraries are the
+# main venv's, linked in (scripts/link_torch.py), so the venv is keyed by the main venv too.
+# Cached like the main venv; the test runs it offline.
+cb_key=$( (cat scripts/requirements-cookbook.txt scripts/link_torch.py; echo "$key") | sha256sum | cut -c1-16)
+CBVENV="$CACHE/cookbook-venv-$cb_key"
+if [ ! -f "$CBVENV/.twinkle-complete" ]; then
+  echo "   creating $CBVENV"
+  rm -rf "$CBVENV"
+  "$PYTHON" -m venv "$CBVENV"
+  "$PY" scripts/link_torch.py "$CBVENV"
+  "$CBVENV/bin/pip" install -q -r scripts/requirements-cookbook.txt
+  "$CBVENV/bin/pip" check >/dev/null
+  touch "$CBVENV/.twinkle-complete"   # written last: a half-made venv is never reused
+else
+  echo "   reusing $CBVENV"
+fi
+if [ "$(readlink .cookbook-venv 2>/dev/null)" != "$CBVENV" ]; then ln -sfn "$CBVENV" .cookbook-venv; fi
 phase_done
 
 # ---- 4. Python client ----------------------------------------------------------------------
