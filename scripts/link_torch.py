@@ -48,7 +48,9 @@ def main() -> int:
     if not target_site.is_dir():
         print(f"{target_site}: not a venv of {version}", file=sys.stderr)
         return 1
-    site = Path(sysconfig.get_paths()["purelib"])
+    # Resolved: the main venv is reached through the checkout's .venv link, and a link made
+    # through it would dangle once that checkout (a worktree, a CI clone) is gone.
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
     entries = sorted(linked_entries(site))
     if not any(e.startswith("torch-") and e.endswith(".dist-info") for e in entries):
         print(f"no torch in {site}", file=sys.stderr)

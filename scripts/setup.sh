@@ -129,7 +129,8 @@ phase "tinker-cookbook venv (tests/e2e/test_cookbook.py)"
 # Cached like the main venv; the test runs it offline.
 cb_key=$( (cat scripts/requirements-cookbook.txt scripts/link_torch.py; echo "$key") | sha256sum | cut -c1-16)
 CBVENV="$CACHE/cookbook-venv-$cb_key"
-if [ ! -f "$CBVENV/.twinkle-complete" ]; then
+# Reused only while complete and its linked torch resolves (a dangling link: made anew).
+if [ ! -f "$CBVENV/.twinkle-complete" ] || ! compgen -G "$CBVENV/lib/python3*/site-packages/torch/__init__.py" >/dev/null; then
   echo "   creating $CBVENV"
   rm -rf "$CBVENV"
   "$PYTHON" -m venv "$CBVENV"
