@@ -502,6 +502,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   sampler_options.session_timeout = absl::Seconds(config.sessions.adapter_timeout_s);
   sampler_options.default_max_tokens = config.sampler.default_max_tokens;
   sampler_options.max_num_samples = config.sampler.max_num_samples;
+  sampler_options.registry = registry->get();  // open sessions outlive a restart
   // Colocated, sampling calls go to the training engine and interleave with its steps;
   // dedicated, they go to the sampler workers. Either way sample requests and snapshots stay
   // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a

@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 4> kMigrations = {
+constexpr std::array<const char*, 5> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (
@@ -174,6 +174,17 @@ DROP TABLE checkpoints;
 ALTER TABLE checkpoints_v3 RENAME TO checkpoints;
 CREATE INDEX checkpoints_by_expiry ON checkpoints(expires_us) WHERE expires_us IS NOT NULL;
 CREATE INDEX checkpoints_published ON checkpoints(run_id, checkpoint_id) WHERE published = 1;
+)sql",
+    // v4 → v5: open sampling sessions (registry_sessions.cc), reopened after a restart.
+    R"sql(
+CREATE TABLE sampling_sessions (
+  id         TEXT    NOT NULL PRIMARY KEY,
+  tenant     TEXT    NOT NULL,
+  model_path TEXT    NOT NULL,
+  owner      TEXT    NOT NULL,
+  live       INTEGER NOT NULL CHECK (live IN (0, 1)),
+  created_us INTEGER NOT NULL
+) WITHOUT ROWID;
 )sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,

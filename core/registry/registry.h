@@ -21,6 +21,8 @@
 //   usage        hourly counters: bucket, tenant, key_id, session_id, run_id, kind, amount
 //   audit        append-only (UPDATE is refused by a trigger): seq, at, tenant, key_id,
 //                action, object, peer, details (JSON); ExpireAudit is the only delete
+//   (v5) sampling_sessions  id, tenant, model_path, owner, live, created: the open sampling
+//                sessions, so a sampling client outlives a restart (core/sampling reopens it)
 //
 // Every read and delete takes the tenant: another tenant's row is NotFound, with the same
 // message as an unknown one. A write that names an id another tenant owns (PutSession,
@@ -106,6 +108,16 @@ struct SessionRecord {
   absl::Time finished = absl::InfinitePast();  // InfinitePast: not finished
 };
 
+// An open sampling session as the sampler reopens it after a restart (v5).
+struct SamplingSessionRecord {
+  std::string id;
+  std::string tenant;
+  std::string model_path;  // "" = the base model; a checkpoint path otherwise
+  std::string owner;       // the training session it belongs to, or ""
+  bool live = false;       // on an unnamed snapshot of a training adapter: not kept across restarts
+  absl::Time created;
+};
+
 // ---- v3: runtime keys, usage and audit (registry_keys.cc, registry_usage.cc,
 // registry_audit.cc). Keys are stored as SHA-256 digests only.
 
@@ -168,7 +180,7 @@ struct Page {
 
 class Registry {
  public:
-  static constexpr int kSchemaVersion = 4;
+  static constexpr int kSchemaVersion = 5;
 
   // Opens (creating when absent) the database file and migrates it. NotFound naming the
   // path when its parent directory does not exist; FailedPrecondition when the file is not a
@@ -183,6 +195,13 @@ class Registry {
   absl::Status TouchSession(const std::string& id, const std::string& tenant, absl::Time now);
   absl::StatusOr<SessionRecord> GetSession(const std::string& id, const std::string& tenant);
   absl::Status DeleteSession(const std::string& id, const std::string& tenant);
+
+  // Open sampling sessions (v5). Put inserts or replaces by id (another tenant's id is
+  // AlreadyExists); Delete of an unknown id is OK (a release may race a restart's cleanup);
+  // List returns every tenant's, oldest first, for the sampler's start.
+  absl::Status PutSamplingSession(const SamplingSessionRecord& record);
+  absl::Status DeleteSamplingSession(const std::string& id, const std::string& tenant);
+  absl::StatusOr<std::vector<SamplingSessionRecord>> ListSamplingSessions();
 
   // Runs: insert, or overwrite every field of an existing run_id of the same tenant (the
   // record is written as given, `created` included); another tenant's run_id is

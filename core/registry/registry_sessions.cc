@@ -1,6 +1,7 @@
 // Registry's sessions table: PutSession, TouchSession, GetSession, DeleteSession and (v3) the
 // session metadata: SetSessionMetadata, SetSessionProject, FinishSession, ListSessions,
-// SearchSessions.
+// SearchSessions; (v5) the open sampling sessions: PutSamplingSession, DeleteSamplingSession,
+// ListSamplingSessions.
 #include "core/registry/registry.h"
 
 #include <sqlite3.h>
@@ -211,6 +212,50 @@ absl::Status Registry::DeleteSession(const std::string& id, const std::string& t
   if (absl::Status s = st.Run("delete session"); !s.ok()) return s;
   if (sqlite3_changes64(db_) == 0) return SessionNotFound(id);
   return absl::OkStatus();
+}
+
+absl::Status Registry::PutSamplingSession(const SamplingSessionRecord& r) {
+  if (r.id.empty() || r.tenant.empty()) return absl::InvalidArgumentError("sampling session: empty id or tenant");
+  absl::MutexLock lock(&mu_);
+  // Only the owning tenant's row may be replaced: ON CONFLICT ... WHERE leaves another's as it was.
+  Stmt st(db_, path_,
+          "INSERT INTO sampling_sessions (id, tenant, model_path, owner, live, created_us) VALUES (?, ?, ?, ?, ?, ?) "
+          "ON CONFLICT(id) DO UPDATE SET model_path = excluded.model_path, owner = excluded.owner, "
+          "live = excluded.live, created_us = excluded.created_us WHERE tenant = excluded.tenant");
+  st.Bind(r.id).Bind(r.tenant).Bind(r.model_path).Bind(r.owner).Bind(int64_t{r.live ? 1 : 0}).Bind(Micros(r.created));
+  if (absl::Status s = st.Run("put sampling session"); !s.ok()) return s;
+  if (sqlite3_changes64(db_) == 0) {
+    return absl::AlreadyExistsError(absl::StrCat("sampling session '", r.id, "' already exists"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Registry::DeleteSamplingSession(const std::string& id, const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_, "DELETE FROM sampling_sessions WHERE id = ? AND tenant = ?");
+  st.Bind(id).Bind(tenant);
+  return st.Run("delete sampling session");
+}
+
+absl::StatusOr<std::vector<SamplingSessionRecord>> Registry::ListSamplingSessions() {
+  absl::MutexLock lock(&mu_);
+  Stmt st(db_, path_,
+          "SELECT id, tenant, model_path, owner, live, created_us FROM sampling_sessions ORDER BY created_us, id");
+  std::vector<SamplingSessionRecord> out;
+  for (;;) {
+    absl::StatusOr<bool> row = st.Step("list sampling sessions");
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    SamplingSessionRecord r;
+    r.id = st.Text(0);
+    r.tenant = st.Text(1);
+    r.model_path = st.Text(2);
+    r.owner = st.Text(3);
+    r.live = st.Int(4) != 0;
+    r.created = FromMicros(st.Int(5));
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 }  // namespace twinkle::registry

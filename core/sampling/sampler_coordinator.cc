@@ -15,6 +15,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/common/log.h"
 #include "core/ipc/training_messages.h"
 #include "core/scheduler/op.h"
@@ -91,7 +92,8 @@ SamplerCoordinator::SamplerCoordinator(SamplerOptions options, std::vector<train
       futures_(futures),
       clock_(clock),
       token_text_(LoadTokenText(options_.model_dir)),
-      eos_token_ids_(options_.model_dir.empty() ? std::vector<int64_t>{} : LoadEosTokenIds(options_.model_dir)) {
+      eos_token_ids_(options_.model_dir.empty() ? std::vector<int64_t>{} : LoadEosTokenIds(options_.model_dir)),
+      boot_tag_(absl::StrCat(absl::Hex(absl::Uniform<uint32_t>(absl::BitGen()), absl::kZeroPad8))) {
   absl::MutexLock lock(&graveyard_->mu);
   graveyard_->engine_ids.resize(lanes_.size());
 }
@@ -99,8 +101,25 @@ SamplerCoordinator::SamplerCoordinator(SamplerOptions options, std::vector<train
 SamplerCoordinator::~SamplerCoordinator() { Stop(); }
 
 void SamplerCoordinator::Start() {
+  // The sessions the last boot left open wait for their first use.
+  std::vector<registry::SamplingSessionRecord> journaled;
+  if (options_.registry != nullptr) {
+    absl::StatusOr<std::vector<registry::SamplingSessionRecord>> rows = options_.registry->ListSamplingSessions();
+    if (rows.ok()) {
+      journaled = *std::move(rows);
+    } else {
+      LogWarning(kLog, absl::StrCat("sampling sessions of the last run not restored: ", rows.status().message()));
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (started_) return;
+  for (registry::SamplingSessionRecord& row : journaled) {
+    if (sessions_.count(row.id) == 0) dormant_.emplace(row.id, std::move(row));
+  }
+  if (!dormant_.empty()) {
+    dormant_until_ = clock_.Now() + options_.session_timeout;
+    LogInfo(kLog, absl::StrCat(dormant_.size(), " sampling sessions of the last run can be reopened"));
+  }
   started_ = true;
   stop_ = false;
   for (const std::unique_ptr<Lane>& lane : lanes_) {
@@ -172,9 +191,10 @@ absl::Status SamplerCoordinator::CheckSessionRoom(const std::string& tenant) con
 }
 
 std::string SamplerCoordinator::AddSession(const std::string& tenant, const std::string& model_path,
-                                           std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live) {
+                                           std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live,
+                                           const std::string& id) {
   auto session = std::make_shared<Session>();
-  session->id = absl::StrCat("sampler-", next_session_++);
+  session->id = id.empty() ? absl::StrCat("sampler-", boot_tag_, "-", next_session_++) : id;
   session->tenant = tenant;
   session->model_path = model_path;
   session->snapshot = std::move(snapshot);
@@ -260,18 +280,27 @@ absl::StatusOr<std::string> SamplerCoordinator::ImplicitSession(const TenantCont
   }
   absl::StatusOr<std::string> id = CreateSession(tenant, model_path);
   if (!id.ok()) return id.status();
-  absl::MutexLock lock(&mu_);
-  auto [it, inserted] = implicit_.emplace(key, *id);
-  if (!inserted) {
-    // Another request made one meanwhile: keep that one, close ours.
-    if (it->second != *id && sessions_.count(it->second)) {
-      sessions_.erase(*id);
+  std::shared_ptr<Session> duplicate;  // unjournaled after the lock
+  std::string kept;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = implicit_.emplace(key, *id);
+    if (!inserted && it->second != *id && sessions_.count(it->second)) {
+      // Another request made one meanwhile: keep that one, close ours.
+      kept = it->second;
+      auto ours = sessions_.find(*id);
+      if (ours != sessions_.end()) {
+        duplicate = std::move(ours->second);
+        sessions_.erase(ours);
+      }
       WakeAllLanes();
-      return it->second;
+    } else {
+      it->second = *id;
     }
-    it->second = *id;
   }
-  return *id;
+  if (kept.empty()) return *id;
+  Unjournal({duplicate});
+  return kept;
 }
 
 std::vector<std::string> SamplerCoordinator::SessionsOwnedBy(const std::string& tenant,
@@ -298,16 +327,51 @@ int64_t SamplerCoordinator::CloseOwnedBy(const TenantContext& tenant, const std:
       it = next;
     }
   }
+  Unjournal(keep);
   DropQueues(tenant.id, queues, absl::StrCat("the sampling session was released: ", why));
   return static_cast<int64_t>(queues.size());
 }
 
 absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContext& tenant,
                                                               const std::string& model_path, const std::string& owner) {
+  absl::StatusOr<std::string> id = OpenSession(tenant, model_path, owner, "");
+  if (id.ok()) Journal(tenant.id, *id, model_path, owner);
+  return id;
+}
+
+void SamplerCoordinator::Journal(const std::string& tenant, const std::string& id, const std::string& model_path,
+                                 const std::string& owner) {
+  if (options_.registry == nullptr) return;
+  registry::SamplingSessionRecord row;
+  row.id = id;
+  row.tenant = tenant;
+  row.model_path = model_path;
+  row.owner = owner;
+  row.created = clock_.Now();
+  // Without its row the session still works; it is only not reopened after a restart.
+  if (absl::Status s = options_.registry->PutSamplingSession(row); !s.ok()) {
+    LogWarning(kLog, absl::StrCat("tenant ", tenant, ": sampling session ", id, " not journaled: ", s.message()));
+  }
+}
+
+void SamplerCoordinator::Unjournal(const std::vector<std::shared_ptr<Session>>& released) {
+  if (options_.registry == nullptr) return;
+  for (const std::shared_ptr<Session>& session : released) {
+    if (session == nullptr || session->live) continue;  // live sessions have no row
+    if (absl::Status s = options_.registry->DeleteSamplingSession(session->id, session->tenant); !s.ok()) {
+      LogWarning(kLog, absl::StrCat("tenant ", session->tenant, ": sampling session ", session->id,
+                                    " still journaled: ", s.message()));
+    }
+  }
+}
+
+absl::StatusOr<std::string> SamplerCoordinator::OpenSession(const TenantContext& tenant,
+                                                            const std::string& model_path, const std::string& owner,
+                                                            const std::string& id) {
   if (model_path.empty()) {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
-    return AddSession(tenant.id, "", nullptr, owner, false);
+    return AddSession(tenant.id, "", nullptr, owner, false, id);
   }
   if (checkpoints_ == nullptr) return absl::UnimplementedError("checkpoints are not configured");
   if (model_path.find("://") == std::string::npos) {
@@ -322,7 +386,7 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
     if (absl::Status s = CheckSessionRoom(tenant.id); !s.ok()) return s;
     if (auto it = snapshots_by_source_.find(source_key); it != snapshots_by_source_.end()) {
       if (std::shared_ptr<Snapshot> shared = it->second.lock()) {
-        return AddSession(tenant.id, model_path, shared, owner, false);
+        return AddSession(tenant.id, model_path, shared, owner, false, id);
       }
     }
   }
@@ -346,7 +410,7 @@ absl::StatusOr<std::string> SamplerCoordinator::CreateSession(const TenantContex
     snapshots_by_source_[source_key] = snapshot;
   }
   LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": sampling session on ", model_path));
-  return AddSession(tenant.id, model_path, std::move(snapshot), owner, false);
+  return AddSession(tenant.id, model_path, std::move(snapshot), owner, false, id);
 }
 
 absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSnapshotSession(const TenantContext& tenant,
@@ -392,19 +456,62 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSnapshotSession(const TenantC
 
 absl::StatusOr<std::shared_ptr<SamplerCoordinator::Session>> SamplerCoordinator::FindSession(
     const TenantContext& tenant, const std::string& id) {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(id);
-  if (it == sessions_.end() || it->second->tenant != tenant.id) {
-    auto released = released_.find(id);
-    if (released != released_.end() && released->second.first == tenant.id) {
-      // Not a retryable condition: the session and its weights are gone for good.
-      return absl::FailedPreconditionError(
-          absl::StrCat("sampling session '", id, "' was released: ", released->second.second));
+  for (int attempt = 0;; ++attempt) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = sessions_.find(id);
+      if (it != sessions_.end() && it->second->tenant == tenant.id) {
+        it->second->last_used = clock_.Now();
+        return it->second;
+      }
+      auto released = released_.find(id);
+      if (released != released_.end() && released->second.first == tenant.id) {
+        // Not a retryable condition: the session and its weights are gone for good.
+        return absl::FailedPreconditionError(
+            absl::StrCat("sampling session '", id, "' was released: ", released->second.second));
+      }
     }
-    return absl::NotFoundError(absl::StrCat("sampling session '", id, "' not found"));
+    if (attempt > 0) break;
+    if (absl::Status s = ReopenAfterRestart(tenant, id); !s.ok()) return s;
   }
-  it->second->last_used = clock_.Now();
-  return it->second;
+  return absl::NotFoundError(absl::StrCat("sampling session '", id, "' not found"));
+}
+
+absl::Status SamplerCoordinator::ReopenAfterRestart(const TenantContext& tenant, const std::string& id) {
+  registry::SamplingSessionRecord row;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = dormant_.find(id);
+    if (it == dormant_.end() || it->second.tenant != tenant.id) {
+      // "sampler-<boot>-<n>" of another boot: a session that was not kept (a live snapshot's,
+      // or one closed since); anything else is an id this server never issued. Another
+      // tenant's id gets the same answer as an unknown id of its boot: it reveals nothing.
+      const std::vector<std::string> parts = absl::StrSplit(id, '-');
+      if (parts.size() == 3 && parts[0] == "sampler" && parts[1].size() == 8 && parts[1] != boot_tag_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sampling session '", id,
+            "' was lost in a server restart: it was closed before it, or it sampled an unnamed snapshot of a "
+            "training client's weights (save_weights_and_get_sampling_client), which lives in memory only; "
+            "make a new sampling client"));
+      }
+      return absl::NotFoundError(absl::StrCat("sampling session '", id, "' not found"));
+    }
+    row = std::move(it->second);
+    dormant_.erase(it);
+  }
+  // Its owner (a training session of the last run) is kept only if it is alive again.
+  const std::string owner = training_.SessionAlive(tenant.id, row.owner) ? row.owner : "";
+  absl::StatusOr<std::string> reopened = OpenSession(tenant, row.model_path, owner, row.id);
+  if (!reopened.ok()) {
+    // Its checkpoint may be gone (deleted, expired): the session cannot come back.
+    if (options_.registry != nullptr) (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
+    return absl::FailedPreconditionError(absl::StrCat("sampling session '", id,
+                                                      "' could not be reopened after a server restart: ",
+                                                      reopened.status().message()));
+  }
+  LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": sampling session ", id, " reopened after a restart"));
+  if (owner != row.owner) Journal(row.tenant, row.id, row.model_path, owner);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<SamplingSessionInfo> SamplerCoordinator::GetSession(const TenantContext& tenant,
@@ -437,6 +544,7 @@ absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const
     sessions_.erase(it);
     WakeAllLanes();  // its snapshot may be freed now
   }
+  Unjournal({closed});
   // Its queue goes too (requests already handed to the decode thread still finish).
   training_.scheduler().DropAdapter(training::TrainingCoordinator::TaskQueue(tenant.id, "sampler/" + session_id),
                                     absl::CancelledError("the sampling session was closed"));
@@ -446,8 +554,13 @@ absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const
 void SamplerCoordinator::Housekeep() {
   std::vector<std::shared_ptr<Session>> expired;
   std::vector<std::pair<std::string, std::string>> queues;  // (tenant, queue)
+  std::vector<registry::SamplingSessionRecord> never_reopened;
   {
     absl::MutexLock lock(&mu_);
+    if (!dormant_.empty() && clock_.Now() >= dormant_until_) {
+      for (auto& [id, row] : dormant_) never_reopened.push_back(std::move(row));
+      dormant_.clear();
+    }
     const absl::Time cutoff = clock_.Now() - options_.session_timeout;
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       auto next = std::next(it);
@@ -465,7 +578,13 @@ void SamplerCoordinator::Housekeep() {
       it = next;
     }
   }
+  Unjournal(expired);
   expired.clear();
+  if (options_.registry != nullptr) {
+    for (const registry::SamplingSessionRecord& row : never_reopened) {
+      (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
+    }
+  }
   for (const auto& [tenant, queue] : queues) DropQueues(tenant, {queue}, "the sampling session was released");
 }
 

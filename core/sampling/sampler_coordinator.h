@@ -33,6 +33,15 @@
 // the training engine, in the adapter's queue. So with dedicated workers the training engine
 // holds no snapshot, and a restart of any engine is seen through its own link's generation
 // and replays only that lane's rows.
+//
+// Restarts. Sessions on the base model or a checkpoint path are journaled in the registry
+// (SamplerOptions::registry) while open, so a sampling client outlives a restart of the
+// server: after it, the session's first use reopens it under the same id (loading its
+// checkpoint again), which is what lets the tinker SDK's retry of a sample that a restart
+// interrupted succeed. A journaled session nobody uses again is dropped session_timeout after
+// the start. Sessions on live snapshots are not journaled (the weights were only in memory):
+// their ids carry the boot they were made in, so a later use is told they were lost in a
+// restart, never confused with a session of the new boot.
 
 #include <atomic>
 #include <cstdint>
@@ -50,6 +59,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/common/clock.h"
 #include "core/futures/future_store.h"
+#include "core/registry/registry.h"
 #include "core/training/checkpoints.h"
 #include "core/training/coordinator.h"
 #include "core/training/engine_link.h"
@@ -155,6 +165,8 @@ struct SamplerOptions {
   absl::Duration session_timeout = absl::Seconds(1800);  // unused this long: closed
   int64_t default_max_tokens = 16;
   int64_t max_num_samples = 128;
+  // Where open sessions are journaled so they outlive a restart (null: in memory only).
+  registry::Registry* registry = nullptr;
 };
 
 // One lane (engine that samples): its share of the figures below.
@@ -257,12 +269,25 @@ class SamplerCoordinator {
   std::function<void(const SampleUsage&)> usage_listener_;
 
   absl::StatusOr<std::shared_ptr<Session>> FindSession(const TenantContext& tenant, const std::string& id);
+  // A session on the base model or a checkpoint (CreateSession without the journal); `id`
+  // non-empty: reopens that journaled session under its id.
+  absl::StatusOr<std::string> OpenSession(const TenantContext& tenant, const std::string& model_path,
+                                          const std::string& owner, const std::string& id);
+  // FindSession's miss: a session journaled before the restart is reopened (OK), one of an
+  // earlier boot that was not kept is FailedPrecondition, anything else NotFound.
+  absl::Status ReopenAfterRestart(const TenantContext& tenant, const std::string& id);
+  // The registry rows of open non-live sessions: written after a session opens, deleted
+  // after one is released (outside mu_: each is a synchronous SQLite write).
+  void Journal(const std::string& tenant, const std::string& id, const std::string& model_path,
+               const std::string& owner);
+  void Unjournal(const std::vector<std::shared_ptr<Session>>& released);
   std::shared_ptr<Snapshot> NewSnapshot(const std::string& tenant, const std::string& source,
                                         training::TrainingCoordinator::CapturedWeights weights)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `id` empty: a new one ("sampler-<boot>-<n>").
   std::string AddSession(const std::string& tenant, const std::string& model_path,
-                         std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         std::shared_ptr<Snapshot> snapshot, const std::string& owner, bool live,
+                         const std::string& id = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session, remembering why (a later use is told), and returns its scheduler queue
   // for the caller to drop once mu_ is released.
   std::string ReleaseLocked(std::map<std::string, std::shared_ptr<Session>>::iterator it, const std::string& why,
@@ -313,6 +338,12 @@ class SamplerCoordinator {
   std::map<std::string, std::string> implicit_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::weak_ptr<Snapshot>> snapshots_by_source_ ABSL_GUARDED_BY(mu_);  // tenant + path
   std::map<std::string, int64_t> in_flight_by_tenant_ ABSL_GUARDED_BY(mu_);  // requests handed over
+  // Sessions journaled by an earlier boot and not used since the start: id → its row, until
+  // their first use (reopened) or start + session_timeout (dropped with their rows).
+  std::map<std::string, registry::SamplingSessionRecord> dormant_ ABSL_GUARDED_BY(mu_);
+  absl::Time dormant_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // This boot's tag in session ids: an id of another boot is never taken for one of this.
+  const std::string boot_tag_;
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_snapshot_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_row_ ABSL_GUARDED_BY(mu_) = 1;

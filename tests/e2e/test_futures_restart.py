@@ -7,6 +7,11 @@ registry. Real server (auth on, tenants alice and bob), real HTTP and the real t
 - A request still in flight at SIGTERM answers 410 "interrupted by a restart": the SDK's
   future, which kept polling across the restart, raises its RetryableException (the signal
   its callers resubmit on), never a 404 and never a hang.
+- A sampling client outlives the restart: its session (on a checkpoint path or the base
+  model) is reopened under the same id on first use, so the SDK's own retry of a sample the
+  restart interrupted returns what the same greedy request returned before; a client on an
+  unnamed snapshot (save_weights_and_get_sampling_client) gets a clear 403 "lost in a
+  server restart" instead, and the other tenant cannot use alice's session id.
 - Retained results are bounded per tenant (sessions.max_retained_results): over the bound
   the oldest is dropped, and fetching it answers 403 naming the key, while the other
   tenant's results are untouched.
@@ -38,7 +43,7 @@ from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
 from e2e_support.training import KEYS, Client, auth_overrides  # noqa: E402
 from e2e_support.waiting import scaled, wait_until  # noqa: E402
 from test_tinker_http import Api, fwdbwd_body  # noqa: E402
-from test_tinker_sdk import datum, lora_client, service  # noqa: E402
+from test_tinker_sdk import MODEL_NAME, SEQ, datum, lora_client, resolved, service  # noqa: E402
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 ADAM = {"learning_rate": 1e-2}
@@ -140,6 +145,60 @@ def test_request_ids_outlive_a_restart(launch_server: LaunchServer, tmp_path: Pa
     r = alice.post("/forward_backward", data=fwdbwd_body(fresh, 1), headers=PROTO)
     assert r.status_code == 200, r.text
     assert alice.result(r.json()["request_id"]).json()["metrics"]["loss:sum"] > 0
+
+
+def test_sampling_clients_outlive_a_restart_and_the_sdk_retry_recovers(launch_server: LaunchServer,
+                                                                         tmp_path: Path) -> None:
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")}, testing={"hooks": True})
+    server = launch_server(overrides)
+    svc, bob_svc = service(server, KEYS["alice"]), service(server, KEYS["bob"])
+    training = lora_client(svc, rank=4)
+    training.forward_backward([datum(SEQ)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = training.save_weights_for_sampler("before-restart").result().path
+    by_path = resolved(svc.create_sampling_client(model_path=path))
+    base = resolved(svc.create_sampling_client(base_model=MODEL_NAME))
+    live = resolved(training.save_weights_and_get_sampling_client())
+    bobs = resolved(bob_svc.create_sampling_client(base_model=MODEL_NAME))
+    prompt = types.ModelInput.from_ints(SEQ[:4])
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+
+    def tokens(client: Any) -> list[int]:
+        return list(client.sample(prompt, num_samples=1, sampling_params=greedy).result(timeout=scaled(120))
+                    .sequences[0].tokens)
+
+    want_path, want_base, want_bob = tokens(by_path), tokens(base), tokens(bobs)
+    assert tokens(live) == want_path  # the same weights, saved and live
+
+    # In flight at SIGTERM: the SDK's sample on the checkpoint's session, queued behind a
+    # paused scheduler.
+    admin = Client(server.grpc_address, KEYS["alice"])
+    admin.call("PauseScheduler", tpb.Empty())
+    admin.close()
+    in_flight = by_path.sample(prompt, num_samples=1, sampling_params=greedy)
+    wait_until(lambda: queued_ops(server) >= 1, scaled(30), "the SDK's sample is queued")
+    server.send_signal(signal.SIGTERM)
+    assert server.wait_exit(scaled(60)) == 0, server.logs()
+    server = relaunch(launch_server, overrides, server)
+
+    # The SDK's retry (its RetryableException on 410, then the same request again) lands on the
+    # reopened session: the same greedy tokens as before the restart.
+    assert list(in_flight.result(timeout=scaled(300)).sequences[0].tokens) == want_path
+    assert tokens(base) == want_base
+    assert tokens(bobs) == want_bob
+    assert "reopened after a restart" in server.logs()
+
+    # The live snapshot was in memory only: a clear 403, not a retry loop or a 404.
+    with pytest.raises(Exception) as lost:
+        tokens(live)
+    assert "lost in a server restart" in str(lost.value), repr(lost.value)
+    # Bob naming alice's session: as any unknown id of the earlier run (nothing about hers).
+    bob_api = Api(server, KEYS["bob"])
+    r = bob_api.post("/asample", {"sampling_session_id": by_path._sampling_session_id, "seq_id": 99,
+                                  "num_samples": 1, "sampling_params": {"max_tokens": 2},
+                                  "prompt": {"chunks": [{"type": "encoded_text", "tokens": SEQ[:4]}]}})
+    assert r.status_code == 403 and "lost in a server restart" in r.json()["detail"], r.text
+    assert tokens(by_path) == want_path  # and alice's session is still hers
 
 
 def test_retained_results_are_bounded_per_tenant(launch_server: LaunchServer, tmp_path: Path) -> None:

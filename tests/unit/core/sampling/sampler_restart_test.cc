@@ -1,0 +1,190 @@
+// Sampling sessions across a restart of the server, in process: two "boots" of the training
+// and sampler coordinators over one registry file (real SQLite), a fake EngineLink and a fake
+// clock. Sessions on the base model come back under their ids on first use; live snapshots'
+// sessions and closed ones get a clear "lost in a server restart"; another tenant never
+// reopens someone's session; journaled sessions nobody uses again are dropped with their rows
+// session_timeout after the start.
+#include <stdlib.h>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "core/futures/future_store.h"
+#include "core/ipc/training_messages.h"
+#include "core/registry/registry.h"
+#include "core/sampling/sampler_coordinator.h"
+#include "core/training/coordinator.h"
+#include "tests/unit/core/fake_clock.h"
+
+namespace twinkle::sampling {
+namespace {
+
+namespace fs = std::filesystem;
+using ::twinkle::testing::FakeClock;
+
+class FakeEngine final : public training::EngineLink {
+ public:
+  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
+    const std::string& method = request.envelope.method;
+    if (method == ipc::kMethodCreateAdapter) {
+      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::CreateAdapterReply{10, 1.0}));
+    }
+    if (method == ipc::kMethodGetAdapterState) {
+      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::AdapterStateReply{}));
+    }
+    return ipc::MakeReply(request.envelope, absl::OkStatus(), "");
+  }
+  uint64_t generation() const override { return 1; }
+  int64_t vocab_size() const override { return 100; }
+  std::vector<std::string> supported_losses() const override { return {"cross_entropy"}; }
+};
+
+constexpr absl::Duration kTimeout = absl::Minutes(30);
+
+training::TenantContext Tenant(const std::string& id) {
+  training::TenantContext t;
+  t.id = id;
+  return t;
+}
+
+// One run of the server: its coordinators over the registry file, started.
+struct Boot {
+  Boot(const std::string& registry_path, FakeClock& clock) : clock(clock) {
+    registry = std::move(registry::Registry::Open(registry_path)).value();
+    SamplerOptions o;
+    o.session_timeout = kTimeout;
+    o.registry = registry.get();
+    training = std::make_unique<training::TrainingCoordinator>(training::CoordinatorOptions{}, engine, futures, clock);
+    sampler = std::make_unique<SamplerCoordinator>(o, std::vector<training::EngineLink*>{&engine}, *training, nullptr,
+                                                   futures, clock);
+    training->Start();
+    sampler->Start();
+  }
+  ~Boot() {
+    sampler->Stop();
+    training->Stop();
+  }
+  size_t JournalRows() { return registry->ListSamplingSessions().value().size(); }
+
+  FakeClock& clock;
+  std::unique_ptr<registry::Registry> registry;
+  FakeEngine engine;
+  FutureStore futures{absl::Hours(1), clock};
+  std::unique_ptr<training::TrainingCoordinator> training;
+  std::unique_ptr<SamplerCoordinator> sampler;
+};
+
+class SamplerRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "twinkle-sampler-restart-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::unique_ptr<Boot> Launch() { return std::make_unique<Boot>((dir_ / "registry.sqlite").string(), clock_); }
+
+  // A live snapshot session of `tenant`'s adapter "a" (made with its training session).
+  static std::string LiveSnapshot(Boot& boot, const training::TenantContext& tenant) {
+    const std::string session = boot.training->CreateSession(tenant).value();
+    training::AddAdapterArgs args;
+    args.name = "a";
+    args.session_id = session;
+    EXPECT_TRUE(boot.training->AddAdapter(tenant, args).ok());
+    absl::StatusOr<uint64_t> id = boot.sampler->SubmitSnapshotSession(tenant, "a", {}, session);
+    EXPECT_TRUE(id.ok()) << id.status();
+    absl::StatusOr<FutureResult> got = boot.futures.Wait(*id, tenant.id, absl::Seconds(30));
+    EXPECT_TRUE(got.ok() && got->ok());
+    return std::get<SnapshotSession>(**got).sampling_session_id;
+  }
+
+  fs::path dir_;
+  FakeClock clock_;
+};
+
+TEST_F(SamplerRestartTest, BaseModelSessionsAreReopenedUnderTheirIdsAfterARestart) {
+  const training::TenantContext alice = Tenant("alice"), bob = Tenant("bob");
+  std::string alices, bobs, live, closed;
+  {
+    std::unique_ptr<Boot> first = Launch();
+    alices = first->sampler->CreateSession(alice, "").value();
+    bobs = first->sampler->CreateSession(bob, "").value();
+    closed = first->sampler->CreateSession(alice, "").value();
+    live = LiveSnapshot(*first, alice);
+    ASSERT_TRUE(first->sampler->CloseSession(alice, closed).ok());
+    EXPECT_EQ(first->JournalRows(), 2u);  // alice's and bob's open base sessions; no live, no closed
+  }
+  std::unique_ptr<Boot> second = Launch();
+  EXPECT_EQ(second->sampler->stats().sessions, 0);  // reopened on use, not at start
+
+  // Another tenant naming alice's id is answered as for any unknown id of an earlier run, and
+  // does not use up her reopening.
+  EXPECT_EQ(second->sampler->GetSession(bob, alices).status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<SamplingSessionInfo> back = second->sampler->GetSession(alice, alices);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->id, alices);
+  EXPECT_EQ(back->model_path, "");
+  EXPECT_TRUE(second->sampler->GetSession(bob, bobs).ok());
+  EXPECT_EQ(second->sampler->stats().sessions, 2);
+  // Reopened, still not bob's; a session of this run that is not his is unknown to him.
+  EXPECT_EQ(second->sampler->GetSession(bob, alices).status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string new_one = second->sampler->CreateSession(alice, "").value();
+  EXPECT_EQ(second->sampler->GetSession(bob, new_one).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(second->sampler->CloseSession(alice, new_one).ok());
+  EXPECT_EQ(second->JournalRows(), 2u);
+
+  // The live snapshot's session and the closed one were not kept: a clear, non-retryable error.
+  for (const std::string& gone : {live, closed}) {
+    absl::Status s = second->sampler->GetSession(alice, gone).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << gone << ": " << s;
+    EXPECT_NE(s.message().find("lost in a server restart"), std::string::npos) << s;
+  }
+  // Ids this server never issued stay unknown; new sessions never reuse an earlier boot's id.
+  EXPECT_EQ(second->sampler->GetSession(alice, "sampler-1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(second->sampler->GetSession(alice, "sampler-zzzzzzzz-1").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (int i = 0; i < 8; ++i) {
+    const std::string fresh = second->sampler->CreateSession(alice, "").value();
+    EXPECT_NE(fresh, alices);
+    EXPECT_NE(fresh, live);
+    EXPECT_NE(fresh, closed);
+  }
+
+  // Closing a reopened session deletes its row: a third boot does not bring it back.
+  ASSERT_TRUE(second->sampler->CloseSession(alice, alices).ok());
+  second.reset();
+  std::unique_ptr<Boot> third = Launch();
+  EXPECT_EQ(third->sampler->GetSession(alice, alices).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(third->sampler->GetSession(bob, bobs).ok());
+}
+
+TEST_F(SamplerRestartTest, JournaledSessionsNobodyUsesAreDroppedSessionTimeoutAfterTheStart) {
+  const training::TenantContext alice = Tenant("alice");
+  std::string kept, idle;
+  {
+    std::unique_ptr<Boot> first = Launch();
+    kept = first->sampler->CreateSession(alice, "").value();
+    idle = first->sampler->CreateSession(alice, "").value();
+  }
+  std::unique_ptr<Boot> second = Launch();
+  clock_.Advance(kTimeout - absl::Seconds(1));
+  second->sampler->Housekeep();
+  ASSERT_TRUE(second->sampler->GetSession(alice, kept).ok());  // still in time
+  clock_.Advance(absl::Seconds(2));
+  second->sampler->Housekeep();
+  EXPECT_EQ(second->JournalRows(), 1u);  // only the reopened one
+  absl::Status s = second->sampler->GetSession(alice, idle).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(second->sampler->GetSession(alice, kept).ok());
+}
+
+}  // namespace
+}  // namespace twinkle::sampling
