@@ -1,34 +1,22 @@
 // The registry's open sampling sessions (v5): what the sampler reopens after a restart.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/time/time.h"
 #include "core/registry/registry.h"
+#include "tests/unit/core/storage/temp_dir.h"
 
 namespace twinkle::registry {
 namespace {
 
-namespace fs = std::filesystem;
-
 class SamplingSessionsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "twinkle-sampling-sessions-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
   std::unique_ptr<Registry> Open() {
-    absl::StatusOr<std::unique_ptr<Registry>> r = Registry::Open((dir_ / "registry.sqlite").string());
+    absl::StatusOr<std::unique_ptr<Registry>> r = Registry::Open((dir_.path() / "registry.sqlite").string());
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? std::move(*r) : nullptr;
   }
@@ -43,7 +31,7 @@ class SamplingSessionsTest : public ::testing::Test {
     r.created = absl::FromUnixSeconds(created_s);
     return r;
   }
-  fs::path dir_;
+  storage::testing::TempDir dir_;
 };
 
 std::vector<std::string> Ids(const std::vector<SamplingSessionRecord>& records) {

@@ -9,33 +9,16 @@
 
 #include "absl/time/time.h"
 #include "core/futures/future_store.h"
-#include "core/ipc/training_messages.h"
 #include "core/sampling/sampler_coordinator.h"
 #include "core/training/coordinator.h"
 #include "tests/unit/core/fake_clock.h"
+#include "tests/unit/core/sampling/fake_engine.h"
 
 namespace twinkle::sampling {
 namespace {
 
 using ::twinkle::testing::FakeClock;
-
-// Answers what the coordinators ask of an engine for adapters and snapshots; never samples.
-class FakeEngine final : public training::EngineLink {
- public:
-  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
-    const std::string& method = request.envelope.method;
-    if (method == ipc::kMethodCreateAdapter) {
-      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::CreateAdapterReply{10, 1.0}));
-    }
-    if (method == ipc::kMethodGetAdapterState) {
-      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::AdapterStateReply{}));
-    }
-    return ipc::MakeReply(request.envelope, absl::OkStatus(), "");
-  }
-  uint64_t generation() const override { return 1; }
-  int64_t vocab_size() const override { return 100; }
-  std::vector<std::string> supported_losses() const override { return {"cross_entropy"}; }
-};
+using ::twinkle::sampling::testing::FakeEngine;
 
 constexpr absl::Duration kLong = absl::Seconds(30);
 

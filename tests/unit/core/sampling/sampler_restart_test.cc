@@ -4,45 +4,26 @@
 // sessions and closed ones get a clear "lost in a server restart"; another tenant never
 // reopens someone's session; journaled sessions nobody uses again are dropped with their rows
 // session_timeout after the start.
-#include <stdlib.h>
-
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/time/time.h"
 #include "core/futures/future_store.h"
-#include "core/ipc/training_messages.h"
 #include "core/registry/registry.h"
 #include "core/sampling/sampler_coordinator.h"
 #include "core/training/coordinator.h"
 #include "tests/unit/core/fake_clock.h"
+#include "tests/unit/core/sampling/fake_engine.h"
+#include "tests/unit/core/storage/temp_dir.h"
 
 namespace twinkle::sampling {
 namespace {
 
-namespace fs = std::filesystem;
 using ::twinkle::testing::FakeClock;
-
-class FakeEngine final : public training::EngineLink {
- public:
-  absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
-    const std::string& method = request.envelope.method;
-    if (method == ipc::kMethodCreateAdapter) {
-      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::CreateAdapterReply{10, 1.0}));
-    }
-    if (method == ipc::kMethodGetAdapterState) {
-      return ipc::MakeReply(request.envelope, absl::OkStatus(), ipc::Pack(ipc::AdapterStateReply{}));
-    }
-    return ipc::MakeReply(request.envelope, absl::OkStatus(), "");
-  }
-  uint64_t generation() const override { return 1; }
-  int64_t vocab_size() const override { return 100; }
-  std::vector<std::string> supported_losses() const override { return {"cross_entropy"}; }
-};
+using ::twinkle::sampling::testing::FakeEngine;
 
 constexpr absl::Duration kTimeout = absl::Minutes(30);
 
@@ -81,16 +62,7 @@ struct Boot {
 
 class SamplerRestartTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "twinkle-sampler-restart-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::unique_ptr<Boot> Launch() { return std::make_unique<Boot>((dir_ / "registry.sqlite").string(), clock_); }
+  std::unique_ptr<Boot> Launch() { return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_); }
 
   // A live snapshot session of `tenant`'s adapter "a" (made with its training session).
   static std::string LiveSnapshot(Boot& boot, const training::TenantContext& tenant) {
@@ -106,7 +78,7 @@ class SamplerRestartTest : public ::testing::Test {
     return std::get<SnapshotSession>(**got).sampling_session_id;
   }
 
-  fs::path dir_;
+  storage::testing::TempDir dir_;
   FakeClock clock_;
 };
 
