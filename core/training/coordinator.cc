@@ -54,7 +54,7 @@ class TrainingCoordinator::Runner final : public sched::Executor {
 
 TrainingCoordinator::TrainingCoordinator(CoordinatorOptions options, EngineLink& engine,
                                          FutureStore& futures, const Clock& clock)
-    : options_(std::move(options)), engine_(engine), futures_(futures), clock_(clock) {
+    : options_(std::move(options)), engine_(engine), futures_(futures), clock_(clock), started_at_(clock.Now()) {
   runner_ = std::make_unique<Runner>(*this);
   sched::SchedulerOptions so = options_.scheduler;
   // A fused step's adapters must all be resident at once.
@@ -111,12 +111,32 @@ absl::StatusOr<std::string> TrainingCoordinator::CreateSession(const TenantConte
 }
 
 absl::Status TrainingCoordinator::Heartbeat(const TenantContext& tenant, const std::string& session_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || it->second.tenant != tenant.id) {
-    return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
+  const absl::Status unknown = absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end() && it->second.tenant == tenant.id) {
+      it->second.last_heartbeat = clock_.Now();
+      return absl::OkStatus();
+    }
+    if (it != sessions_.end() || options_.registry == nullptr || resumed_.count(session_id) > 0) return unknown;
   }
-  it->second.last_heartbeat = clock_.Now();
+  // An earlier run's session, after a restart: the SDK keeps heartbeating it and creating
+  // models in it, so it goes on (read outside mu_: a SQLite read).
+  absl::StatusOr<registry::SessionRecord> row = options_.registry->GetSession(session_id, tenant.id);
+  if (!row.ok() || row->finished != absl::InfinitePast() || row->created >= started_at_) return unknown;
+  absl::MutexLock lock(&mu_);
+  if (sessions_.count(session_id) > 0 || !resumed_.insert(session_id).second) return unknown;
+  const auto open = std::count_if(sessions_.begin(), sessions_.end(),
+                                  [&](const auto& s) { return s.second.tenant == tenant.id; });
+  if (open >= tenant.max_sessions) {
+    resumed_.erase(session_id);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tenant '", tenant.id, "' has ", open, " open sessions, its limit (max_sessions) is ", tenant.max_sessions,
+        ": session '", session_id, "' of before the restart cannot resume until one ends"));
+  }
+  sessions_[session_id] = Session{tenant.id, clock_.Now()};
+  LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": session ", session_id, " resumed after a restart"));
   return absl::OkStatus();
 }
 

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,10 @@ class TrainingCoordinator {
   // A tenant holding max_sessions live sessions gets FAILED_PRECONDITION naming the limit
   // (it does not clear by itself while they heartbeat: end one, or let one expire).
   absl::StatusOr<std::string> CreateSession(const TenantContext& tenant);
+  // Keeps the session alive. A session of an earlier run of the server (in the registry,
+  // not finished, created before this start) is resumed by its first heartbeat after a
+  // restart (its adapters are not: they died with the engine), once: one that ends or expires
+  // afterwards stays ended. NotFound for anything else (and another tenant's).
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
   // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
   bool SessionAlive(const std::string& tenant, const std::string& session_id) const;
@@ -248,6 +253,8 @@ class TrainingCoordinator {
   std::map<std::string, std::shared_ptr<Adapter>> adapters_ ABSL_GUARDED_BY(mu_);  // by key
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  const absl::Time started_at_;  // sessions created before this are an earlier run's
+  std::set<std::string> resumed_ ABSL_GUARDED_BY(mu_);  // earlier runs' sessions resumed here
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
 
   // Scheduler thread only.

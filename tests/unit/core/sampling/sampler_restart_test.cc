@@ -3,7 +3,8 @@
 // clock. Sessions on the base model come back under their ids on first use; live snapshots'
 // sessions and closed ones get a clear "lost in a server restart"; another tenant never
 // reopens someone's session; journaled sessions nobody uses again are dropped with their rows
-// session_timeout after the start.
+// session_timeout after the start. An earlier run's training session resumes on its first
+// heartbeat (once), and the sampling sessions it owned come back owned by it.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -40,7 +41,9 @@ struct Boot {
     SamplerOptions o;
     o.session_timeout = kTimeout;
     o.registry = registry.get();
-    training = std::make_unique<training::TrainingCoordinator>(training::CoordinatorOptions{}, engine, futures, clock);
+    training::CoordinatorOptions co;
+    co.registry = registry.get();
+    training = std::make_unique<training::TrainingCoordinator>(co, engine, futures, clock);
     sampler = std::make_unique<SamplerCoordinator>(o, std::vector<training::EngineLink*>{&engine}, *training, nullptr,
                                                    futures, clock);
     training->Start();
@@ -62,7 +65,11 @@ struct Boot {
 
 class SamplerRestartTest : public ::testing::Test {
  protected:
-  std::unique_ptr<Boot> Launch() { return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_); }
+  // A run of the server; the clock moves on between runs, as a restart's does.
+  std::unique_ptr<Boot> Launch() {
+    clock_.Advance(absl::Seconds(5));
+    return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_);
+  }
 
   // A live snapshot session of `tenant`'s adapter "a" (made with its training session).
   static std::string LiveSnapshot(Boot& boot, const training::TenantContext& tenant) {
@@ -156,6 +163,36 @@ TEST_F(SamplerRestartTest, JournaledSessionsNobodyUsesAreDroppedSessionTimeoutAf
   absl::Status s = second->sampler->GetSession(alice, idle).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_TRUE(second->sampler->GetSession(alice, kept).ok());
+}
+
+TEST_F(SamplerRestartTest, AnEarlierRunsTrainingSessionResumesOnItsFirstHeartbeatOnce) {
+  const training::TenantContext alice = Tenant("alice"), bob = Tenant("bob");
+  std::string session, finished, sampling;
+  {
+    std::unique_ptr<Boot> first = Launch();
+    session = first->training->CreateSession(alice).value();
+    finished = first->training->CreateSession(alice).value();
+    ASSERT_TRUE(first->registry->FinishSession(finished, "alice", clock_.Now()).ok());
+    sampling = first->sampler->CreateSession(alice, "", session).value();
+  }
+  std::unique_ptr<Boot> second = Launch();
+  EXPECT_FALSE(second->training->SessionAlive("alice", session));
+  EXPECT_EQ(second->training->Heartbeat(bob, session).code(), absl::StatusCode::kNotFound);  // not bob's
+  ASSERT_TRUE(second->training->Heartbeat(alice, session).ok());
+  EXPECT_TRUE(second->training->SessionAlive("alice", session));
+  EXPECT_EQ(second->training->Heartbeat(alice, finished).code(), absl::StatusCode::kNotFound);  // it finished
+  // The sampling session it owned comes back owned by it, and closes when it ends.
+  absl::StatusOr<SamplingSessionInfo> info = second->sampler->GetSession(alice, sampling);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->owner, session);
+  ASSERT_TRUE(second->training->EndSession(alice, session).ok());
+  second->sampler->Housekeep();
+  EXPECT_EQ(second->sampler->GetSession(alice, sampling).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Resumed once: ended again, it stays ended; so does a session of this run that ended.
+  EXPECT_EQ(second->training->Heartbeat(alice, session).code(), absl::StatusCode::kNotFound);
+  const std::string current = second->training->CreateSession(alice).value();
+  ASSERT_TRUE(second->training->EndSession(alice, current).ok());
+  EXPECT_EQ(second->training->Heartbeat(alice, current).code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
