@@ -40,9 +40,9 @@ RANK = 1024  # limits.max_lora_rank's largest value: the biggest adapter the tin
 MIB = 1 << 20
 # What one download may add to the coordinator's resident set, whatever the file's size: two
 # 1 MiB chunks queued for the socket, the one being read, and the allocator's slack for the
-# producer thread's arena (measured: 4-6 MiB). The largest file is over 20 MiB, so a server
-# that held the file (or fell behind a stalled reader) would pass it.
-BUDGET = 8 * MIB
+# producer thread's arena (measured: 3-6 MiB). The largest file is over 20 MiB, so a server
+# that held the file (or buffered it for a stalled reader) would pass it.
+BUDGET = 10 * MIB
 
 
 def status_kib(pid: int, field: str) -> int:
