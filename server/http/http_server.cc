@@ -5,6 +5,7 @@
 #include <deque>
 #include <set>
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -25,6 +26,7 @@
 #include <boost/beast/ssl.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -46,6 +48,39 @@ constexpr size_t kMaxBodyBytes = 64 << 20;
 constexpr int kHandlerThreads = 8;
 constexpr auto kHandshakeTimeout = std::chrono::seconds(30);
 
+// What a produced body's producer thread and its session share (HttpBodySource): the sink
+// waits here for room (flow control) and learns here that the client is gone.
+struct BodyPipe {
+  std::mutex mu;
+  std::condition_variable cv;
+  int queued = 0;     // chunks handed to the session and not yet written (guarded by mu)
+  bool gone = false;  // the client is gone, the body was aborted or the server stops (mu)
+
+  // Waits until fewer than kMaxQueuedBodyChunks chunks are queued and takes a place; false
+  // once gone.
+  bool Reserve() {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [this] { return gone || queued < kMaxQueuedBodyChunks; });
+    if (gone) return false;
+    ++queued;
+    return true;
+  }
+  void Written() {
+    {
+      std::lock_guard lock(mu);
+      --queued;
+    }
+    cv.notify_all();
+  }
+  void Cancel() {
+    {
+      std::lock_guard lock(mu);
+      gone = true;
+    }
+    cv.notify_all();
+  }
+};
+
 // What every session shares with the server and must outlive it: the io_context its socket
 // is registered with. A session can outlive the HttpServer (a long-poll's responder is held
 // by a future's completion callback until the coordinator is destroyed, after the HTTP
@@ -61,12 +96,39 @@ struct IoCore {
   // and the I/O threads must keep serving probes and other connections meanwhile. Set by
   // Start, joined by Stop (before which no session dispatches).
   asio::thread_pool* handlers = nullptr;
+  // Producers of HttpBodySource bodies run here (max_body_producers threads): they block on
+  // disk and on their connection's room, so neither on the I/O threads nor on the handlers.
+  // Set by Start, joined by Stop after every pipe is cancelled. `body_producers` counts the
+  // bodies admitted (ProducerSlot), not yet finished.
+  asio::thread_pool* producers = nullptr;
+  std::atomic<int> body_producers{0};
   // Closes each live session's socket, by session; Stop uses them (after the I/O threads
   // are gone) so that every pending operation can complete and release its session.
   std::mutex mu;
   std::map<uint64_t, std::function<void()>> closers;
+  // Each session's produced body in flight, so that Stop can wake and stop its producer.
+  std::map<uint64_t, std::weak_ptr<BodyPipe>> body_pipes;
   uint64_t next_session = 0;
 };
+
+// One admitted produced body: counts against max_body_producers until it is destroyed (with
+// the producer's task, or with the answer when it never started).
+struct ProducerSlot {
+  explicit ProducerSlot(std::shared_ptr<IoCore> c) : core(std::move(c)) {}
+  ~ProducerSlot() { --core->body_producers; }
+  ProducerSlot(const ProducerSlot&) = delete;
+  ProducerSlot& operator=(const ProducerSlot&) = delete;
+  std::shared_ptr<IoCore> core;
+};
+
+// Takes a place for a produced body, or nullptr past max_body_producers.
+std::shared_ptr<ProducerSlot> TakeProducerSlot(const std::shared_ptr<IoCore>& core) {
+  if (core->body_producers.fetch_add(1) >= core->limits.max_body_producers) {
+    --core->body_producers;
+    return nullptr;
+  }
+  return std::make_shared<ProducerSlot>(core);
+}
 
 struct Routes {
   std::map<std::pair<std::string, std::string>, AsyncHttpHandler> exact;
@@ -170,6 +232,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     --core_->connections;
     std::lock_guard lock(core_->mu);
     core_->closers.erase(id_);
+    core_->body_pipes.erase(id_);
   }
 
   void Run() {
@@ -309,13 +372,27 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
             start = absl::Now()](HttpResponse response) {
       if (done->exchange(true)) return;
       if (self->core_->stopped.load()) return;  // the I/O threads are gone; nobody would write it
+      std::shared_ptr<ProducerSlot> slot;
+      if (response.body_source.has_value()) {
+        slot = TakeProducerSlot(self->core_);
+        if (slot == nullptr) {
+          const int limit = self->core_->limits.max_body_producers;
+          response = {503, "application/json",
+                      nlohmann::json{{"error", "too many downloads"},
+                                     {"detail", absl::StrCat("too many bodies are being sent at once (", limit,
+                                                             ", the HTTP server's max_body_producers); retry")}}
+                          .dump(),
+                      {{"Retry-After", "1"}}};
+        }
+      }
       const std::string status = absl::StrCat(response.status);
       timer->set_code(status);
       LogRequest(AccessLogLevel(label), "http",
                  {request_id, tenant, label, status, absl::ToDoubleSeconds(absl::Now() - start)});
       response.headers.emplace_back("X-Request-Id", request_id);
-      asio::post(self->stream_.get_executor(), [self, response = std::move(response), version, keep_alive]() mutable {
-        self->Write(std::move(response), version, keep_alive);
+      asio::post(self->stream_.get_executor(), [self, response = std::move(response), version, keep_alive,
+                                                 slot = std::move(slot), request_id]() mutable {
+        self->Write(std::move(response), version, keep_alive, std::move(slot), request_id);
       });
     };
   }
@@ -450,8 +527,12 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     if (callback && !stream_state_->ended.load()) callback();
   }
 
-  void Write(HttpResponse response, unsigned version, bool keep_alive) {
+  void Write(HttpResponse response, unsigned version, bool keep_alive, std::shared_ptr<ProducerSlot> slot = nullptr,
+             const std::string& request_id = std::string()) {
     EndPendingWatch();
+    if (response.body_source.has_value()) {
+      return StartBody(std::move(response), version, keep_alive, std::move(slot), request_id);
+    }
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(response.status),
                                                                    version);
     res->set(http::field::server, "twinkle-server");
@@ -466,6 +547,151 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                         if (!res->keep_alive()) return self->Close();
                         self->Read();
                       });
+  }
+
+
+  // ---- produced bodies (HttpBodySource), on this session's strand but for the producer ----
+
+  // Sends the head (with the source's size as Content-Length) and hands `produce` to the
+  // producer pool; its chunks come back through QueueBodyChunk, its end through EndBody.
+  void StartBody(HttpResponse response, unsigned version, bool keep_alive, std::shared_ptr<ProducerSlot> slot,
+                 const std::string& request_id) {
+    if (core_->stopped.load() || core_->producers == nullptr || slot == nullptr) return;
+    HttpBodySource source = *std::move(response.body_source);
+    auto res = std::make_shared<http::response<http::empty_body>>(static_cast<http::status>(response.status),
+                                                                  version);
+    res->set(http::field::server, "twinkle-server");
+    res->set(http::field::content_type, response.content_type);
+    for (const auto& [name, value] : response.headers) res->set(name, value);
+    res->keep_alive(keep_alive);
+    res->content_length(static_cast<uint64_t>(std::max<int64_t>(source.size, 0)));
+    auto pipe = std::make_shared<BodyPipe>();
+    body_pipe_ = pipe;
+    body_keep_alive_ = keep_alive;
+    body_head_sent_ = body_producer_done_ = body_writing_ = false;
+    body_out_.clear();
+    body_last_.reset();
+    {
+      std::lock_guard lock(core_->mu);
+      core_->body_pipes[id_] = pipe;
+    }
+    auto serializer = std::make_shared<http::response_serializer<http::empty_body>>(*res);
+    body_writing_ = true;
+    beast::get_lowest_layer(stream_).expires_after(std::chrono::seconds(core_->limits.idle_timeout_s));
+    http::async_write_header(stream_, *serializer,
+                             [self = this->shared_from_this(), res, serializer, pipe](beast::error_code ec, size_t) {
+                               if (pipe != self->body_pipe_) return;  // already gone
+                               self->body_writing_ = false;
+                               if (ec || self->core_->stopped.load()) return self->BodyGone();
+                               self->body_head_sent_ = true;
+                               self->PumpBody();
+                             });
+    asio::post(*core_->producers, [self = this->shared_from_this(), pipe, source = std::move(source),
+                                   slot = std::move(slot), request_id]() {
+      int64_t sent = 0;
+      const HttpBodySink sink = [&](absl::string_view chunk) -> absl::Status {
+        if (chunk.empty()) return absl::OkStatus();
+        if (static_cast<int64_t>(chunk.size()) > source.size - sent) {
+          return absl::InternalError(
+              absl::StrCat("the body is longer than its announced ", source.size, " bytes"));
+        }
+        if (!pipe->Reserve()) return absl::CancelledError("the client went away (or the server is stopping)");
+        sent += static_cast<int64_t>(chunk.size());
+        self->Post([self, pipe, data = std::string(chunk), last = sent == source.size]() mutable {
+          self->QueueBodyChunk(pipe, std::move(data), last);
+        });
+        return absl::OkStatus();
+      };
+      absl::Status status = !source.produce ? absl::InternalError("the body has no producer") : source.produce(sink);
+      if (status.ok() && sent != source.size) {
+        status = absl::InternalError(absl::StrCat("the body ended after ", sent, " of its ", source.size, " bytes"));
+      }
+      self->Post([self, pipe, status = std::move(status), request_id, sent, size = source.size] {
+        self->EndBody(pipe, status, request_id, sent, size);
+      });
+    });
+  }
+
+  // A chunk from the producer; the one that completes the body is held back until the
+  // producer has returned OK (a check at its very end may still fail).
+  void QueueBodyChunk(const std::shared_ptr<BodyPipe>& pipe, std::string data, bool last) {
+    if (pipe != body_pipe_) return;  // gone: the producer has been told
+    if (last) {
+      body_last_ = std::move(data);
+    } else {
+      body_out_.push_back(std::move(data));
+    }
+    PumpBody();
+  }
+
+  void EndBody(const std::shared_ptr<BodyPipe>& pipe, const absl::Status& status, const std::string& request_id,
+               int64_t sent, int64_t size) {
+    if (pipe != body_pipe_) return;
+    if (!status.ok()) {
+      if (!absl::IsCancelled(status)) {
+        LogWarning("http", absl::StrCat("request ", request_id, ": the body failed after ", sent, " of ", size,
+                                        " bytes, connection aborted: ", status.ToString()));
+      }
+      return BodyGone();
+    }
+    body_producer_done_ = true;
+    PumpBody();
+  }
+
+  void PumpBody() {
+    if (body_pipe_ == nullptr || body_writing_ || !body_head_sent_) return;
+    std::shared_ptr<std::string> data;
+    if (!body_out_.empty()) {
+      data = std::make_shared<std::string>(std::move(body_out_.front()));
+      body_out_.pop_front();
+    } else if (body_producer_done_ && body_last_.has_value()) {
+      data = std::make_shared<std::string>(*std::move(body_last_));
+      body_last_.reset();
+    } else if (body_producer_done_) {
+      return FinishBody();
+    } else {
+      return;  // waiting for the producer
+    }
+    body_writing_ = true;
+    // A chunk the client does not take within the idle timeout drops it: a client that stops
+    // reading holds its producer (and at most a couple of chunks) no longer than that.
+    beast::get_lowest_layer(stream_).expires_after(std::chrono::seconds(core_->limits.idle_timeout_s));
+    asio::async_write(stream_, asio::buffer(*data),
+                      [self = this->shared_from_this(), data, pipe = body_pipe_](beast::error_code ec, size_t) {
+                        if (pipe != self->body_pipe_) return;
+                        self->body_writing_ = false;
+                        if (ec || self->core_->stopped.load()) return self->BodyGone();
+                        pipe->Written();
+                        self->PumpBody();
+                      });
+  }
+
+  // The whole body is out: the connection goes on (keep-alive) or closes.
+  void FinishBody() {
+    ReleaseBody();
+    if (core_->stopped.load()) return;
+    if (body_keep_alive_) return Read();
+    Close();
+  }
+
+  // The client is gone, a write failed or timed out, or the producer failed: the producer is
+  // stopped and the connection closed at once, its body incomplete (short of its
+  // Content-Length), so no client takes it for whole.
+  void BodyGone() {
+    if (body_pipe_ == nullptr) return;
+    body_pipe_->Cancel();
+    ReleaseBody();
+    beast::error_code ignored;
+    beast::get_lowest_layer(stream_).socket().close(ignored);
+  }
+
+  void ReleaseBody() {
+    body_pipe_.reset();
+    body_out_.clear();
+    body_last_.reset();
+    body_writing_ = false;
+    std::lock_guard lock(core_->mu);
+    core_->body_pipes.erase(id_);
   }
 
   // Runs `handler` on the handler pool (inline routes: here, on the I/O thread).
@@ -537,6 +763,12 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
   size_t backlog_ = 0;  // bytes queued or being written
   bool head_sent_ = false, writing_ = false, ending_ = false, last_sent_ = false;
   std::array<char, 256> probe_{};
+  // A produced body (strand only): its pipe (null when none), the chunks not yet written, the
+  // last chunk held until the producer has returned OK.
+  std::shared_ptr<BodyPipe> body_pipe_;
+  std::deque<std::string> body_out_;
+  std::optional<std::string> body_last_;
+  bool body_keep_alive_ = false, body_head_sent_ = false, body_producer_done_ = false, body_writing_ = false;
   std::optional<http::request_parser<http::string_body>> parser_;
   const Routes& routes_;
   Metrics& metrics_;
@@ -614,6 +846,7 @@ struct HttpServer::Impl {
   std::optional<tcp::acceptor> acceptor;
   asio::steady_timer accept_backoff{core->io};
   std::optional<asio::thread_pool> handlers;
+  std::optional<asio::thread_pool> producers;
   bool accept_failing = false;  // only touched by the accept handler chain
   std::vector<std::thread> threads;
 };
@@ -682,6 +915,8 @@ absl::StatusOr<int> HttpServer::Start(const std::string& host, int port, int thr
   const int bound = impl_->acceptor->local_endpoint().port();
   impl_->handlers.emplace(kHandlerThreads);
   impl_->core->handlers = &*impl_->handlers;
+  impl_->producers.emplace(static_cast<size_t>(std::max(impl_->core->limits.max_body_producers, 1)));
+  impl_->core->producers = &*impl_->producers;
   impl_->Accept();
   for (int i = 0; i < threads; ++i) impl_->threads.emplace_back([core = impl_->core] { core->io.run(); });
   return bound;
@@ -697,6 +932,18 @@ void HttpServer::Stop() {
   impl_->core->io.stop();
   for (std::thread& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // Producers of bodies in flight: every pipe is cancelled, so a producer waiting for room
+  // (or handing its next chunk) stops at once, one in a disk read after it; then they are
+  // joined. No new one starts: StartBody runs on the I/O threads, which are gone, and checks
+  // `stopped` in the drain below.
+  {
+    std::lock_guard lock(impl_->core->mu);
+    for (auto& [id, weak] : impl_->core->body_pipes) {
+      if (std::shared_ptr<BodyPipe> pipe = weak.lock()) pipe->Cancel();
+    }
+  }
+  impl_->producers->join();
+  impl_->core->producers = nullptr;
   // Handlers still running finish (their responses are dropped: the I/O threads are gone).
   impl_->handlers->join();
   impl_->core->handlers = nullptr;

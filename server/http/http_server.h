@@ -3,9 +3,13 @@
 // any number of connections. Routes map (method, exact path) or (method, path prefix) to a
 // handler; everything else is 404 / 405. A handler either returns its response at once, or
 // (RouteAsync) gets a responder it may call later from any thread, so a long-poll holds no
-// thread while it waits. With a certificate it serves HTTPS only (Beast's ssl_stream),
-// optionally requiring client certificates (mTLS).
+// thread while it waits. A response's body is a string, or (HttpResponse::body_source) is
+// produced in chunks by a producer thread with flow control, for large downloads; a streaming
+// route (RouteStreaming) may instead write a chunked body of unknown length (server-sent
+// events). With a certificate it serves HTTPS only (Beast's ssl_stream), optionally
+// requiring client certificates (mTLS).
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -14,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -55,12 +60,36 @@ struct HttpRequest {
 // they are.
 std::string UrlDecode(absl::string_view text, bool plus_is_space);
 
+// Takes the next chunk of a produced body (HttpBodySource). Blocks while the connection
+// already holds kMaxQueuedBodyChunks chunks it has not written (flow control: a slow client
+// slows the producer, the server never holds more). An error (Cancelled) once the client is
+// gone (its connection closed or reset, or a chunk not taken within the idle timeout) or the
+// server is stopping: the producer must then stop. Empty chunks are skipped.
+using HttpBodySink = std::function<absl::Status(absl::string_view chunk)>;
+inline constexpr int kMaxQueuedBodyChunks = 2;
+
+// A response body produced in chunks instead of held whole (downloads of large files): its
+// length is known before the first byte (it is the Content-Length), and `produce` hands the
+// bytes to the sink in order. `produce` runs on a producer thread, never on an I/O thread, so
+// it may block on disk. A producer that returns an error, or ends with another length than
+// `size`, aborts the connection without completing the body: the last chunk is written only
+// once `produce` has returned OK, so a client never sees a complete-looking body that failed
+// a check at its end (e.g. a checksum). At most HttpServerLimits::max_body_producers run at
+// once; a response past that is answered 503 with Retry-After instead.
+struct HttpBodySource {
+  int64_t size = 0;
+  std::function<absl::Status(const HttpBodySink& sink)> produce;
+};
+
 struct HttpResponse {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
   // Extra response headers, e.g. {"Retry-After", "3"}.
   std::vector<std::pair<std::string, std::string>> headers = {};
+  // Set: the body is produced by it (and `body` is ignored). Exact, prefix and async routes
+  // only (a streaming route's HttpStreamer takes no source).
+  std::optional<HttpBodySource> body_source = std::nullopt;
 };
 
 // HTTPS: both files set = TLS on the HTTP port (the same PEM files as gRPC).
@@ -111,6 +140,11 @@ struct HttpServerLimits {
   // client is taken as gone (its connection closed, OnClientGone called), so one that stops
   // reading cannot make the server hold its whole answer.
   size_t max_stream_backlog_bytes = size_t{16} << 20;
+  // Produced bodies (HttpBodySource) being sent at once, each with a producer thread of its
+  // own; the next is answered 503 with Retry-After. A chunk that the client does not take
+  // within idle_timeout_s drops it (so a client that stops reading holds a producer for at
+  // most that long).
+  int max_body_producers = 16;
 };
 
 class HttpServer {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -332,14 +333,17 @@ class Routes {
     TinkerApi& api = api_;
     Post("/save_weights_external",
          [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsExternal(t, b); }, "checkpoint_export");
-    // Deduplicated by the SDK's X-Idempotency-Key (the same across its retries of one call).
-    PostWithRequest(
-        "/copy_weights",
-        [&api](const tenancy::Tenant& t, const Json& b, const HttpRequest& r) {
-          const std::string* key = r.Header("x-idempotency-key");
-          return api.CopyWeights(t, b, key != nullptr ? *key : std::string());
-        },
-        "checkpoint_copy");
+    // Deduplicated by the SDK's X-Idempotency-Key (the same across its retries of one call):
+    // only the call that copied gets the audit row, never its replays.
+    PostWithRequest("/copy_weights", [&api, ctx = ctx_](const tenancy::Tenant& t, const Json& b,
+                                                        const HttpRequest& r) -> absl::StatusOr<Json> {
+      const std::string* key = r.Header("x-idempotency-key");
+      bool replayed = false;
+      absl::StatusOr<Json> answer = api.CopyWeights(t, b, key != nullptr ? *key : std::string(), &replayed);
+      if (replayed) return answer;
+      const std::string object = AuditObjectOf(b, answer);
+      return Audited(*ctx, t, r, "checkpoint_copy", object, std::move(answer));
+    });
     Post("/twinkle/import_adapter", [&api](const tenancy::Tenant& t, const Json& b) { return api.ImportAdapter(t, b); },
          "checkpoint_import");
     // The import's body is bounded before it is read (storage.max_import_bytes). A caller
@@ -381,28 +385,30 @@ class Routes {
       return Audited(*ctx, t, r, "checkpoint_ttl_set", CheckpointPath(a->model_id, a->checkpoint_id),
                      api.SetCheckpointTtl(t, a->model_id, a->checkpoint_id, *body));
     });
-    // Downloads: outside /api/v1 (no API key; the URL's signature is the credential).
-    // The body is gathered from the file stream into one response: the HTTP server's streamed
-    // responses (RouteStreaming) take exact paths only, are chunked (no Content-Length, which
-    // the tinker CLI reads for its progress and size) and cannot tell a writer to wait for a
-    // slow client (past max_stream_backlog_bytes it drops the client), so a multi-MB
-    // download cannot go through them yet. The stream checks every file as it reads it.
+    // Downloads: outside /api/v1 (no API key; the URL's signature is the credential). The
+    // signature, the access and the file list are checked here; the bytes are streamed by the
+    // HTTP server's producer (HttpBodySource: Content-Length known up front, 1 MiB chunks read
+    // as the client takes them, each file checked against its size and SHA-256 as it goes by,
+    // the connection aborted short of its length when a check fails).
     http_.RoutePrefix("GET", "/twinkle/weights/", [&api](const HttpRequest& r, HttpResponder respond) {
       absl::StatusOr<TinkerApi::WeightsFile> file = api.ServeWeightsFile(
           r.path_tail, r.QueryParam("expires").value_or(""), r.QueryParam("sig").value_or(""));
       if (!file.ok()) return respond(ErrorResponse(file.status()));
-      HttpResponse out{200, "application/octet-stream", std::string()};
-      out.body.reserve(static_cast<size_t>(std::clamp<int64_t>(file->size, 0, int64_t{1} << 30)));
-      absl::StatusOr<std::string> sha = file->stream([&out](absl::string_view chunk) {
-        out.body.append(chunk.data(), chunk.size());
-        return absl::OkStatus();
-      });
-      if (sha.ok() && *sha != file->sha256) {
-        sha = absl::DataLossError("the download changed while it was read (checksum differs); retry");
+      HttpResponse out{200, "application/octet-stream", std::string(),
+                       {{"X-Checksum-SHA256", file->sha256}, {"Cache-Control", "no-store"}}};
+      if (file->sha256.size() == 64) {  // lower-case hex of the 32-byte digest
+        const std::string raw = absl::HexStringToBytes(file->sha256);
+        out.headers.emplace_back("Repr-Digest", absl::StrCat("sha-256=:", absl::Base64Escape(raw), ":"));
       }
-      if (!sha.ok()) return respond(ErrorResponse(sha.status()));
-      out.headers.emplace_back("X-Checksum-SHA256", file->sha256);
-      out.headers.emplace_back("Cache-Control", "no-store");
+      out.body_source = HttpBodySource{
+          file->size, [stream = std::move(file->stream), expected = file->sha256](const HttpBodySink& sink) {
+            absl::StatusOr<std::string> sha = stream(sink);
+            if (!sha.ok()) return sha.status();
+            if (*sha != expected) {
+              return absl::DataLossError("the download changed while it was read (checksum differs); retry");
+            }
+            return absl::OkStatus();
+          }};
       respond(std::move(out));
     });
   }

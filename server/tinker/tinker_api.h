@@ -257,9 +257,10 @@ class TinkerApi {
   // copies nothing (the answer is a future of the FutureStore, so it is kept, bounded and
   // expired like every other); the same key with another body is an idempotency conflict
   // (400); a replay while the first is still copying waits for it (at most 60 s, then 503).
-  // A failed copy keeps nothing: its replay copies again.
+  // A failed copy keeps nothing: its replay copies again. `replayed`, when set, tells
+  // whether the answer is an earlier call's (nothing was copied: no audit row for it).
   absl::StatusOr<Json> CopyWeights(const tenancy::Tenant& tenant, const Json& body,
-                                   const std::string& idempotency_key = "");
+                                   const std::string& idempotency_key = "", bool* replayed = nullptr);
   // POST /api/v1/twinkle/import_adapter: a PEFT LoRA adapter trained elsewhere, as the
   // caller's checkpoint weights/<name> of a new run (import-<hex>) that load_state,
   // create_training_client_from_state and sampling use like any other. Body:

@@ -331,7 +331,8 @@ absl::StatusOr<TinkerApi::WeightsFile> TinkerApi::ServeWeightsFile(const std::st
 // ---- copy ------------------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const Json& body,
-                                            const std::string& idempotency_key) {
+                                            const std::string& idempotency_key, bool* replayed) {
+  if (replayed != nullptr) *replayed = false;
   if (checkpoints_ == nullptr || registry_ == nullptr) return NoCheckpoints();
   if (idempotency_key.empty()) return CopyWeightsOnce(tenant, body);
   if (idempotency_key.size() > kMaxIdempotencyKeyBytes) {
@@ -379,6 +380,7 @@ absl::StatusOr<Json> TinkerApi::CopyWeights(const tenancy::Tenant& tenant, const
     if (!encoded.ok()) return encoded.status();
     Json json = Json::parse((*encoded)->json, nullptr, /*allow_exceptions=*/false);
     if (json.is_discarded()) return absl::DataLossError("the stored answer of this copy_weights is not JSON");
+    if (replayed != nullptr) *replayed = true;
     return json;
   }
   absl::StatusOr<Json> answer = CopyWeightsOnce(tenant, body);

@@ -480,6 +480,11 @@ def test_usage_counts_equal_what_was_sent(admin_server: ServerProcess) -> None:
     assert trained == usage_of(after, alice_id, "training") + usage_of(after, alice_id, "forward")
     sampled = sum(e.event_info.token_count for e in mine if isinstance(e.event_info, types.SamplingSampleBillingEvent))
     assert sampled == usage_of(after, alice_id, "sampled")
+    # No price list (docs/api.md): every cost and rate is null, which the SDK's types take as
+    # "no applicable rate".
+    assert billing.cost_data_through is None
+    assert all(e.estimated_cost_usd is None and e.effective_rate_usd_per_million_tokens is None
+               and e.effective_rate_usd_per_gigabyte_month is None for e in billing.data)
     # /metrics: the same counter family, by tenant and kind.
     metrics = prom.parse(requests.get(f"{base_url(admin_server)}/metrics", timeout=10).text)
     assert prom.value(metrics, "twinkle_tenant_tokens_total", tenant="alice", kind="sampled") >= generated
@@ -488,6 +493,8 @@ def test_usage_counts_equal_what_was_sent(admin_server: ServerProcess) -> None:
     storage = admin_client(admin_server).get_current_checkpoint_storage_usage().result()
     alice_storage = [d for d in storage.data if d.org_user_urn == "tenant:alice"]
     assert alice_storage and alice_storage[0].checkpoint_count >= 1 and alice_storage[0].size_bytes > 0
+    assert storage.effective_rate_usd_per_gigabyte_month is None
+    assert all(d.estimated_monthly_cost_usd is None for d in storage.data)
 
     # The same through the real `tinker billing` CLI (admin key), and refused to a member.
     env = dict(os.environ, TINKER_BASE_URL=base_url(admin_server), TINKER_API_KEY=ADMIN_KEY)

@@ -775,8 +775,16 @@ def test_every_checkpoint_change_gets_an_audit_row(launch_server: LaunchServer, 
     rest.publish_checkpoint_from_tinker_path(state).result()
     rest.set_checkpoint_ttl_from_tinker_path(state, HOUR).result()
     rest.unpublish_checkpoint_from_tinker_path(state).result()
-    copy = api(server, "POST", "/copy_weights", KEYS["alice"], json={"source_path": state})
+    # The SDK's retries of one copy_weights (one X-Idempotency-Key, the same body): one copy,
+    # one audit row; a replay is no new action.
+    idem = {"X-API-Key": KEYS["alice"], "X-Idempotency-Key": "audit-copy-1"}
+    copy = requests.post(server.http_url("/api/v1/copy_weights"), json={"source_path": state}, headers=idem,
+                         timeout=30)
     assert copy.status_code == 200, copy.text
+    for _ in range(2):
+        replay = requests.post(server.http_url("/api/v1/copy_weights"), json={"source_path": state}, headers=idem,
+                               timeout=30)
+        assert replay.status_code == 200 and replay.json() == copy.json(), replay.text
     rest.delete_checkpoint_from_tinker_path(state).result()
     # A refused change (bob may not delete alice's checkpoint) leaves no row.
     with pytest.raises(tinker.NotFoundError):
