@@ -7,7 +7,8 @@ registry. Real server (auth on, tenants alice and bob), real HTTP and the real t
 - A request still in flight at SIGTERM answers 410 "interrupted by a restart": the SDK's
   future, which kept polling across the restart, raises its RetryableException (the signal
   its callers resubmit on), never a 404 and never a hang.
-- A sampling client outlives the restart: its session (on a checkpoint path or the base
+- A sampling client outlives the restart (and so does the SDK's session, resumed by its next
+  heartbeat): its sampling session (on a checkpoint path or the base
   model) is reopened under the same id on first use, so the SDK's own retry of a sample the
   restart interrupted returns what the same greedy request returned before; a client on an
   unnamed snapshot (save_weights_and_get_sampling_client) gets a clear 403 "lost in a
@@ -199,6 +200,17 @@ def test_sampling_clients_outlive_a_restart_and_the_sdk_retry_recovers(launch_se
                                   "prompt": {"chunks": [{"type": "encoded_text", "tokens": SEQ[:4]}]}})
     assert r.status_code == 403 and "lost in a server restart" in r.json()["detail"], r.text
     assert tokens(by_path) == want_path  # and alice's session is still hers
+
+    # The SDK's session (the ServiceClient's) resumes with its next heartbeat: 200 again, and
+    # new training clients can be made in it; bob cannot resume it.
+    session_id = svc._get_session_holder()._session_id
+    assert bob_api.post("/session_heartbeat", {"session_id": session_id}).status_code == 404
+    alice_api = Api(server, KEYS["alice"])
+    r = alice_api.post("/session_heartbeat", {"session_id": session_id})
+    assert r.status_code == 200, r.text
+    assert "resumed after a restart" in server.logs()
+    fresh = lora_client(svc, rank=4)
+    fresh.forward_backward([datum(SEQ)], "cross_entropy").result(timeout=scaled(120))
 
 
 def test_retained_results_are_bounded_per_tenant(launch_server: LaunchServer, tmp_path: Path) -> None:
