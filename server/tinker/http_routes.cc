@@ -202,8 +202,8 @@ class Routes {
     Get("/sessions", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
       return api.ListSessions(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0));
     });
-    // sessions/{id} only; sessions/{id}/trace_export and PUT sessions/{id}/project are
-    // admin_routes.cc's (an unknown tail is 404, never another session's answer).
+    // sessions/{id} and sessions/{id}/trace_export (PUT sessions/{id}/project is
+    // admin_routes.cc's); an unknown tail is 404, never another session's answer.
     Prefix("GET", "/sessions/", [&api](const tenancy::Tenant& t, const HttpRequest& r) -> absl::StatusOr<Json> {
       std::vector<std::string> parts = absl::StrSplit(r.path_tail, '/');
       if (parts.size() == 2 && parts[1] == "trace_export") return api.TraceExport(t, parts[0]);

@@ -263,6 +263,9 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
     return absl::InvalidArgumentError("session_id: empty; create a session first (create_session)");
   }
   if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), spec.session); !s.ok()) {
+    // NotFound names the field; anything else (max_sessions while an earlier run's session
+    // resumes) is passed on as it is.
+    if (!absl::IsNotFound(s)) return s;
     return absl::NotFoundError(absl::StrCat("session_id: no session '", spec.session, "'"));
   }
   const std::string key = absl::StrCat("create_model\n", tenant.id, "\n", spec.session, "\n", spec.model_seq);

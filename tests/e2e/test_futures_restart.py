@@ -213,6 +213,27 @@ def test_sampling_clients_outlive_a_restart_and_the_sdk_retry_recovers(launch_se
     fresh.forward_backward([datum(SEQ)], "cross_entropy").result(timeout=scaled(120))
 
 
+def test_a_resuming_session_counts_against_max_sessions(launch_server: LaunchServer, tmp_path: Path) -> None:
+    """A session of the earlier run resumes only within the tenant's limits.max_sessions: with
+    the limit taken by a session of the new run, create_model in the old one is 403 naming
+    max_sessions (not 404 "no session"), and it resumes once the new one has finished."""
+    overrides = auth_overrides(storage={"data_dir": str(tmp_path / "data")}, limits={"max_sessions": 1})
+    server = launch_server(overrides)
+    old = Api(server, KEYS["alice"]).post("/create_session", {"tags": [], "sdk_version": "test"}).json()["session_id"]
+    server.send_signal(signal.SIGTERM)
+    assert server.wait_exit(scaled(60)) == 0, server.logs()
+    server = relaunch(launch_server, overrides, server)
+    alice = Api(server, KEYS["alice"])
+    new = alice.post("/create_session", {"tags": [], "sdk_version": "test"}).json()["session_id"]
+    body = {"session_id": old, "model_seq_id": 0, "base_model": MODEL_NAME, "lora_config": {"rank": 4}}
+    r = alice.post("/create_model", body)
+    assert r.status_code == 403 and "max_sessions" in r.json()["detail"], r.text
+    assert alice.post(f"/sessions/{new}/finish", {}).status_code == 200
+    r = alice.post("/create_model", body)
+    assert r.status_code == 200, r.text
+    assert "model_id" in alice.result(r.json()["request_id"]).json()
+
+
 def test_retained_results_are_bounded_per_tenant(launch_server: LaunchServer, tmp_path: Path) -> None:
     bound = 4
     server = launch_server(auth_overrides(storage={"data_dir": str(tmp_path / "data")},
