@@ -371,6 +371,13 @@ def test_key_lifecycle_audit_and_no_secrets(admin_server: ServerProcess, server_
     assert http(admin_server, "GET", "/auth/apikey/me", new_key).status_code == 401
     with pytest.raises(tinker.AuthenticationError):
         rest(admin_server, new_key).list_training_runs().result()
+    revoked = Client(admin_server.grpc_address, new_key)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            revoked.call("CreateSession", tpb.CreateSessionRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+    finally:
+        revoked.close()
 
     # DELETE /auth/apikey/me revokes the calling key only.
     self_key = admin_json(server_bin, admin_server, "create-key", "--tenant", "carol", "--role", "member")["key"]

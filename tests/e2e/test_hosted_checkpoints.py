@@ -555,7 +555,10 @@ def test_tinker_checkpoint_cli(hosted: ServerProcess, tiny_model: Path, tmp_path
     assert {state, export} <= {c["tinker_path"] for c in everything["checkpoints"]}
     assert "2 checkpoints" in ok("checkpoint", "list", "--run-id", model_id)  # the table form
     info = json.loads(ok("--format", "json", "checkpoint", "info", state))
-    assert "weights/cli" in json.dumps(info)
+    record = checkpoint(rest, model_id, "weights/cli")
+    assert info["checkpoint_id"] == "weights/cli" and info["tinker_path"] == state
+    assert info["checkpoint_type"] == "training" and info["size_bytes"] == record.size_bytes > 0
+    assert info["lora_rank"] == 8 and info["is_lora"] is True
     ok("checkpoint", "set-ttl", state, "--ttl", str(2 * HOUR))
     assert checkpoint(rest, model_id, "weights/cli").expires_at is not None
     ok("checkpoint", "set-ttl", state, "--remove")
