@@ -503,6 +503,18 @@ absl::Status SamplerCoordinator::ReopenAfterRestart(const TenantContext& tenant,
   const std::string owner = training_.SessionAlive(tenant.id, row.owner) ? row.owner : "";
   absl::StatusOr<std::string> reopened = OpenSession(tenant, row.model_path, owner, row.id);
   if (!reopened.ok()) {
+    // Only a checkpoint that is gone for good (deleted, expired, unreadable, no longer
+    // shared) ends the session. Anything else (no room now among the tenant's sampling
+    // sessions or in the snapshot pool, the engine busy) leaves it dormant, and the error
+    // says what to do; a later call may reopen it.
+    const absl::StatusCode code = reopened.status().code();
+    const bool gone = code == absl::StatusCode::kNotFound || code == absl::StatusCode::kInvalidArgument ||
+                      code == absl::StatusCode::kPermissionDenied || code == absl::StatusCode::kDataLoss;
+    if (!gone) {
+      absl::MutexLock lock(&mu_);
+      dormant_.emplace(row.id, std::move(row));
+      return reopened.status();
+    }
     // Its checkpoint may be gone (deleted, expired): the session cannot come back.
     if (options_.registry != nullptr) (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
     return absl::FailedPreconditionError(absl::StrCat("sampling session '", id,

@@ -119,13 +119,30 @@ absl::Status TrainingCoordinator::Heartbeat(const TenantContext& tenant, const s
       it->second.last_heartbeat = clock_.Now();
       return absl::OkStatus();
     }
-    if (it != sessions_.end() || options_.registry == nullptr || resumed_.count(session_id) > 0) return unknown;
+    if (it != sessions_.end() || options_.registry == nullptr || resumed_.count(session_id) > 0 ||
+        not_resumable_.contains(absl::StrCat(tenant.id, "\n", session_id))) {
+      return unknown;
+    }
   }
   // An earlier run's session, after a restart: the SDK keeps heartbeating it and creating
   // models in it, so it goes on (read outside mu_: a SQLite read).
   absl::StatusOr<registry::SessionRecord> row = options_.registry->GetSession(session_id, tenant.id);
-  if (!row.ok() || row->finished != absl::InfinitePast() || row->created >= started_at_) return unknown;
+  const bool resumable = row.ok() && row->finished == absl::InfinitePast() && row->created < started_at_;
   absl::MutexLock lock(&mu_);
+  if (!resumable) {
+    // Remembered unless the read itself failed (it may succeed next time).
+    if (row.ok() || absl::IsNotFound(row.status())) {
+      std::string key = absl::StrCat(tenant.id, "\n", session_id);
+      if (not_resumable_.insert(key).second) {
+        not_resumable_order_.push_back(std::move(key));
+        if (not_resumable_order_.size() > kMaxNotResumable) {
+          not_resumable_.erase(not_resumable_order_.front());
+          not_resumable_order_.pop_front();
+        }
+      }
+    }
+    return unknown;
+  }
   if (sessions_.count(session_id) > 0 || !resumed_.insert(session_id).second) return unknown;
   const auto open = std::count_if(sessions_.begin(), sessions_.end(),
                                   [&](const auto& s) { return s.second.tenant == tenant.id; });

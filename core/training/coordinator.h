@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -255,6 +256,11 @@ class TrainingCoordinator {
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   const absl::Time started_at_;  // sessions created before this are an earlier run's
   std::set<std::string> resumed_ ABSL_GUARDED_BY(mu_);  // earlier runs' sessions resumed here
+  // Heartbeats of unknown ids found not resumable (tenant "\n" id), so repeating one costs no
+  // SQLite read; the oldest kMaxNotResumable, first in first out.
+  static constexpr size_t kMaxNotResumable = 4096;
+  std::deque<std::string> not_resumable_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> not_resumable_ ABSL_GUARDED_BY(mu_);
   CoordinatorStats stats_ ABSL_GUARDED_BY(mu_);
 
   // Scheduler thread only.

@@ -36,10 +36,11 @@ training::TenantContext Tenant(const std::string& id) {
 
 // One run of the server: its coordinators over the registry file, started.
 struct Boot {
-  Boot(const std::string& registry_path, FakeClock& clock) : clock(clock) {
+  Boot(const std::string& registry_path, FakeClock& clock, int32_t max_sessions_per_tenant) : clock(clock) {
     registry = std::move(registry::Registry::Open(registry_path)).value();
     SamplerOptions o;
     o.session_timeout = kTimeout;
+    o.max_sessions_per_tenant = max_sessions_per_tenant;
     o.registry = registry.get();
     training::CoordinatorOptions co;
     co.registry = registry.get();
@@ -66,9 +67,9 @@ struct Boot {
 class SamplerRestartTest : public ::testing::Test {
  protected:
   // A run of the server; the clock moves on between runs, as a restart's does.
-  std::unique_ptr<Boot> Launch() {
+  std::unique_ptr<Boot> Launch(int32_t max_sessions_per_tenant = 64) {
     clock_.Advance(absl::Seconds(5));
-    return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_);
+    return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_, max_sessions_per_tenant);
   }
 
   // A live snapshot session of `tenant`'s adapter "a" (made with its training session).
@@ -145,6 +146,29 @@ TEST_F(SamplerRestartTest, BaseModelSessionsAreReopenedUnderTheirIdsAfterARestar
   EXPECT_TRUE(third->sampler->GetSession(bob, bobs).ok());
 }
 
+TEST_F(SamplerRestartTest, AReopeningOverTheSessionLimitIsRefusedAndKeptForLater) {
+  const training::TenantContext alice = Tenant("alice");
+  std::string kept;
+  {
+    std::unique_ptr<Boot> first = Launch(/*max_sessions_per_tenant=*/2);
+    kept = first->sampler->CreateSession(alice, "").value();
+  }
+  std::unique_ptr<Boot> second = Launch(/*max_sessions_per_tenant=*/2);
+  const std::string a = second->sampler->CreateSession(alice, "").value();
+  ASSERT_TRUE(second->sampler->CreateSession(alice, "").ok());  // at the limit
+  // limit + 1: the reopening is refused naming the limit, and the session is not dropped.
+  absl::Status over = second->sampler->GetSession(alice, kept).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kFailedPrecondition) << over;
+  EXPECT_NE(over.message().find("the limit is 2"), std::string::npos) << over;
+  EXPECT_EQ(over.message().find("could not be reopened"), std::string::npos) << over;
+  EXPECT_EQ(second->JournalRows(), 3u);
+  // Room again: it comes back under its id.
+  ASSERT_TRUE(second->sampler->CloseSession(alice, a).ok());
+  absl::StatusOr<SamplingSessionInfo> back = second->sampler->GetSession(alice, kept);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->id, kept);
+}
+
 TEST_F(SamplerRestartTest, JournaledSessionsNobodyUsesAreDroppedSessionTimeoutAfterTheStart) {
   const training::TenantContext alice = Tenant("alice");
   std::string kept, idle;
@@ -193,6 +217,15 @@ TEST_F(SamplerRestartTest, AnEarlierRunsTrainingSessionResumesOnItsFirstHeartbea
   const std::string current = second->training->CreateSession(alice).value();
   ASSERT_TRUE(second->training->EndSession(alice, current).ok());
   EXPECT_EQ(second->training->Heartbeat(alice, current).code(), absl::StatusCode::kNotFound);
+
+  // An id found not resumable is remembered: heartbeating it again reads no registry row (here:
+  // a row that appears afterwards is not seen), while an id never heartbeated still resumes.
+  EXPECT_EQ(second->training->Heartbeat(alice, "ghost").code(), absl::StatusCode::kNotFound);
+  const absl::Time before_start = clock_.Now() - absl::Hours(1);
+  ASSERT_TRUE(second->registry->PutSession("ghost", "alice", before_start).ok());
+  ASSERT_TRUE(second->registry->PutSession("late", "alice", before_start).ok());
+  EXPECT_EQ(second->training->Heartbeat(alice, "ghost").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(second->training->Heartbeat(alice, "late").ok());
 }
 
 }  // namespace
