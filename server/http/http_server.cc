@@ -527,6 +527,15 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     if (callback && !stream_state_->ended.load()) callback();
   }
 
+  // The head every answer shares: server, content type, the route's headers, keep-alive.
+  template <typename Body>
+  static void SetHead(http::response<Body>& res, const HttpResponse& response, bool keep_alive) {
+    res.set(http::field::server, "twinkle-server");
+    res.set(http::field::content_type, response.content_type);
+    for (const auto& [name, value] : response.headers) res.set(name, value);
+    res.keep_alive(keep_alive);
+  }
+
   void Write(HttpResponse response, unsigned version, bool keep_alive, std::shared_ptr<ProducerSlot> slot = nullptr,
              const std::string& request_id = std::string()) {
     EndPendingWatch();
@@ -535,10 +544,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     }
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(response.status),
                                                                    version);
-    res->set(http::field::server, "twinkle-server");
-    res->set(http::field::content_type, response.content_type);
-    for (const auto& [name, value] : response.headers) res->set(name, value);
-    res->keep_alive(keep_alive);
+    SetHead(*res, response, keep_alive);
     res->body() = std::move(response.body);
     res->prepare_payload();  // always an explicit Content-Length (the tinker SDK needs it on 4xx)
     http::async_write(stream_, *res,
@@ -548,7 +554,6 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
                         self->Read();
                       });
   }
-
 
   // ---- produced bodies (HttpBodySource), on this session's strand but for the producer ----
 
@@ -560,10 +565,7 @@ class Session : public std::enable_shared_from_this<Session<kTls>> {
     HttpBodySource source = *std::move(response.body_source);
     auto res = std::make_shared<http::response<http::empty_body>>(static_cast<http::status>(response.status),
                                                                   version);
-    res->set(http::field::server, "twinkle-server");
-    res->set(http::field::content_type, response.content_type);
-    for (const auto& [name, value] : response.headers) res->set(name, value);
-    res->keep_alive(keep_alive);
+    SetHead(*res, response, keep_alive);
     res->content_length(static_cast<uint64_t>(std::max<int64_t>(source.size, 0)));
     auto pipe = std::make_shared<BodyPipe>();
     body_pipe_ = pipe;

@@ -3,10 +3,6 @@
 // client that stops reading stops the producer, the server holds a couple of chunks), aborted
 // short of its length when the producer fails (also at its very end), stopped when the client
 // goes away or the server stops, and bounded by max_body_producers (limit + 1 is 503).
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -21,73 +17,14 @@
 #include "absl/strings/numbers.h"
 #include "server/http/http_server.h"
 #include "server/metrics.h"
+#include "tests/unit/server/raw_http_client.h"
 
 namespace twinkle {
 namespace {
 
 constexpr size_t kChunk = size_t{1} << 20;
 
-// A raw HTTP/1.1 client over one connection.
-class RawClient {
- public:
-  explicit RawClient(int port, int receive_buffer = 0) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    if (receive_buffer > 0) setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
-  ~RawClient() { Close(); }
-  void Get(const std::string& path) {
-    const std::string text = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
-    ASSERT_EQ(write(fd_, text.data(), text.size()), static_cast<ssize_t>(text.size()));
-  }
-  // Reads the response head (through the blank line); leftover body bytes stay buffered.
-  std::string ReadHead() {
-    while (buffered_.find("\r\n\r\n") == std::string::npos && Fill()) {
-    }
-    const size_t end = buffered_.find("\r\n\r\n");
-    if (end == std::string::npos) return std::exchange(buffered_, std::string());
-    std::string head = buffered_.substr(0, end + 4);
-    buffered_.erase(0, end + 4);
-    return head;
-  }
-  // Reads up to `n` body bytes (fewer when the server closes first).
-  std::string ReadBody(size_t n) {
-    while (buffered_.size() < n && Fill()) {
-    }
-    std::string body = buffered_.substr(0, std::min(n, buffered_.size()));
-    buffered_.erase(0, body.size());
-    return body;
-  }
-  // True once the server has closed its side (reads what is left).
-  bool ServerClosed() {
-    while (Fill()) {
-    }
-    return closed_;
-  }
-  void Close() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  bool Fill() {
-    char buf[65536];
-    const ssize_t n = read(fd_, buf, sizeof(buf));
-    if (n <= 0) {
-      closed_ = n == 0;
-      return false;
-    }
-    buffered_.append(buf, static_cast<size_t>(n));
-    return true;
-  }
-  int fd_ = -1;
-  bool closed_ = false;
-  std::string buffered_;
-};
+using RawClient = ::twinkle::testing::RawHttpClient;
 
 int64_t ContentLength(const std::string& head) {
   const size_t at = head.find("Content-Length: ");

@@ -2,10 +2,6 @@
 // arrive in order with chunked transfer encoding and the connection closes after End; a
 // client that closes mid-stream is reported through OnClientGone and later writes fail; a
 // streaming route may still answer whole.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -17,49 +13,12 @@
 
 #include "server/http/http_server.h"
 #include "server/metrics.h"
+#include "tests/unit/server/raw_http_client.h"
 
 namespace twinkle {
 namespace {
 
-// A raw HTTP/1.1 client: sends one request, reads what comes.
-class RawClient {
- public:
-  explicit RawClient(int port) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
-  ~RawClient() { Close(); }
-  void Send(const std::string& text) { ASSERT_EQ(write(fd_, text.data(), text.size()), static_cast<ssize_t>(text.size())); }
-  // Reads until `needle` has arrived or the server closed; returns everything read.
-  std::string ReadUntil(const std::string& needle) {
-    char buf[4096];
-    while (got_.find(needle) == std::string::npos) {
-      const ssize_t n = read(fd_, buf, sizeof(buf));
-      if (n <= 0) break;
-      got_.append(buf, static_cast<size_t>(n));
-    }
-    return got_;
-  }
-  // True once the server has closed its side (read returns 0).
-  bool ServerClosed() {
-    char buf[256];
-    ssize_t n;
-    while ((n = read(fd_, buf, sizeof(buf))) > 0) got_.append(buf, static_cast<size_t>(n));
-    return n == 0;
-  }
-  void Close() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-  std::string got_;
-};
+using RawClient = ::twinkle::testing::RawHttpClient;
 
 constexpr char kRequest[] = "POST /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}";
 
