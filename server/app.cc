@@ -35,6 +35,8 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
 #include "server/auth/authenticator.h"
+#include "server/auth/jwt.h"
+#include "server/auth/secret_file.h"
 #include "server/auth/key_admin.h"
 #include "server/grpc/admin_service.h"
 #include "server/grpc/sampler_service.h"
@@ -459,6 +461,17 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (absl::Status s = key_admin.Bootstrap(config); !s.ok()) {
     return fail(absl::StrCat(where, ": auth: loading the API keys into the registry: ", s.message()));
   }
+  // The Tinker SDK's auth exchange: tokens on the retention clock, so tests reach expiry
+  // without sleeping (advance_clock).
+  std::unique_ptr<JwtIssuer> jwt_issuer;
+  if (config.auth.enabled && config.auth.jwt_ttl_s > 0) {
+    absl::StatusOr<std::string> secret =
+        LoadOrCreateSecret(config.auth.jwt_signing_secret, "auth.jwt_signing_secret",
+                           (std::filesystem::path(config.storage.data_dir) / "jwt_signing.key").string());
+    if (!secret.ok()) return fail(absl::StrCat(where, ": ", secret.status().message()));
+    jwt_issuer = std::make_unique<JwtIssuer>(*std::move(secret), absl::Seconds(config.auth.jwt_ttl_s), retention_clock);
+    (*authenticator)->SetJwtIssuer(jwt_issuer.get());
+  }
   UsageMeter usage(**registry);
   usage.SetListener([&metrics](const std::string& tenant, const std::string& kind, int64_t amount) {
     metrics.RecordUsage(tenant, kind, amount);
@@ -558,6 +571,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   tinker_options.model_dir = std::filesystem::absolute(config.model.path).string();
   tinker_options.max_lora_rank = config.limits.max_lora_rank;
   tinker_options.retention = absl::Seconds(config.sessions.future_retention_s);
+  tinker_options.jwt_auth = (*authenticator)->jwt_enabled();
   tinker_options.architecture = [&supervisor] {
     std::optional<ModelInfo> info = supervisor.model_info();
     return info ? info->architecture : std::string();
@@ -618,12 +632,10 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   tinker::AddAdminRoutes(http, tinker_api, state);
   openai::AddOpenAiRoutes(http, state, tinker_api, openai::OptionsFromConfig(config, tinker_options.model_dir));
   if (config.testing.hooks) AddRetentionTestRoute(http, state, retention_clock);
-  // The access log's tenant: the registry's lookup, which (unlike Authenticate*) counts no
-  // failure; the handlers still authenticate the request themselves.
+  // The access log's tenant: Identify counts no failure; the handlers still authenticate the
+  // request themselves.
   http.SetLogTenant([&state](const HttpRequest& r) {
-    absl::StatusOr<std::string> key = ExtractApiKey([&r](absl::string_view name) { return r.Header(std::string(name)); });
-    absl::StatusOr<const tenancy::Tenant*> t =
-        key.ok() ? state.authenticator->registry().Authenticate(*key) : absl::StatusOr<const tenancy::Tenant*>(key.status());
+    absl::StatusOr<const tenancy::Tenant*> t = state.authenticator->Identify(r.headers);
     return t.ok() ? (*t)->id : std::string();
   });
   absl::StatusOr<int> http_port = http.Start(config.server.host, config.server.http_port, kHttpThreads);

@@ -116,6 +116,15 @@ absl::StatusOr<const Tenant*> TenantRegistry::Authenticate(absl::string_view api
   return reinterpret_cast<const Tenant*>(found);
 }
 
+absl::StatusOr<const Tenant*> TenantRegistry::ActiveKey(int64_t key_id, absl::string_view tenant) const {
+  State& st = *state_;
+  absl::ReaderMutexLock lock(&st.mu);
+  for (const auto& [digest, principal] : st.keys) {
+    if (principal->key_id == key_id && principal->id == tenant) return principal;
+  }
+  return absl::UnauthenticatedError("the token's API key was revoked");
+}
+
 void TenantRegistry::SetKeys(const std::vector<KeyEntry>& keys, const Quotas& default_quotas) {
   if (!auth_enabled_) return;
   State& st = *state_;

@@ -63,6 +63,10 @@ class TenantRegistry {
   // shared lock and a constant-time scan of the active digests.
   absl::StatusOr<const Tenant*> Authenticate(absl::string_view api_key) const;
 
+  // The principal of the active key `key_id` of `tenant` (a JWT's subject, server/auth/jwt.h):
+  // Unauthenticated("the token's API key was revoked") when that key is no longer active.
+  absl::StatusOr<const Tenant*> ActiveKey(int64_t key_id, absl::string_view tenant) const;
+
   // Replaces the active key set (auth on; a no-op with auth off). Tenants not known yet are
   // added with `default_quotas`. A key whose id and role are unchanged keeps its principal;
   // principals of removed keys stay allocated (in-flight work may hold them) but no longer

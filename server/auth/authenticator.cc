@@ -84,9 +84,23 @@ absl::StatusOr<const tenancy::Tenant*> Authenticator::Finish(
   return result;
 }
 
+absl::StatusOr<const tenancy::Tenant*> Authenticator::Resolve(absl::string_view credential) const {
+  if (jwt_ == nullptr || !LooksLikeJwt(credential)) return registry_.Authenticate(credential);
+  absl::StatusOr<JwtClaims> claims = jwt_->Verify(credential);
+  if (!claims.ok()) {
+    // An API key that merely looks like a token (configured keys are free-form) still works.
+    absl::StatusOr<const tenancy::Tenant*> as_key = registry_.Authenticate(credential);
+    return as_key.ok() ? as_key : claims.status();
+  }
+  absl::StatusOr<const tenancy::Tenant*> principal = registry_.ActiveKey(claims->key_id, claims->tenant);
+  if (!principal.ok()) return InvalidTokenError(principal.status().message());
+  return principal;
+}
+
 absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateKey(
     absl::string_view api_key) const {
-  return Finish(registry_.Authenticate(api_key));
+  if (!enabled()) return registry_.Authenticate("");
+  return Finish(Resolve(api_key));
 }
 
 absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateGrpc(
@@ -101,18 +115,47 @@ absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateGrpc(
     return &holder;
   });
   if (!key.ok()) return Finish(key.status());
-  return Finish(registry_.Authenticate(*key));
+  return Finish(Resolve(*key));
+}
+
+absl::StatusOr<std::string> Authenticator::HttpCredential(const std::map<std::string, std::string>& headers) const {
+  return ExtractApiKey([&](absl::string_view name) -> const std::string* {
+    auto it = headers.find(std::string(name));
+    return it == headers.end() ? nullptr : &it->second;
+  });
 }
 
 absl::StatusOr<const tenancy::Tenant*> Authenticator::AuthenticateHttp(
     const std::map<std::string, std::string>& headers) const {
   if (!enabled()) return registry_.Authenticate("");
-  absl::StatusOr<std::string> key = ExtractApiKey([&](absl::string_view name) -> const std::string* {
-    auto it = headers.find(std::string(name));
-    return it == headers.end() ? nullptr : &it->second;
-  });
+  absl::StatusOr<std::string> key = HttpCredential(headers);
   if (!key.ok()) return Finish(key.status());
-  return Finish(registry_.Authenticate(*key));
+  return Finish(Resolve(*key));
+}
+
+absl::StatusOr<const tenancy::Tenant*> Authenticator::Identify(
+    const std::map<std::string, std::string>& headers) const {
+  if (!enabled()) return registry_.Authenticate("");
+  absl::StatusOr<std::string> key = HttpCredential(headers);
+  if (!key.ok()) return key.status();
+  return Resolve(*key);
+}
+
+absl::StatusOr<std::string> Authenticator::IssueToken(const std::map<std::string, std::string>& headers) const {
+  if (!jwt_enabled()) {
+    return absl::NotFoundError("the token exchange is off (authentication off, or auth.jwt_ttl_s is 0)");
+  }
+  absl::StatusOr<const tenancy::Tenant*> principal = [&]() -> absl::StatusOr<const tenancy::Tenant*> {
+    absl::StatusOr<std::string> key = HttpCredential(headers);
+    if (!key.ok()) return key.status();
+    absl::StatusOr<const tenancy::Tenant*> by_key = registry_.Authenticate(*key);
+    if (!by_key.ok() && LooksLikeJwt(*key) && jwt_->Verify(*key).ok()) {
+      return absl::UnauthenticatedError("a token cannot be exchanged for another: present the API key");
+    }
+    return by_key;
+  }();
+  if (!Finish(principal).ok()) return principal.status();
+  return jwt_->Issue(**principal);
 }
 
 }  // namespace twinkle

@@ -9,6 +9,10 @@
 // The same names serve gRPC metadata and HTTP headers (HTTP names are case-insensitive;
 // gRPC metadata keys are lower-case by protocol). The `Bearer` scheme is case-insensitive.
 //
+// With a JwtIssuer set (auth.jwt_ttl_s > 0), a credential shaped like a JWT is verified as
+// one of this server's tokens (server/auth/jwt.h) and maps to its key's current principal;
+// a token that fails is an InvalidTokenError. Anything else is looked up as an API key.
+//
 // Failures are counted (failures()) and reported to an optional listener for metrics and
 // logs. Keys are never logged and never appear in a status.
 
@@ -22,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/tenancy/tenant_registry.h"
+#include "server/auth/jwt.h"
 #include "server/config/config.h"
 
 namespace grpc {
@@ -55,8 +60,21 @@ class Authenticator {
   absl::StatusOr<const tenancy::Tenant*> AuthenticateHttp(
       const std::map<std::string, std::string>& headers) const;
 
+  // The principal of HTTP `headers`' credential without counting a failure (the access log).
+  absl::StatusOr<const tenancy::Tenant*> Identify(const std::map<std::string, std::string>& headers) const;
+
   // The same from a bare key (empty = none presented).
   absl::StatusOr<const tenancy::Tenant*> AuthenticateKey(absl::string_view api_key) const;
+
+  // POST /api/v1/auth/token: a token for the API key in `headers` (a token is not accepted
+  // in exchange for another, so a leaked token cannot outlive its own expiry). NotFound when
+  // no JwtIssuer is set or authentication is off.
+  absl::StatusOr<std::string> IssueToken(const std::map<std::string, std::string>& headers) const;
+
+  // Enables the token exchange and token credentials. Set before serving; outlives this.
+  void SetJwtIssuer(const JwtIssuer* issuer) { jwt_ = issuer; }
+  // Whether the Tinker SDK should exchange its key for a token (client config pjwt_auth_enabled).
+  bool jwt_enabled() const { return enabled() && jwt_ != nullptr; }
 
   bool enabled() const { return registry_.auth_enabled(); }
   const tenancy::TenantRegistry& registry() const { return registry_; }
@@ -75,11 +93,15 @@ class Authenticator {
 
  private:
   absl::StatusOr<const tenancy::Tenant*> Finish(absl::StatusOr<const tenancy::Tenant*> result) const;
+  // The principal of a presented credential: a token (when it verifies as one) or a key.
+  absl::StatusOr<const tenancy::Tenant*> Resolve(absl::string_view credential) const;
+  absl::StatusOr<std::string> HttpCredential(const std::map<std::string, std::string>& headers) const;
 
   tenancy::TenantRegistry registry_;
   tenancy::Quotas default_quotas_;
   mutable std::atomic<int64_t> failures_{0};
   std::function<void(const absl::Status&)> on_failure_;
+  const JwtIssuer* jwt_ = nullptr;
 };
 
 // Key extraction, shared by both transports and exposed for tests. `lookup(name)` returns the

@@ -109,6 +109,8 @@ template <typename V> void VisitFields(V& v, AuthSection& c) {
   v.Field("audit_retention_days", c.audit_retention_days, Range(1, 36500));
   v.Field("usage_flush_interval_s", c.usage_flush_interval_s, Range(0.1, 3600));
   v.Field("max_keys_per_tenant", c.max_keys_per_tenant, Range(1, 100000));
+  v.Field("jwt_ttl_s", c.jwt_ttl_s, Range(0, 7 * 86400));
+  v.Field("jwt_signing_secret", c.jwt_signing_secret, Secret());
 }
 template <typename V> void VisitFields(V& v, SchedulerSection& c) {
   v.Field("max_tokens_per_step", c.max_tokens_per_step, Range(1, 1e9));
@@ -477,6 +479,11 @@ void CheckSemantics(const Config& c, YamlReader& r) {
     r.ErrorAtKey("auth.enabled",
                  "authentication is enabled but no tenant is configured (auth.tenants or "
                  "auth.tenants_file)");
+  }
+  if (c.auth.jwt_ttl_s != 0 && c.auth.jwt_ttl_s < kMinJwtTtlSeconds) {
+    // The SDK renews a token with a minute or less left before every call.
+    r.ErrorAtKey("auth.jwt_ttl_s", absl::StrCat("must be 0 (no token exchange) or at least ", kMinJwtTtlSeconds,
+                                                " seconds"));
   }
   if (c.testing.hooks && c.auth.enabled && !loopback) {
     r.ErrorAtKey("testing.hooks",

@@ -102,7 +102,15 @@ struct AuthSection {
   double usage_flush_interval_s = 10;
   // API keys the registry may hold per tenant (active ones; create/rotate beyond: 429).
   int32_t max_keys_per_tenant = 100;
+  // The Tinker SDK's auth exchange (server/auth/jwt.h): how long a token it gets for its
+  // API key stays valid; 0 turns the exchange off (pjwt_auth_enabled false, keys only).
+  double jwt_ttl_s = 3600;
+  // HMAC key of those tokens (hex, >= 32 bytes); secret. Unset: generated once and kept in
+  // <data_dir>/jwt_signing.key. Replicas sharing one registry must share it.
+  std::string jwt_signing_secret;
 };
+// The shortest auth.jwt_ttl_s other than 0.
+inline constexpr double kMinJwtTtlSeconds = 120;
 
 // The fair fusing scheduler (core/scheduler).
 struct SchedulerSection {

@@ -232,6 +232,13 @@ void AddAdminRoutes(HttpServer& http, TinkerApi& api, ServingState& state) {
       return Answer(fn(**who, request));
     });
   };
+  // The SDK's auth exchange (pjwt_auth_enabled): an API key in, {"jwt"} out.
+  http.Route("POST", absl::StrCat(kApi, "/auth/token"), [&state](const HttpRequest& request) {
+    if (state.draining.load()) return ErrorResponse(absl::UnavailableError("server is shutting down"));
+    absl::StatusOr<std::string> jwt = state.authenticator->IssueToken(request.headers);
+    if (!jwt.ok()) return ErrorResponse(jwt.status());
+    return JsonResponse({{"jwt", *jwt}});
+  });
   get("/auth/apikey/me", [&state](const tenancy::Tenant& who, const HttpRequest&) { return WhoAmI(state, who); });
   http.Route("DELETE", absl::StrCat(kApi, "/auth/apikey/me"), [&state](const HttpRequest& request) {
     absl::StatusOr<const tenancy::Tenant*> who = Admit(state, request);

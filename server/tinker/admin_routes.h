@@ -1,6 +1,7 @@
 #pragma once
 // The hosted-service routes under /api/v1 that are not training or sampling (docs/api.md,
 // "Sessions, keys, usage and audit"):
+//   POST   /auth/token                          the SDK's auth exchange: API key → short-lived JWT
 //   GET    /auth/apikey/me                      who am I (key id, tenant, role; never the key)
 //   DELETE /auth/apikey/me                      revoke the calling key
 //   GET    /audit                               AdminClient.get_audit_log (admin)

@@ -15,6 +15,7 @@
 #include "core/tenancy/rate_limiter.h"
 #include "core/common/log.h"
 #include "server/auth/audit.h"
+#include "server/auth/jwt.h"
 #include "server/auth/roles.h"
 #include "server/tinker/tinker_json.h"
 
@@ -37,6 +38,8 @@ HttpResponse ErrorResponse(const absl::Status& status) {
                                  {"code", absl::StatusCodeToString(status.code())},
                                  {"category", ErrorCategory(status)}},
                                 code);
+  // RFC 6750: a rejected token (expired, revoked key) tells the SDK to fetch a new one.
+  if (IsInvalidToken(status)) r.headers.emplace_back("WWW-Authenticate", "Bearer error=\"invalid_token\"");
   const bool retry = code == 429 || code == 503 || code == 504;
   r.headers.emplace_back("x-should-retry", retry ? "true" : "false");
   if (code == 429) {
@@ -351,9 +354,7 @@ class Routes {
     // lookup here counts no auth failure (the key check does).
     http_.AddHeaderCheck([ctx = ctx_](const HttpRequest& head) -> std::optional<HttpResponse> {
       if (head.path != absl::StrCat(kApi, "/twinkle/import_adapter")) return std::nullopt;
-      absl::StatusOr<std::string> key =
-          ExtractApiKey([&head](absl::string_view name) { return head.Header(std::string(name)); });
-      if (!key.ok() || !ctx->state.authenticator->registry().Authenticate(*key).ok()) return std::nullopt;
+      if (!ctx->state.authenticator->Identify(head.headers).ok()) return std::nullopt;
       const int64_t max = ctx->state.config.storage.max_import_bytes;
       const std::string* length = head.Header("content-length");
       int64_t n = 0;

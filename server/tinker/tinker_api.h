@@ -122,6 +122,7 @@ struct TinkerOptions {
   absl::Duration retention = absl::Hours(24);  // completed futures stay fetchable this long
   int64_t fwdbwd_max_chunk_len = 1024;
   int64_t sample_max_concurrent_requests = 128;
+  bool jwt_auth = false;  // client config pjwt_auth_enabled: the SDK exchanges its key for a token
 };
 
 class TinkerApi {

@@ -21,7 +21,7 @@ namespace twinkle::tinker {
 // ---- configuration and sessions --------------------------------------------------------------
 
 Json TinkerApi::ClientConfig() const {
-  return {{"pjwt_auth_enabled", false},
+  return {{"pjwt_auth_enabled", options_.jwt_auth},
           {"credential_default_source", "api_key"},
           {"use_pyqwest_transport", false},
           {"proto_compress_fwdbwd", false},

@@ -6,9 +6,7 @@ get_billing_usage, get_current_checkpoint_storage_usage), whose answers must equ
 AdminClient's. Checkpoint storage is checked exactly: the bytes reported for a tenant equal the
 sum of its checkpoints' sizes.
 
-Not here: RestClient.whoami, which reads the identity from the JWT of the SDK's JWT auth
-exchange and makes no request; this server does not implement that exchange
-(`pjwt_auth_enabled: false`), so the SDK refuses before asking (docs/api.md).
+RestClient.whoami is in test_jwt_auth.py (it reads the claims of the SDK's auth-exchange token).
 """
 
 from __future__ import annotations

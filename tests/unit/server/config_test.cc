@@ -180,6 +180,19 @@ TEST(ConfigTest, SeveralErrorsAreReportedTogether) {
   EXPECT_THAT(e, HasSubstr("server.grpc_port: -1 is out of range"));
 }
 
+TEST(ConfigTest, JwtTtlIsZeroOrAtLeastTheMinimumAndTheSecretIsMasked) {
+  auto with_ttl = [](const std::string& ttl) { return absl::StrCat("model:\n  path: m\nauth:\n  jwt_ttl_s: ", ttl, "\n"); };
+  EXPECT_EQ(Parse("model:\n  path: m\n")->auth.jwt_ttl_s, 3600);
+  EXPECT_EQ(Parse(with_ttl("0"))->auth.jwt_ttl_s, 0);
+  EXPECT_EQ(Parse(with_ttl("120"))->auth.jwt_ttl_s, 120);
+  EXPECT_THAT(ErrorOf(with_ttl("119")), HasSubstr("auth.jwt_ttl_s: must be 0 (no token exchange) or at least 120"));
+  EXPECT_EQ(Parse(with_ttl("604800"))->auth.jwt_ttl_s, 604800);
+  EXPECT_THAT(ErrorOf(with_ttl("604801")), HasSubstr("auth.jwt_ttl_s: 604801 is out of range"));
+  absl::StatusOr<Config> c = Parse(absl::StrCat("model:\n  path: m\nauth:\n  jwt_signing_secret: ", std::string(64, 'a'), "\n"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(RenderConfig(*c, ConfigFormat::kYaml), Not(HasSubstr(std::string(64, 'a'))));
+}
+
 TEST(ConfigTest, RenderMasksSecretsAndRoundTrips) {
   absl::StatusOr<Config> c = Parse(
       "model:\n  path: m\nserver:\n  tls:\n    cert_file: c.pem\n    key_file: k.pem\n");
