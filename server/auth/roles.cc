@@ -21,6 +21,8 @@ bool ReadOnlyPost(absl::string_view path) {
       "/api/v1/client/dynamic_config", "/api/v1/telemetry",       "/api/v1/create_sampling_session",
       "/api/v1/asample",             "/api/v1/retrieve_future",   "/api/v1/get_info",
       "/api/v1/weights_info",        "/api/v1/sessions/search",   "/api/v1/get_server_capabilities",
+      // The SDK's auth exchange: a read-only key gets a token that is read-only too.
+      "/api/v1/auth/token",
       // The OpenAI-compatible sampling routes' /api/v1 aliases (under /v1 they are not
       // role-checked: everything there samples or lists).
       "/api/v1/completions",         "/api/v1/chat/completions"};

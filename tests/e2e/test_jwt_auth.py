@@ -2,7 +2,8 @@
 the SDK trades its API key for a token at POST /api/v1/auth/token (client config
 pjwt_auth_enabled) and sends the token from then on. Checked here:
 
-- RestClient.whoami and `tinker auth whoami` report the key's identity (no request of their own);
+- RestClient.whoami, `tinker auth whoami`, `tinker auth status` and `tinker model list` (whose
+  no-match error names the org from whoami) work through tokens;
 - a token's signature is HS256 under the configured secret, recomputed here with hmac/hashlib
   (independent of the server's libjwt), and its claims are the documented ones;
 - a token acts as its key over HTTP and gRPC; a token is never exchanged for another; forged,
@@ -163,6 +164,17 @@ def test_whoami_training_across_expiry_and_revocation(server: ServerProcess, tmp
     printed = json.loads(out.stdout)
     assert printed["org_urn"] == "tml:organization:bob"
     assert printed["user_urn"] == f"twinkle:key:{me(server, KEYS['bob']).json()['key_id']}"
+    # `tinker auth status`, and `tinker model list` (whose no-match error names the org, from
+    # whoami).
+    status = subprocess.run([str(cli), "auth", "status"], env=env, capture_output=True, text=True, timeout=120,
+                            check=False, cwd=tmp_path)
+    assert status.returncode == 0 and "Tinker accessible: yes" in status.stdout, status.stdout + status.stderr
+    models = subprocess.run([str(cli), "--format", "json", "model", "list"], env=env, capture_output=True, text=True,
+                            timeout=120, check=False, cwd=tmp_path)
+    assert models.returncode == 0 and MODEL_NAME in models.stdout, models.stderr
+    none = subprocess.run([str(cli), "model", "list", "no-such-model"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False, cwd=tmp_path)
+    assert none.returncode != 0 and "tml:organization:bob" in none.stdout + none.stderr, none.stdout + none.stderr
 
     # Training through tokens; then the server's clock passes the tokens' expiry: the SDK
     # gets invalid_token, exchanges its key again and replays the call.

@@ -268,6 +268,7 @@ TEST(RolesTest, ReadOnlyAndMemberRefusals) {
   EXPECT_TRUE(CheckHttpRole(viewer, "GET", "/api/v1/training_runs").ok());
   EXPECT_TRUE(CheckHttpRole(viewer, "POST", "/api/v1/asample").ok());
   EXPECT_TRUE(CheckHttpRole(viewer, "POST", "/api/v1/sessions/s1-x/finish").ok());
+  EXPECT_TRUE(CheckHttpRole(viewer, "POST", "/api/v1/auth/token").ok());  // its token stays read-only
   absl::Status s = CheckHttpRole(viewer, "POST", "/api/v1/forward_backward");
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(s.message(), "POST /api/v1/forward_backward needs role member; this API key has role read-only");
