@@ -19,7 +19,6 @@
 #include "core/common/log.h"
 #include "core/storage/names.h"
 #include "server/tinker/stored_result.h"
-#include "server/tinker/tinker_codec.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 

@@ -4,14 +4,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/storage/names.h"
-#include "server/tinker/tinker_api.h"
 #include "server/tinker/stored_result.h"
-#include "server/tinker/tinker_codec.h"
+#include "server/tinker/tinker_api.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 #include "core/ipc/training_messages.h"
@@ -238,6 +241,32 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs,
   return o;
 }
 
+// The encoder of an asample result (both encodings). With record_stability_info, each
+// sequence is also kept under its sequence id, for stable_reinforce.
+std::function<Outcome(const FutureValue&)> SampleEncoder(std::shared_ptr<StabilityStore> store,
+                                                         const SampleRequest& r, size_t first_scored,
+                                                         std::string tenant_id,
+                                                         std::vector<std::string> sequence_ids) {
+  std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
+  if (r.record_stability_info) recorded_prompt = std::make_shared<const std::vector<int64_t>>(r.prompt);
+  return [store = std::move(store), want_prompt_lp = r.prompt_logprobs, first_scored, recorded_prompt,
+          target = r.target_prompt_logprobs, alt_k = r.prompt_alt_tokens_k, tenant_id = std::move(tenant_id),
+          sequence_ids = std::move(sequence_ids)](const FutureValue& value) {
+    absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
+    if (!out.ok()) return Outcome::Failed(out.status());
+    if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+    const sampling::PromptOutput& p = (*out)->prompts[0];
+    if (recorded_prompt != nullptr) {
+      const absl::Time now = absl::Now();
+      for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
+        store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens, p.sequences[i].logprobs,
+                      now);
+      }
+    }
+    return EncodeSample(p, want_prompt_lp, first_scored, target ? &*target : nullptr, alt_k);
+  };
+}
+
 // A top-k width: in [0, ipc::kMaxTopLogprobs]. (The sampler also caps it at the vocabulary,
 // which only matters for toy models.)
 absl::Status CheckTopk(int64_t k, const char* field) {
@@ -342,25 +371,7 @@ absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, c
   for (int64_t i = 0; i < r.num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
-  if (r.record_stability_info) recorded_prompt = std::make_shared<const std::vector<int64_t>>(r.prompt);
-  Attach(entry, *id,
-         [store = stability_, want_prompt_lp = r.prompt_logprobs, first_scored = *first_scored, recorded_prompt,
-          target = r.target_prompt_logprobs, alt_k = r.prompt_alt_tokens_k, tenant_id = tenant.id,
-          sequence_ids = entry->sample_sequence_ids](const FutureValue& value) {
-           absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
-           if (!out.ok()) return Outcome::Failed(out.status());
-           if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-           const sampling::PromptOutput& p = (*out)->prompts[0];
-           if (recorded_prompt != nullptr) {
-             const absl::Time now = absl::Now();
-             for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
-               store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens,
-                                 p.sequences[i].logprobs, now);
-             }
-           }
-           return EncodeSample(p, want_prompt_lp, first_scored, target ? &*target : nullptr, alt_k);
-         });
+  Attach(entry, *id, SampleEncoder(stability_, r, *first_scored, tenant.id, entry->sample_sequence_ids));
   if (seq >= 0) {
     absl::MutexLock lock(&mu_);
     dedupe_[key] = entry->request_id;
