@@ -446,11 +446,15 @@ def test_grpc_tinker_service_training_sequence(tinker_server: ServerProcess) -> 
 def test_grpc_tinker_service_answers_as_the_http_api(tinker_server: ServerProcess) -> None:
     """The TinkerService calls the training sequence above does not reach, each compared with
     what the SDK reads over HTTP for the same object: capabilities, heartbeats, weights info,
-    the run and checkpoint listings, a sampler save, checkpoint deletion and unload; and bad
-    requests are INVALID_ARGUMENT naming the field."""
+    the run and checkpoint listings, sampler saves (named, and a snapshot sampled with a seed
+    over both transports), checkpoint deletion and unload; and bad requests are
+    INVALID_ARGUMENT naming the field."""
+    import json
+    import urllib.request
     from datetime import datetime
 
     import grpc
+    from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
     from twinkle_client._proto.tinker.v1 import tinker_service_pb2 as ts
     from twinkle_client._proto.tinker.v1 import tinker_service_pb2_grpc as tsg
 
@@ -522,6 +526,32 @@ def test_grpc_tinker_service_answers_as_the_http_api(tinker_server: ServerProces
 
     stub.DeleteCheckpoint(ts.DeleteCheckpointRequest(training_run_id=model_id, checkpoint_id="weights/w1"), metadata=md)
     assert [c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints] == ["sampler_weights/s1"]
+
+    # An unnamed sampler save (a snapshot and a sampling session on it) and a seeded Sample on
+    # it over gRPC; the same request over the HTTP API samples the same tokens.
+    snapshot = wait(stub.SaveWeightsForSampler(ts.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=0),
+                                               metadata=md).request_id).sampling_session_id
+    assert snapshot
+    prompt = SEQ[:4]
+    grpc_sample = wait(stub.Sample(ts.SampleRequest(
+        sampling_session_id=snapshot, seq_id=1, prompt=prompt, num_samples=2,
+        sampling_params=tp.SamplingParams(max_tokens=5, seed=7, temperature=1.0)), metadata=md).request_id)
+    grpc_tokens = [np.frombuffer(q.tokens, dtype=np.int32).tolist() for q in grpc_sample.sequences]
+    assert len(grpc_tokens) == 2 and all(1 <= len(t) <= 5 for t in grpc_tokens)
+
+    def http(route: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(f"http://{tinker_server.host}:{tinker_server.http_port}/api/v1/{route}",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"x-api-key": KEYS["alice"], "content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.loads(answer.read())
+
+    promise = http("asample", {"sampling_session_id": snapshot, "seq_id": 2, "num_samples": 2,
+                               "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                               "sampling_params": {"max_tokens": 5, "seed": 7, "temperature": 1.0}})
+    while (answer := http("retrieve_future", {"request_id": promise["request_id"]})).get("type") == "try_again":
+        pass
+    assert [q["tokens"] for q in answer["sequences"]] == grpc_tokens
 
     # Sessions: a gRPC session heartbeats; an unknown one is NOT_FOUND.
     session = stub.CreateSession(ts.CreateSessionRequest(tags=["grpc"]), metadata=md).session_id
