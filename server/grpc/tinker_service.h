@@ -1,7 +1,8 @@
 #pragma once
-// tinker.v1.TinkerService: the Tinker API over gRPC. Each handler turns its request into the
-// HTTP API's JSON body and calls the same TinkerApi method the HTTP route calls, so both
-// transports share every rule (ids, ordering, idempotency, futures, errors).
+// tinker.v1.TinkerService: the Tinker API over gRPC. Each handler decodes its request message
+// into TinkerApi's typed request (tinker_codec.h), calls the same TinkerApi method the HTTP
+// route calls and encodes the typed result into its response message, so both transports
+// share every rule (ids, ordering, idempotency, futures, errors) and no JSON is involved.
 
 #include <grpcpp/grpcpp.h>
 

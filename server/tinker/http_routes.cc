@@ -17,6 +17,8 @@
 #include "server/auth/audit.h"
 #include "server/auth/jwt.h"
 #include "server/auth/roles.h"
+#include "server/tinker/stored_result.h"
+#include "server/tinker/tinker_codec.h"
 #include "server/tinker/tinker_json.h"
 
 namespace twinkle::tinker {
@@ -53,6 +55,26 @@ namespace {
 
 HttpResponse Answer(const absl::StatusOr<Json>& result) {
   return result.ok() ? JsonResponse(*result) : ErrorResponse(result.status());
+}
+
+// A typed result as the SDK's JSON.
+template <typename T>
+absl::StatusOr<Json> Encoded(absl::StatusOr<T> result) {
+  if (!result.ok()) return result.status();
+  return ToJson(*result);
+}
+
+using JsonCall = std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)>;
+
+// A JSON-bodied call of a typed operation: the body decoded by `decode`, handed to `call`
+// (a generic lambda naming the TinkerApi method), its result encoded.
+template <typename Decode, typename Call>
+JsonCall Codec(Decode decode, Call call) {
+  return [decode, call](const tenancy::Tenant& t, const Json& body) -> absl::StatusOr<Json> {
+    auto request = decode(body);
+    if (!request.ok()) return request.status();
+    return Encoded(call(t, *request));
+  };
 }
 
 absl::StatusOr<Json> ParseBody(const HttpRequest& request) { return ParseJsonBody(request.body); }
@@ -130,8 +152,7 @@ class Routes {
       : http_(http), api_(api), ctx_(std::make_shared<Context>(Context{api, state})) {}
 
   // A JSON-bodied call answered at once; with `audit_action`, a success gets its audit row.
-  void Post(const char* path, std::function<absl::StatusOr<Json>(const tenancy::Tenant&, const Json&)> fn,
-            const char* audit_action = nullptr) {
+  void Post(const char* path, JsonCall fn, const char* audit_action = nullptr) {
     PostWithRequest(
         path, [fn = std::move(fn)](const tenancy::Tenant& t, const Json& b, const HttpRequest&) { return fn(t, b); },
         audit_action);
@@ -184,14 +205,17 @@ class Routes {
     // Configuration and sessions.
     Post("/client/config", [&api](const tenancy::Tenant&, const Json&) { return api.ClientConfig(); });
     Post("/client/dynamic_config", [&api](const tenancy::Tenant&, const Json&) { return api.DynamicConfig(); });
-    Post("/create_session", [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateSession(t, b); });
-    Post("/session_heartbeat", [&api](const tenancy::Tenant& t, const Json& b) { return api.SessionHeartbeat(t, b); });
+    Post("/create_session", Codec(DecodeCreateSession, [&api](auto& t, auto& r) { return api.CreateSession(t, r); }));
+    Post("/session_heartbeat",
+         Codec(DecodeSessionHeartbeat, [&api](auto& t, auto& r) { return api.SessionHeartbeat(t, r); }));
     // Telemetry is accepted and dropped, with or without a valid key: the SDK retries a
     // refused post every second for ever.
     http_.Route("POST", absl::StrCat(kApi, "/telemetry"), [&api](const HttpRequest&) {
       return JsonResponse(api.Telemetry(Json::object()));
     });
-    Get("/get_server_capabilities", [&api](const tenancy::Tenant&, const HttpRequest&) { return api.Capabilities(); });
+    Get("/get_server_capabilities", [&api](const tenancy::Tenant&, const HttpRequest&) -> absl::StatusOr<Json> {
+      return ToJson(api.GetServerCapabilities());
+    });
     http_.RouteInline("GET", absl::StrCat(kApi, "/healthz"), [](const HttpRequest&) {
       return JsonResponse({{"status", "ok"}});
     });
@@ -217,9 +241,9 @@ class Routes {
     });
 
     // Training.
-    Post("/create_model", [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateModel(t, b); });
-    Post("/get_info", [&api](const tenancy::Tenant& t, const Json& b) { return api.GetInfo(t, b); });
-    Post("/unload_model", [&api](const tenancy::Tenant& t, const Json& b) { return api.UnloadModel(t, b); });
+    Post("/create_model", Codec(DecodeCreateModel, [&api](auto& t, auto& r) { return api.CreateModel(t, r); }));
+    Post("/get_info", Codec(DecodeModelRequest, [&api](auto& t, auto& r) { return api.GetInfo(t, r); }));
+    Post("/unload_model", Codec(DecodeModelRequest, [&api](auto& t, auto& r) { return api.UnloadModel(t, r); }));
     http_.Route("POST", absl::StrCat(kApi, "/forward_backward"), [ctx = ctx_](const HttpRequest& request) {
       absl::StatusOr<const tenancy::Tenant*> tenant = ctx->Admit(request);
       if (!tenant.ok()) return ErrorResponse(tenant.status());
@@ -230,32 +254,34 @@ class Routes {
       if (type != nullptr && absl::StrContains(*type, "json")) {
         absl::StatusOr<Json> body = ParseBody(request);
         if (!body.ok()) return ErrorResponse(body.status());
-        return Answer(ctx->api.ForwardBackwardJson(**tenant, *body, false));
+        return Answer(Encoded(ctx->api.ForwardBackwardJson(**tenant, *body, false)));
       }
       v1::ForwardBackwardRequest proto;
       if (!proto.ParseFromString(request.body)) {
         return ErrorResponse(absl::InvalidArgumentError("body: not a ForwardBackwardRequest protobuf"));
       }
       const absl::Time start = absl::Now();
-      HttpResponse response = Answer(ctx->api.ForwardBackward(**tenant, proto));
+      HttpResponse response = Answer(Encoded(ctx->api.ForwardBackward(**tenant, proto)));
       ctx->api.traces().Record((*tenant)->id, ctx->api.TraceSessionOf(**tenant, Json{{"model_id", proto.model_id()}}),
                                {request.method + " " + request.path, start, absl::Now() - start,
                                 static_cast<int64_t>(request.body.size()),
                                 static_cast<int64_t>(response.body.size()), response.status});
       return response;
     });
-    Post("/forward", [&api](const tenancy::Tenant& t, const Json& b) { return api.ForwardBackwardJson(t, b, true); });
-    Post("/optim_step", [&api](const tenancy::Tenant& t, const Json& b) { return api.OptimStep(t, b); });
-    Post("/save_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeights(t, b); });
-    Post("/load_weights", [&api](const tenancy::Tenant& t, const Json& b) { return api.LoadWeights(t, b); });
+    Post("/forward", [&api](const tenancy::Tenant& t, const Json& b) {
+      return Encoded(api.ForwardBackwardJson(t, b, true));
+    });
+    Post("/optim_step", Codec(DecodeOptimStep, [&api](auto& t, auto& r) { return api.OptimStep(t, r); }));
+    Post("/save_weights", Codec(DecodeSaveWeights, [&api](auto& t, auto& r) { return api.SaveWeights(t, r); }));
+    Post("/load_weights", Codec(DecodeLoadWeights, [&api](auto& t, auto& r) { return api.LoadWeights(t, r); }));
     Post("/save_weights_for_sampler",
-         [&api](const tenancy::Tenant& t, const Json& b) { return api.SaveWeightsForSampler(t, b); });
-    Post("/weights_info", [&api](const tenancy::Tenant& t, const Json& b) { return api.WeightsInfo(t, b); });
+         Codec(DecodeSaveWeightsForSampler, [&api](auto& t, auto& r) { return api.SaveWeightsForSampler(t, r); }));
+    Post("/weights_info", Codec(DecodeWeightsInfo, [&api](auto& t, auto& r) { return api.WeightsInfo(t, r); }));
 
     // Sampling.
     Post("/create_sampling_session",
-         [&api](const tenancy::Tenant& t, const Json& b) { return api.CreateSamplingSession(t, b); });
-    Post("/asample", [&api](const tenancy::Tenant& t, const Json& b) { return api.ASample(t, b); });
+         Codec(DecodeCreateSamplingSession, [&api](auto& t, auto& r) { return api.CreateSamplingSession(t, r); }));
+    Post("/asample", Codec(DecodeSample, [&api](auto& t, auto& r) { return api.Sample(t, r); }));
     Prefix("GET", "/samplers/", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
       return api.GetSampler(t, r.path_tail);
     });
@@ -267,26 +293,30 @@ class Routes {
       if (!tenant.ok()) return respond(ErrorResponse(tenant.status()));
       absl::StatusOr<Json> body = ParseBody(request);
       if (!body.ok()) return respond(ErrorResponse(body.status()));
+      absl::StatusOr<RetrieveFutureRequest> decoded = DecodeRetrieveFuture(*body);
+      if (!decoded.ok()) return respond(ErrorResponse(decoded.status()));
       const std::string* accept = request.Header("accept");
       const bool proto = accept != nullptr && absl::StrContains(*accept, "application/x-protobuf");
-      ctx->api.RetrieveFuture(**tenant, *body, [respond, proto](absl::StatusOr<Poll> poll) {
+      ctx->api.RetrieveFuture(**tenant, *decoded, [respond, proto](absl::StatusOr<Poll> poll) {
         if (!poll.ok()) return respond(ErrorResponse(poll.status()));
-        if (poll->outcome == nullptr) {
+        if (!poll->done) {
           return respond(JsonResponse(
               {{"type", "try_again"}, {"request_id", poll->request_id}, {"queue_state", poll->queue_state}}));
         }
-        const Outcome& o = *poll->outcome;
-        if (o.error.ok() && proto && !o.proto.empty()) {
-          return respond(HttpResponse{200, "application/x-protobuf", o.proto});
+        if (!poll->error.ok()) return respond(JsonResponse(FailureJson(poll->error)));
+        // The answer as stored at completion: its protobuf body when asked for and it has one
+        // (forward_backward, sample), else its JSON text.
+        if (absl::string_view bytes = HttpProtoBody(poll->result.proto); proto && !bytes.empty()) {
+          return respond(HttpResponse{200, "application/x-protobuf", std::string(bytes)});
         }
-        respond(JsonResponse(o.ToJson()));
+        respond(HttpResponse{200, "application/json", std::move(poll->result.json)});
       });
     });
 
     // REST.
     Get("/training_runs", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
-      return api.ListTrainingRunsScoped(t, QueryInt(r, "limit", 20), QueryInt(r, "offset", 0),
-                                        r.QueryParam("access_scope").value_or(""));
+      return Encoded(api.ListTrainingRuns(t, ListTrainingRunsRequest{QueryInt(r, "limit", 20), QueryInt(r, "offset", 0),
+                                                                     r.QueryParam("access_scope").value_or("")}));
     });
     Get("/checkpoints", [&api](const tenancy::Tenant& t, const HttpRequest& r) {
       return api.ListUserCheckpointsScoped(t, QueryInt(r, "limit", 100), QueryInt(r, "offset", 0),
@@ -302,7 +332,7 @@ class Routes {
       const std::string scope = r.QueryParam("access_scope").value_or("");
       if (slash == std::string::npos) return api.GetTrainingRunScoped(t, run, scope);
       const std::string rest = tail.substr(slash + 1);
-      if (rest == "checkpoints") return api.ListCheckpointsScoped(t, run, scope);
+      if (rest == "checkpoints") return Encoded(api.ListCheckpoints(t, ListCheckpointsRequest{run, scope}));
       if (std::optional<CheckpointAction> a = ParseCheckpointAction(tail); a && a->action == "external_weights_urls") {
         return api.ExternalWeightsUrls(t, a->model_id, a->checkpoint_id, BaseUrl(r, ctx->state));
       }
@@ -325,7 +355,7 @@ class Routes {
       }
       const std::string run = tail.substr(0, slash), checkpoint = tail.substr(slash + 1 + kCheckpoints.size());
       return Audited(*ctx, t, r, "checkpoint_delete", CheckpointPath(run, checkpoint),
-                     api.DeleteCheckpoint(t, run, checkpoint));
+                     Encoded(api.DeleteCheckpoint(t, DeleteCheckpointRequest{run, checkpoint})));
     });
   }
 

@@ -3,8 +3,9 @@
 // load_weights, get_info and weights_info — with the helpers that turn their arguments into
 // coordinator calls and their results into Tinker's answers. The request-id / future
 // machinery and seq_id ordering they submit through are in tinker_futures.cc, the REST
-// listings, client configuration and sessions in tinker_rest.cc, sampling in
-// tinker_sampling.cc.
+// listings in tinker_runs.cc, client configuration in tinker_rest.cc, sessions in
+// tinker_sessions.cc, sampling in tinker_sampling.cc. Requests arrive decoded and checked
+// for their wire form (tinker_requests.h); the values are checked here.
 #include "server/tinker/tinker_api.h"
 
 #include <cmath>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "core/common/log.h"
 #include "core/storage/names.h"
+#include "server/tinker/stored_result.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 
@@ -120,7 +122,7 @@ Outcome EncodeForwardBackward(const OpOutput& out, int64_t width) {
     metrics["loss:sum"] = out.loss;
   }
   o.json = {{"loss_fn_output_type", "ArrayRecord"}, {"loss_fn_outputs", std::move(outputs)}, {"metrics", metrics}};
-  o.proto = proto.SerializeAsString();
+  o.proto = StoredProto(std::move(proto));
   return o;
 }
 
@@ -159,90 +161,45 @@ absl::StatusOr<std::shared_ptr<TinkerApi::Model>> TinkerApi::FindModel(const ten
   return it->second;
 }
 
-absl::StatusOr<TinkerApi::ModelCall> TinkerApi::ModelCallOf(const tenancy::Tenant& tenant, const Json& body,
-                                                            bool path_required) {
-  ModelCall call;
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  call.model_id = *std::move(model_id);
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  call.seq = *seq;
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, call.model_id);
+absl::StatusOr<TinkerApi::ModelCall> TinkerApi::ModelCallOf(const tenancy::Tenant& tenant,
+                                                            const std::string& model_id, int64_t seq_id,
+                                                            const std::string& path, bool path_required) {
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, model_id);
   if (!model.ok()) return model.status();
-  call.model = *std::move(model);
-  absl::StatusOr<std::string> name = path_required ? GetString(body, "path") : GetString(body, "path", "");
-  if (!name.ok()) return name.status();
-  call.name = *std::move(name);
-  if (path_required || !call.name.empty()) {
-    if (absl::Status s = storage::ValidatePathName(call.name, "path"); !s.ok()) return s;
+  if (path_required || !path.empty()) {
+    if (absl::Status s = storage::ValidatePathName(path, "path"); !s.ok()) return s;
   }
-  return call;
+  return ModelCall{model_id, seq_id, *std::move(model), path};
 }
 
 // ---- create / unload ------------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> session = GetString(body, "session_id");
-  if (!session.ok()) return session.status();
-  absl::StatusOr<int64_t> model_seq = GetInt(body, "model_seq_id", 0);
-  if (!model_seq.ok()) return model_seq.status();
-  absl::StatusOr<std::string> base = GetString(body, "base_model");
-  if (!base.ok()) return base.status();
-  if (*base != options_.base_model && *base != options_.model_dir) {
-    return absl::InvalidArgumentError(absl::StrCat("base_model: '", *base, "' is not served here (supported: ",
+absl::StatusOr<FuturePromise> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const CreateModelRequest& r) {
+  if (r.base_model != options_.base_model && r.base_model != options_.model_dir) {
+    return absl::InvalidArgumentError(absl::StrCat("base_model: '", r.base_model, "' is not served here (supported: ",
                                                    options_.base_model, ")"));
   }
-  const Json lora = body.contains("lora_config") && body["lora_config"].is_object() ? body["lora_config"] : Json::object();
-  absl::StatusOr<int64_t> rank = GetInt(lora, "rank", 32);
-  if (!rank.ok()) return rank.status();
-  if (*rank <= 0) return absl::InvalidArgumentError(absl::StrCat("lora_config.rank: ", *rank, " must be positive"));
-  if (*rank > options_.max_lora_rank) {
-    return absl::InvalidArgumentError(absl::StrCat("lora_config.rank: ", *rank, " above the server's limit of ",
+  const LoraConfig& lora = r.lora_config;
+  if (lora.rank <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("lora_config.rank: ", lora.rank, " must be positive"));
+  }
+  if (lora.rank > options_.max_lora_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("lora_config.rank: ", lora.rank, " above the server's limit of ",
                                                    options_.max_lora_rank));
   }
-  if (*rank > tenant.quotas.max_lora_rank) {
-    return absl::PermissionDeniedError(absl::StrCat("lora_config.rank: ", *rank, " above your quota of ",
+  if (lora.rank > tenant.quotas.max_lora_rank) {
+    return absl::PermissionDeniedError(absl::StrCat("lora_config.rank: ", lora.rank, " above your quota of ",
                                                     tenant.quotas.max_lora_rank));
   }
-  absl::StatusOr<int64_t> seed = GetInt(lora, "seed", 0);
-  absl::StatusOr<bool> attn = GetBool(lora, "train_attn", true);
-  absl::StatusOr<bool> mlp = GetBool(lora, "train_mlp", true);
-  absl::StatusOr<bool> unembed = GetBool(lora, "train_unembed", true);
-  for (const absl::Status& s : {seed.status(), attn.status(), mlp.status(), unembed.status()}) {
-    if (!s.ok()) return s;
-  }
-  if (body.contains("optimizer_config") && body["optimizer_config"].is_object()) {
-    const Json& opt = body["optimizer_config"];
-    if (opt.contains("type") && opt["type"].is_string() && opt["type"] != "adamw" && opt["type"] != "adam") {
-      return absl::InvalidArgumentError(absl::StrCat("optimizer_config.type: '", opt["type"].get<std::string>(),
-                                                     "' is not supported (adamw)"));
-    }
-  }
-  absl::StatusOr<std::vector<std::string>> targets = Targets(*attn, *mlp, *unembed);
+  absl::StatusOr<std::vector<std::string>> targets = Targets(lora.train_attn, lora.train_mlp, lora.train_unembed);
   if (!targets.ok()) return targets.status();
-
   // user_metadata: kept with the run and returned by the REST run listings (the cookbook
   // checks its renderer there on resume).
-  std::string metadata;
-  if (body.contains("user_metadata") && !body["user_metadata"].is_null()) {
-    if (!body["user_metadata"].is_object()) {
-      return absl::InvalidArgumentError("user_metadata: expected an object");
-    }
-    for (const auto& [key, value] : body["user_metadata"].items()) {
-      if (!value.is_string()) {  // the SDK reads it back as TrainingRun.user_metadata: dict[str, str]
-        return absl::InvalidArgumentError(absl::StrCat("user_metadata.", key, ": expected a string"));
-      }
-    }
-    metadata = body["user_metadata"].dump();
-    if (metadata.size() > kMaxUserMetadataBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("user_metadata: ", metadata.size(),
-                                                     " bytes of JSON exceed the limit of ", kMaxUserMetadataBytes));
-    }
-  }
-
-  ModelSpec spec{*session, *model_seq, *rank, static_cast<uint64_t>(*seed), *attn, *mlp, *unembed, *targets};
-  return StartModel(tenant, std::move(spec), [this, metadata, tenant_id = tenant.id](
+  absl::StatusOr<std::string> metadata = StoredMetadata(r.user_metadata);
+  if (!metadata.ok()) return metadata.status();
+  ModelSpec spec{r.session_id, r.model_seq_id, lora.rank, lora.seed, lora.train_attn, lora.train_mlp,
+                 lora.train_unembed, *targets};
+  return StartModel(tenant, std::move(spec), [this, metadata = *metadata, tenant_id = tenant.id](
                                                  const std::shared_ptr<Model>& model, const std::shared_ptr<Entry>& entry) {
     if (!metadata.empty() && registry_ != nullptr) {
       if (absl::Status s = registry_->SetRunUserMetadata(tenant_id, RunIdOf(model->model_id), metadata); !s.ok()) {
@@ -250,13 +207,11 @@ absl::StatusOr<Json> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const
         return;
       }
     }
-    Outcome o;
-    o.json = {{"model_id", model->model_id}, {"type", "create_model"}};
-    Complete(entry, std::move(o));
+    Complete(entry, Outcome::Of(OpResult::OfModel("create_model", model->model_id)));
   });
 }
 
-absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then) {
+absl::StatusOr<FuturePromise> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then) {
   // A model lives in one of the caller's sessions: without one (or in another tenant's) its
   // id would be shared with other tenants' models.
   if (spec.session.empty()) {
@@ -333,46 +288,32 @@ absl::StatusOr<Json> TinkerApi::StartModel(const tenancy::Tenant& tenant, ModelS
 // The SDK's create_training_client_from_state: one load_weights with session_id and
 // model_seq_id instead of a model_id. The model takes the checkpoint's LoRA shape; the load
 // is its first op (seq_id 0), so its later ops start at 1 as after create_model.
-absl::StatusOr<Json> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> session = GetString(body, "session_id");
-  if (!session.ok()) return session.status();
-  absl::StatusOr<int64_t> model_seq = GetInt(body, "model_seq_id", 0);
-  if (!model_seq.ok()) return model_seq.status();
-  absl::StatusOr<std::string> path = GetString(body, "path");
-  if (!path.ok()) return path.status();
-  const bool optimizer = GetBool(body, "optimizer", false).value_or(false);
-  absl::StatusOr<Json> info = WeightsInfo(tenant, Json{{"tinker_path", *path}});
+absl::StatusOr<FuturePromise> TinkerApi::CreateViaLoad(const tenancy::Tenant& tenant, const LoadWeightsRequest& r) {
+  absl::StatusOr<WeightsInfoResult> info = WeightsInfo(tenant, WeightsInfoRequest{r.path});
   if (!info.ok()) return info.status();
-  const int64_t rank = (*info)["lora_rank"].get<int64_t>();
-  const bool attn = (*info)["train_attn"].get<bool>(), mlp = (*info)["train_mlp"].get<bool>(),
-             unembed = (*info)["train_unembed"].get<bool>();
-  absl::StatusOr<std::vector<std::string>> targets = Targets(attn, mlp, unembed);
+  absl::StatusOr<std::vector<std::string>> targets = Targets(info->train_attn, info->train_mlp, info->train_unembed);
   if (!targets.ok()) return targets.status();
-  ModelSpec spec{*session, *model_seq, rank, 0, attn, mlp, unembed, *targets};
+  ModelSpec spec{r.session_id,    r.model_seq_id,  info->lora_rank,     0,
+                 info->train_attn, info->train_mlp, info->train_unembed, *targets};
   const training::TenantContext context = ContextOf(tenant);
-  const std::string tinker_path = *path;
   return StartModel(tenant, std::move(spec),
-                    [this, context, tinker_path, optimizer](const std::shared_ptr<Model>& model,
-                                                           const std::shared_ptr<Entry>& entry) {
+                    [this, context, tinker_path = r.path, optimizer = r.optimizer](const std::shared_ptr<Model>& model,
+                                                                                  const std::shared_ptr<Entry>& entry) {
                       absl::StatusOr<uint64_t> id = coordinator_.SubmitLoad(
                           context, model->adapter, InternalPath(tinker_path),
                           optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
                       if (!id.ok()) return Complete(entry, Outcome::Failed(id.status()));
                       Attach(entry, *id, [tinker_path, model_id = model->model_id](const FutureValue&) {
-                        Outcome o;
-                        o.json = {{"path", tinker_path}, {"model_id", model_id}, {"type", "load_weights"}};
-                        return o;
+                        return Outcome::Of(OpResult::OfLoad(model_id, tinker_path));
                       });
                     });
 }
 
-absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
+absl::StatusOr<FuturePromise> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const ModelRequest& r) {
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, r.model_id);
   if (!model.ok()) return model.status();
-  std::shared_ptr<Entry> entry = NewEntry(tenant.id, *model_id);
+  std::shared_ptr<Entry> entry = NewEntry(tenant.id, r.model_id);
   const training::TenantContext context = ContextOf(tenant);
   blocking_->Post([this, entry, context, m = *model] {
     absl::Status s = coordinator_.RemoveAdapter(context, m->adapter);
@@ -380,16 +321,15 @@ absl::StatusOr<Json> TinkerApi::UnloadModel(const tenancy::Tenant& tenant, const
       absl::MutexLock lock(&mu_);
       models_.erase(ModelKey(m->tenant, m->model_id));
     }
-    Outcome o = Outcome::Failed(s);
-    if (s.ok()) o.json = {{"model_id", m->model_id}, {"type", "unload_model"}};
-    Complete(entry, std::move(o));
+    Complete(entry, s.ok() ? Outcome::Of(OpResult::OfModel("unload_model", m->model_id))
+                           : Outcome::Failed(s));
   });
   return Promise(*entry);
 }
 
 // ---- forward_backward ------------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
+absl::StatusOr<FuturePromise> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
                                                     int64_t seq_id, training::ForwardArgs args, bool forward_only,
                                                     uint64_t fingerprint, absl::Status bad_input) {
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, model_id);
@@ -431,7 +371,8 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardArgs(const tenancy::Tenant& tenan
                    std::move(submit), std::move(encode));
 }
 
-absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& r) {
+absl::StatusOr<FuturePromise> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant,
+                                                         const v1::ForwardBackwardRequest& r) {
   training::ForwardArgs args;
   absl::StatusOr<training::LossOverride> loss = LossFromProto(r);
   if (!loss.ok()) return loss.status();
@@ -453,7 +394,7 @@ absl::StatusOr<Json> TinkerApi::ForwardBackward(const tenancy::Tenant& tenant, c
                              bad);
 }
 
-absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body,
+absl::StatusOr<FuturePromise> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body,
                                                     bool forward_only) {
   const char* input_key = body.contains("forward_backward_input") ? "forward_backward_input" : "forward_input";
   if (!body.contains(input_key) || !body[input_key].is_object()) {
@@ -488,37 +429,19 @@ absl::StatusOr<Json> TinkerApi::ForwardBackwardJson(const tenancy::Tenant& tenan
 
 // ---- optim_step, save, load -----------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
+absl::StatusOr<FuturePromise> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const OptimStepRequest& r) {
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, r.model_id);
   if (!model.ok()) return model.status();
-  const Json* params = nullptr;
-  for (const char* key : {"adam_params", "optim_params", "optimizer_params"}) {
-    if (body.contains(key) && body[key].is_object()) {
-      params = &body[key];
-      break;
-    }
-  }
-  std::map<std::string, double> hyper = {{"learning_rate", 1e-4}, {"beta1", 0.9},         {"beta2", 0.95},
-                                         {"eps", 1e-12},          {"weight_decay", 0.0}, {"grad_clip_norm", 0.0}};
-  if (params != nullptr) {
-    if (params->contains("type") && (*params)["type"].is_string() && (*params)["type"] != "adam" &&
-        (*params)["type"] != "adamw") {
-      return absl::InvalidArgumentError(absl::StrCat("optimizer_params.type: '", (*params)["type"].get<std::string>(),
-                                                     "' is not supported (adam)"));
-    }
-    for (auto& [key, value] : hyper) {
-      absl::StatusOr<double> v = GetDouble(*params, key.c_str(), value);
-      if (!v.ok()) return v.status();
-      value = *v;
-    }
+  const AdamParams& a = r.adam_params;
+  const std::map<std::string, double> hyper = {{"learning_rate", a.learning_rate}, {"beta1", a.beta1},
+                                               {"beta2", a.beta2},                 {"eps", a.eps},
+                                               {"weight_decay", a.weight_decay},   {"grad_clip_norm", a.grad_clip_norm}};
+  for (const auto& [key, value] : hyper) {
+    if (!std::isfinite(value)) return absl::InvalidArgumentError(absl::StrCat(key, ": not finite"));
   }
   const training::TenantContext context = ContextOf(tenant);
   const uint64_t fingerprint = FingerprintOf(Json(hyper).dump());
-  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = *seq, fingerprint]() {
+  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = r.seq_id, fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
     options.fingerprint = fingerprint;
@@ -527,27 +450,22 @@ absl::StatusOr<Json> TinkerApi::OptimStep(const tenancy::Tenant& tenant, const J
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "optim_step result");
     if (!out.ok()) return Outcome::Failed(out.status());
-    Json metrics = Json::object();
+    std::map<std::string, double> metrics;
     for (const auto& [k, v] : (*out)->metrics) {
       if (std::isfinite(v)) metrics[k] = v;
     }
-    Outcome o;
-    o.json = {{"metrics", metrics}, {"type", "optim_step"}};
-    return o;
+    return Outcome::Of(OpResult::OfMetrics("optim_step", std::move(metrics)));
   };
-  return Sequenced(tenant, *model, *seq, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
+  return Sequenced(tenant, *model, r.seq_id, {"optim_step", fingerprint}, std::move(submit), std::move(encode));
 }
 
-absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body);
+absl::StatusOr<FuturePromise> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const SaveWeightsRequest& r) {
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, r.model_id, r.seq_id, r.path);
   if (!call.ok()) return call.status();
-  const bool overwrite = GetBool(body, "overwrite", false).value_or(false);
-  absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
-  if (!ttl.ok()) return ttl.status();
   const training::TenantContext context = ContextOf(tenant);
   const std::string run_id = call->model->run_id;
-  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, overwrite, run_id,
-                   ttl = *ttl]() -> absl::StatusOr<uint64_t> {
+  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, overwrite = r.overwrite, run_id,
+                   ttl = r.ttl_seconds]() -> absl::StatusOr<uint64_t> {
     if (!overwrite && registry_ != nullptr &&
         registry_->GetCheckpoint(context.id, run_id, absl::StrCat("weights/", name)).ok()) {
       return absl::AlreadyExistsError(absl::StrCat("path: checkpoint weights/", name, " of ", run_id,
@@ -560,66 +478,50 @@ absl::StatusOr<Json> TinkerApi::SaveWeights(const tenancy::Tenant& tenant, const
     return coordinator_.SubmitSave(context, adapter, args);
   };
   Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
-    Outcome o;
-    o.json = {{"path", absl::StrCat("tinker://", model_id, "/weights/", name)}, {"type", "save_weights"}};
-    return o;
+    return Outcome::Of(OpResult::OfPath("save_weights", absl::StrCat("tinker://", model_id, "/weights/", name)));
   };
   return Sequenced(tenant, call->model, call->seq,
-                   {"save_weights", FingerprintOf(absl::StrCat(call->name, "\n", overwrite))}, std::move(submit),
+                   {"save_weights", FingerprintOf(absl::StrCat(call->name, "\n", r.overwrite))}, std::move(submit),
                    std::move(encode));
 }
 
-absl::StatusOr<Json> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const Json& body) {
-  if (!body.contains("model_id") || body["model_id"].is_null()) return CreateViaLoad(tenant, body);
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", 0);
-  if (!seq.ok()) return seq.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
+absl::StatusOr<FuturePromise> TinkerApi::LoadWeights(const tenancy::Tenant& tenant, const LoadWeightsRequest& r) {
+  if (!r.model_id) return CreateViaLoad(tenant, r);
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *r.model_id);
   if (!model.ok()) return model.status();
-  absl::StatusOr<std::string> path = GetString(body, "path");
-  if (!path.ok()) return path.status();
-  const bool optimizer = GetBool(body, "optimizer", false).value_or(false);
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, path = InternalPath(*path), optimizer]() {
+  Submit submit = [this, context, adapter = (*model)->adapter, path = InternalPath(r.path), optimizer = r.optimizer]() {
     return coordinator_.SubmitLoad(context, adapter, path,
                                    optimizer ? training::LoadMode::kWeightsAndOptimizer
-                                    : training::LoadMode::kWeightsFreshOptimizer);
+                                             : training::LoadMode::kWeightsFreshOptimizer);
   };
-  Encoder encode = [path = *path, model_id = *model_id](const FutureValue&) {
-    Outcome o;
-    o.json = {{"path", path}, {"model_id", model_id}, {"type", "load_weights"}};
-    return o;
+  Encoder encode = [path = r.path, model_id = *r.model_id](const FutureValue&) {
+    return Outcome::Of(OpResult::OfLoad(model_id, path));
   };
-  return Sequenced(tenant, *model, *seq, {"load_weights", FingerprintOf(absl::StrCat(*path, "\n", optimizer))},
+  return Sequenced(tenant, *model, r.seq_id, {"load_weights", FingerprintOf(absl::StrCat(r.path, "\n", r.optimizer))},
                    std::move(submit), std::move(encode));
 }
 
 // ---- direct training calls ------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::GetInfo(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> model_id = GetString(body, "model_id");
-  if (!model_id.ok()) return model_id.status();
-  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *model_id);
+absl::StatusOr<GetInfoResult> TinkerApi::GetInfo(const tenancy::Tenant& tenant, const ModelRequest& r) {
+  absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, r.model_id);
   if (!model.ok()) return model.status();
   if (absl::StatusOr<training::RunInfo> run = coordinator_.GetRun(ContextOf(tenant), (*model)->run_id); !run.ok()) {
-    return absl::NotFoundError(absl::StrCat("model_id: model '", *model_id, "' is no longer loaded"));
+    return absl::NotFoundError(absl::StrCat("model_id: model '", r.model_id, "' is no longer loaded"));
   }
   const Model& m = **model;
-  return Json{{"type", "get_info"},
-              {"model_id", m.model_id},
-              {"model_data",
-               {{"arch", options_.architecture ? options_.architecture() : ""}, {"model_name", m.base_model}, {"tokenizer_id", options_.model_dir}}},
-              {"is_lora", true},
-              {"lora_rank", m.rank},
-              {"model_name", m.base_model}};
+  GetInfoResult info;
+  info.model_id = m.model_id;
+  info.model_data = {options_.architecture ? options_.architecture() : "", m.base_model, options_.model_dir};
+  info.lora_rank = m.rank;
+  info.model_name = m.base_model;
+  return info;
 }
 
-absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> path = GetString(body, "tinker_path");
-  if (!path.ok()) return path.status();
+absl::StatusOr<WeightsInfoResult> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const WeightsInfoRequest& r) {
   if (checkpoints_ == nullptr || registry_ == nullptr) return NoCheckpoints();
-  const std::string internal = InternalPath(*path);
+  const std::string internal = InternalPath(r.tinker_path);
   absl::StatusOr<training::CheckpointPath> parsed = training::ParseCheckpointPath(internal, "tinker_path");
   if (!parsed.ok()) return parsed.status();
   absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->Resolve(tenant.id, internal, "");
@@ -629,18 +531,21 @@ absl::StatusOr<Json> TinkerApi::WeightsInfo(const tenancy::Tenant& tenant, const
   if (!run.ok()) return run.status();
   Json lora = Json::parse(run->lora_config_json, nullptr, false);
   std::vector<std::string> targets;
-  int64_t rank = 0;
+  WeightsInfoResult info;
+  info.base_model = run->base_model;
   if (lora.is_object()) {
     if (lora.contains("target_modules") && lora["target_modules"].is_array()) {
       for (const Json& t : lora["target_modules"]) {
         if (t.is_string()) targets.push_back(t.get<std::string>());
       }
     }
-    if (lora.contains("r") && lora["r"].is_number_integer()) rank = lora["r"].get<int64_t>();
+    if (lora.contains("r") && lora["r"].is_number_integer()) info.lora_rank = lora["r"].get<int64_t>();
   }
   const Switches s = SwitchesOf(targets);
-  return Json{{"base_model", run->base_model}, {"is_lora", true},     {"lora_rank", rank},
-              {"train_unembed", s.unembed},    {"train_mlp", s.mlp}, {"train_attn", s.attn}};
+  info.train_unembed = s.unembed;
+  info.train_mlp = s.mlp;
+  info.train_attn = s.attn;
+  return info;
 }
 
 }  // namespace twinkle::tinker

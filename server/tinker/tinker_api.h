@@ -3,9 +3,13 @@
 // the HTTP routes (http_routes.cc) and the gRPC tinker.v1.TinkerService
 // (server/grpc/tinker_service.cc) are thin layers over this class.
 //
-// Requests come in as the SDK's JSON bodies (the gRPC service converts its messages to the
-// same JSON) or, for forward_backward, as the protobuf ForwardBackwardRequest. Answers are
-// JSON, or for forward_backward / sample results a serialised protobuf as well.
+// Each operation takes a typed request and returns a typed result (tinker_requests.h); the
+// transports are codecs around it: the HTTP routes decode the SDK's JSON bodies and encode the
+// results as JSON (tinker_codec.h), TinkerService does the same with the tinker.v1 messages.
+// forward_backward takes the protobuf ForwardBackwardRequest itself (its JSON form, of
+// <=0.24 SDKs, is decoded into the same datums). A future's result is encoded both ways when
+// its op completes (the JSON and a serialised v1::RetrieveFutureResponse), because that is
+// what is journaled; retrieve_future hands back the stored encodings.
 //
 // What lives here and nowhere else:
 //  - Tinker model ids: a model is an adapter of the caller's tenant created through
@@ -26,7 +30,7 @@
 //    finished before it, and one still in flight gets HTTP 410 ("interrupted by a
 //    restart"; the SDK resubmits). retrieve_future long-polls without a thread (a
 //    completion callback or a timer answers).
-//  - Errors: absl codes; transports map them (tinker_api.h's HttpStatusFor). A failure
+//  - Errors: absl codes; transports map them (server/status_map.h, one map each). A failure
 //    inside a future is {"error", "category": "user" | "server"}.
 
 #include <cstdint>
@@ -55,6 +59,7 @@
 #include "core/training/checkpoints.h"
 #include "core/training/coordinator.h"
 #include "server/tinker/stability_store.h"
+#include "server/tinker/tinker_requests.h"
 #include "server/tinker/trace_store.h"
 #include "tinker/v1/tinker_public.pb.h"
 
@@ -70,18 +75,20 @@ namespace v1 = ::tinker::v1;  // the generated wire messages
 
 using Json = nlohmann::json;
 
-// What a finished future answers.
+// What an op's encoder makes of its result when the op finishes: both encodings, which the
+// future keeps (and the journal stores) as an EncodedResult.
 struct Outcome {
   absl::Status error;  // not OK: the op failed
-  Json json;           // OK: the result as JSON
-  std::string proto;   // OK, forward_backward / sample: the serialised protobuf result
+  Json json;           // OK: the HTTP API's answer
+  std::string proto;   // OK: TinkerService's, a serialised v1::RetrieveFutureResponse ("" for
+                       // an HTTP-only call)
   static Outcome Failed(absl::Status status) {
     Outcome o;
     o.error = std::move(status);
     return o;
   }
-  // The body of retrieve_future for this outcome, as JSON ({"error", "category"} on failure).
-  Json ToJson() const;
+  // An op result in both encodings.
+  static Outcome Of(const OpResult& result);
 };
 
 // "user" for errors the caller caused (bad input, unknown names, quotas), "server" otherwise.
@@ -90,9 +97,14 @@ const char* ErrorCategory(const absl::Status& status);
 // The HTTP status for an error: server/status_map.h's ToHttpStatus (the one HTTP map).
 int HttpStatusFor(const absl::Status& status);
 
+// retrieve_future's HTTP body for a failed op: {"error", "category"}.
+Json FailureJson(const absl::Status& status);
+
 // retrieve_future's answer.
 struct Poll {
-  std::shared_ptr<const Outcome> outcome;  // null: still pending (answer try_again)
+  bool done = false;     // false: still pending (answer try_again)
+  absl::Status error;    // done: the op's failure, or OK
+  EncodedResult result;  // done and OK: the stored encodings (Outcome's json as text, proto)
   std::string request_id;
   std::string queue_state = "active";
 };
@@ -135,11 +147,12 @@ class TinkerApi {
   // ---- configuration, sessions (direct) ----
   Json ClientConfig() const;
   Json DynamicConfig() const;
-  Json Capabilities() const;
-  absl::StatusOr<Json> CreateSession(const tenancy::Tenant& tenant, const Json& body);
+  ServerCapabilities GetServerCapabilities() const;
+  absl::StatusOr<CreateSessionResult> CreateSession(const tenancy::Tenant& tenant, const CreateSessionRequest& request);
   // A session finished with FinishSession answers 410 (the SDK then stops heartbeating);
   // an unknown or expired one 404.
-  absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<SessionHeartbeatResult> SessionHeartbeat(const tenancy::Tenant& tenant,
+                                                          const SessionHeartbeatRequest& request);
   // sessions/{id}/finish (ServiceClient.close): the session's sampling sessions and their
   // snapshots are closed at once; its models are unloaded and the session ended on the
   // blocking thread (GetCapacity and /metrics are back to the figures before it within a
@@ -147,41 +160,58 @@ class TinkerApi {
   absl::StatusOr<Json> FinishSession(const tenancy::Tenant& tenant, const std::string& session_id);
   Json Telemetry(const Json& body) const;
 
-  // ---- training (futures: {"request_id", "model_id"}) ----
-  absl::StatusOr<Json> CreateModel(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> UnloadModel(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> ForwardBackward(const tenancy::Tenant& tenant, const v1::ForwardBackwardRequest& request);
-  // The JSON form of forward_backward (≤0.24 SDKs): {"forward_backward_input" | "forward_input":
+  // ---- training (futures) ----
+  absl::StatusOr<FuturePromise> CreateModel(const tenancy::Tenant& tenant, const CreateModelRequest& request);
+  absl::StatusOr<FuturePromise> UnloadModel(const tenancy::Tenant& tenant, const ModelRequest& request);
+  absl::StatusOr<FuturePromise> ForwardBackward(const tenancy::Tenant& tenant,
+                                                const v1::ForwardBackwardRequest& request);
+  // The JSON form of forward_backward (<=0.24 SDKs): {"forward_backward_input" | "forward_input":
   // {"data", "loss_fn", "loss_fn_config"}, "model_id", "seq_id"}.
-  absl::StatusOr<Json> ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body, bool forward_only);
-  absl::StatusOr<Json> OptimStep(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> SaveWeights(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> LoadWeights(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> SaveWeightsForSampler(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<FuturePromise> ForwardBackwardJson(const tenancy::Tenant& tenant, const Json& body, bool forward_only);
+  absl::StatusOr<FuturePromise> OptimStep(const tenancy::Tenant& tenant, const OptimStepRequest& request);
+  absl::StatusOr<FuturePromise> SaveWeights(const tenancy::Tenant& tenant, const SaveWeightsRequest& request);
+  absl::StatusOr<FuturePromise> LoadWeights(const tenancy::Tenant& tenant, const LoadWeightsRequest& request);
+  absl::StatusOr<FuturePromise> SaveWeightsForSampler(const tenancy::Tenant& tenant,
+                                                      const SaveWeightsForSamplerRequest& request);
 
   // ---- training (direct) ----
-  absl::StatusOr<Json> GetInfo(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> WeightsInfo(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<GetInfoResult> GetInfo(const tenancy::Tenant& tenant, const ModelRequest& request);
+  absl::StatusOr<WeightsInfoResult> WeightsInfo(const tenancy::Tenant& tenant, const WeightsInfoRequest& request);
 
   // ---- sampling ----
-  absl::StatusOr<Json> CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> ASample(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<CreateSamplingSessionResult> CreateSamplingSession(const tenancy::Tenant& tenant,
+                                                                    const CreateSamplingSessionRequest& request);
+  absl::StatusOr<FuturePromise> Sample(const tenancy::Tenant& tenant, const SampleRequest& request);
   absl::StatusOr<Json> GetSampler(const tenancy::Tenant& tenant, const std::string& sampler_id);
 
   // ---- futures ----
   // Calls `done` once: with the outcome when the future completes within long_poll, else
   // with a pending Poll. NotFound for an unknown request id or another tenant's. `done`
   // may run on this thread, a completion thread or the timer thread.
-  void RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
+  void RetrieveFuture(const tenancy::Tenant& tenant, const RetrieveFutureRequest& request,
                       std::function<void(absl::StatusOr<Poll>)> done);
 
-  // ---- REST ----
+  // ---- REST (tinker_runs.cc) ----
+  // access_scope "owned" (default) or "accessible" (also other tenants' published
+  // checkpoints and their runs); anything else is InvalidArgument.
+  absl::StatusOr<TrainingRunsResult> ListTrainingRuns(const tenancy::Tenant& tenant,
+                                                      const ListTrainingRunsRequest& request);
+  absl::StatusOr<CheckpointsResult> ListCheckpoints(const tenancy::Tenant& tenant,
+                                                    const ListCheckpointsRequest& request);
+  absl::StatusOr<DeleteCheckpointResult> DeleteCheckpoint(const tenancy::Tenant& tenant,
+                                                          const DeleteCheckpointRequest& request);
+  // The JSON REST calls of tinker_rest.cc: GetTrainingRun and ListUserCheckpoints back the
+  // HTTP routes; the other three forms are what the typed calls above replaced, called by
+  // nothing now and kept only until tinker_rest.cc's owner deletes them.
   absl::StatusOr<Json> ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
   absl::StatusOr<Json> GetTrainingRun(const tenancy::Tenant& tenant, const std::string& run_id);
   absl::StatusOr<Json> ListCheckpoints(const tenancy::Tenant& tenant, const std::string& run_id);
   absl::StatusOr<Json> ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
   absl::StatusOr<Json> DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
                                         const std::string& checkpoint_id);
+  // Likewise replaced by GetServerCapabilities and the typed SessionHeartbeat (tinker_rest.cc).
+  Json Capabilities() const;
+  absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
   // ---- sessions (tinker_sessions.cc) ----
   // Newest first, from the registry (finished sessions included).
   absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
@@ -202,14 +232,9 @@ class TinkerApi {
   TraceStore& traces() { return traces_; }
 
   // ---- checkpoints: retention, export, sharing (tinker_checkpoints.cc) ----
-  // access_scope "owned" (default) or "accessible" (also other tenants' published
-  // checkpoints and their runs); anything else is InvalidArgument.
-  absl::StatusOr<Json> ListTrainingRunsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
-                                              const std::string& access_scope);
+  // access_scope as for ListTrainingRuns.
   absl::StatusOr<Json> GetTrainingRunScoped(const tenancy::Tenant& tenant, const std::string& model_id,
                                             const std::string& access_scope);
-  absl::StatusOr<Json> ListCheckpointsScoped(const tenancy::Tenant& tenant, const std::string& model_id,
-                                             const std::string& access_scope);
   absl::StatusOr<Json> ListUserCheckpointsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
                                                  const std::string& access_scope);
   // Signing of download URLs; without it external_weights_urls is UNIMPLEMENTED. Set once
@@ -293,25 +318,26 @@ class TinkerApi {
   };
   using ModelThen = std::function<void(const std::shared_ptr<Model>&, const std::shared_ptr<Entry>&)>;
   absl::StatusOr<Json> CopyWeightsOnce(const tenancy::Tenant& tenant, const Json& body);
-  absl::StatusOr<Json> StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then);
-  absl::StatusOr<Json> CreateViaLoad(const tenancy::Tenant& tenant, const Json& body);
+  absl::StatusOr<FuturePromise> StartModel(const tenancy::Tenant& tenant, ModelSpec spec, ModelThen then);
+  absl::StatusOr<FuturePromise> CreateViaLoad(const tenancy::Tenant& tenant, const LoadWeightsRequest& request);
 
   std::shared_ptr<Entry> NewEntry(const std::string& tenant, const std::string& model_id);
   static void Complete(const std::shared_ptr<Entry>& entry, Outcome outcome);
   void Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, Encoder encode);
-  Json Promise(const Entry& entry) const;
+  FuturePromise Promise(const Entry& entry) const;
   absl::StatusOr<std::shared_ptr<Model>> FindModel(const tenancy::Tenant& tenant, const std::string& model_id);
-  // What every call on a model names (save_weights, save_weights_for_sampler,
-  // save_weights_external): "model_id" (one of the caller's models), "seq_id" (0 when absent)
-  // and "path", a checkpoint name (ValidatePathName). `path_required` false: an absent or
-  // empty path is "" (save_weights_for_sampler's unnamed form).
+  // What every save on a model names (save_weights, save_weights_for_sampler,
+  // save_weights_external): one of the caller's models, its seq_id and a checkpoint name
+  // (ValidatePathName). `path_required` false: an empty path is allowed
+  // (save_weights_for_sampler's unnamed form).
   struct ModelCall {
     std::string model_id;
     int64_t seq = 0;
     std::shared_ptr<Model> model;
     std::string name;
   };
-  absl::StatusOr<ModelCall> ModelCallOf(const tenancy::Tenant& tenant, const Json& body, bool path_required = true);
+  absl::StatusOr<ModelCall> ModelCallOf(const tenancy::Tenant& tenant, const std::string& model_id, int64_t seq_id,
+                                        const std::string& path, bool path_required = true);
   // What a seq-ordered call is, for idempotency: a replayed seq_id must repeat the same op
   // (`name`) with the same body (`fingerprint`, 0 = not compared).
   struct OpIdentity {
@@ -319,7 +345,7 @@ class TinkerApi {
     uint64_t fingerprint = 0;
     int64_t tokens = 0;  // what the op costs (forward_backward: its tokens), for the limits
   };
-  // Orders by seq_id (see above); returns the promise JSON or a direct error. A seq_id seen
+  // Orders by seq_id (see above); returns the promise or a direct error. A seq_id seen
   // before returns the first request's promise when `op` matches, else FAILED_PRECONDITION
   // (an idempotency conflict, HTTP 400) naming the seq_id.
   //
@@ -329,14 +355,14 @@ class TinkerApi {
   // (max_buffered_tokens, 429) and its token rate (tokens_per_s, 429).
   // Each gap is timed on its own: the op after a missing seq_id waits at most
   // seq_gap_timeout from its arrival, then the gap is skipped.
-  absl::StatusOr<Json> Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model, int64_t seq_id,
-                                 OpIdentity op, Submit submit, Encoder encode);
+  absl::StatusOr<FuturePromise> Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model,
+                                          int64_t seq_id, OpIdentity op, Submit submit, Encoder encode);
   void DrainLocked(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model.mu);
   // Arms the timer of the gap in front of the first buffered op (when there is one).
   void ArmGapTimer(const std::shared_ptr<Model>& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(model->mu);
-  absl::StatusOr<Json> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
-                                           int64_t seq_id, training::ForwardArgs args, bool forward_only,
-                                           uint64_t fingerprint, absl::Status bad_input = absl::OkStatus());
+  absl::StatusOr<FuturePromise> ForwardBackwardArgs(const tenancy::Tenant& tenant, const std::string& model_id,
+                                                    int64_t seq_id, training::ForwardArgs args, bool forward_only,
+                                                    uint64_t fingerprint, absl::Status bad_input = absl::OkStatus());
   void Housekeep();
 
   const TinkerOptions options_;
@@ -370,7 +396,7 @@ class TinkerApi {
   struct DirectAnswer {
     tenancy::Tenant tenant;
     std::string sampling_session_id;
-    Json reply;
+    CreateSamplingSessionResult reply;
   };
   absl::flat_hash_map<std::string, DirectAnswer> direct_dedupe_ ABSL_GUARDED_BY(mu_);
   // Sessions finished with /finish (tenant + "\n" + id, oldest first, at most 4096): their

@@ -21,6 +21,7 @@
 #include "core/storage/names.h"
 #include "core/storage/tar_stream.h"
 #include "server/tinker/tinker_api.h"
+#include "server/tinker/tinker_codec.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
 #include "server/tinker/url_signer.h"
@@ -42,13 +43,13 @@ absl::StatusOr<std::optional<int64_t>> GetTtl(const Json& body) {
   return ttl;
 }
 
-namespace {
-
 absl::Status CheckScope(const std::string& scope) {
   if (scope.empty() || scope == "owned" || scope == "accessible") return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("access_scope: '", scope, "' is not one of 'owned', 'accessible'"));
 }
+
+namespace {
 
 // Percent-encodes everything but RFC 3986's unreserved characters.
 std::string UrlEncode(absl::string_view s) {
@@ -87,40 +88,6 @@ void TinkerApi::SetDownloads(const UrlSigner* signer, absl::Duration url_ttl, co
 
 // ---- listings with access_scope -------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::ListTrainingRunsScoped(const tenancy::Tenant& tenant, int32_t limit, int32_t offset,
-                                                       const std::string& access_scope) {
-  if (absl::Status s = CheckScope(access_scope); !s.ok()) return s;
-  if (access_scope != "accessible") return ListTrainingRuns(tenant, limit, offset);
-  if (registry_ == nullptr) return NoRegistry();
-  // The caller's runs, then every other tenant's run that has a published checkpoint.
-  int32_t total = 0;
-  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {1 << 20, 0}, &total);
-  if (!runs.ok()) return runs.status();
-  std::vector<Json> all;
-  for (const registry::RunRecord& r : *runs) {
-    absl::StatusOr<Json> run = GetTrainingRun(tenant, ModelIdOf(r.run_id));
-    if (run.ok()) all.push_back(*std::move(run));
-  }
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> shared = registry_->PublishedCheckpointsOfOthers(tenant.id);
-  if (!shared.ok()) return shared.status();
-  for (size_t i = 0; i < shared->size();) {
-    size_t j = i;
-    std::vector<registry::CheckpointRecord> of_run;
-    while (j < shared->size() && (*shared)[j].tenant == (*shared)[i].tenant && (*shared)[j].run_id == (*shared)[i].run_id) {
-      of_run.push_back((*shared)[j++]);
-    }
-    absl::StatusOr<registry::RunRecord> run = registry_->GetRun((*shared)[i].tenant, (*shared)[i].run_id);
-    if (run.ok()) all.push_back(RunJson(*run, of_run));
-    i = j;
-  }
-  Json list = Json::array();
-  for (size_t i = static_cast<size_t>(offset); i < all.size() && list.size() < static_cast<size_t>(limit); ++i) {
-    list.push_back(all[i]);
-  }
-  return Json{{"training_runs", std::move(list)},
-              {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", all.size()}}}};
-}
-
 absl::StatusOr<Json> TinkerApi::GetTrainingRunScoped(const tenancy::Tenant& tenant, const std::string& model_id,
                                                      const std::string& access_scope) {
   if (absl::Status s = CheckScope(access_scope); !s.ok()) return s;
@@ -136,22 +103,7 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRunScoped(const tenancy::Tenant& tena
   if (of_run.empty()) return own;  // the same NotFound as an unknown run
   absl::StatusOr<registry::RunRecord> run = registry_->GetRun(of_run.front().tenant, run_id);
   if (!run.ok()) return own;
-  return RunJson(*run, of_run);
-}
-
-absl::StatusOr<Json> TinkerApi::ListCheckpointsScoped(const tenancy::Tenant& tenant, const std::string& model_id,
-                                                      const std::string& access_scope) {
-  if (absl::Status s = CheckScope(access_scope); !s.ok()) return s;
-  absl::StatusOr<Json> own = ListCheckpoints(tenant, model_id);
-  if (access_scope != "accessible" || !absl::IsNotFound(own.status())) return own;
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> shared = registry_->PublishedCheckpointsOfOthers(tenant.id);
-  if (!shared.ok()) return shared.status();
-  Json list = Json::array();
-  for (const registry::CheckpointRecord& c : *shared) {
-    if (c.run_id == RunIdOf(model_id)) list.push_back(CheckpointJson(c));
-  }
-  if (list.empty()) return own;
-  return Json{{"checkpoints", std::move(list)}, {"cursor", nullptr}};
+  return ToJson(RunOf(*run, of_run));
 }
 
 absl::StatusOr<Json> TinkerApi::ListUserCheckpointsScoped(const tenancy::Tenant& tenant, int32_t limit,
@@ -163,7 +115,7 @@ absl::StatusOr<Json> TinkerApi::ListUserCheckpointsScoped(const tenancy::Tenant&
   std::vector<Json> all((*own)["checkpoints"].begin(), (*own)["checkpoints"].end());
   absl::StatusOr<std::vector<registry::CheckpointRecord>> shared = registry_->PublishedCheckpointsOfOthers(tenant.id);
   if (!shared.ok()) return shared.status();
-  for (const registry::CheckpointRecord& c : *shared) all.push_back(CheckpointJson(c));
+  for (const registry::CheckpointRecord& c : *shared) all.push_back(ToJson(CheckpointOf(c)));
   Json list = Json::array();
   for (size_t i = static_cast<size_t>(offset); i < all.size() && list.size() < static_cast<size_t>(limit); ++i) {
     list.push_back(all[i]);
@@ -199,16 +151,18 @@ absl::StatusOr<Json> TinkerApi::PublishCheckpoint(const tenancy::Tenant& tenant,
 // ---- export ----------------------------------------------------------------------------------
 
 absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body);
+  // save_weights' fields (its overwrite is not read: every export makes a new checkpoint).
+  absl::StatusOr<SaveWeightsRequest> request = DecodeSaveWeights(body);
+  if (!request.ok()) return request.status();
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, request->model_id, request->seq_id, request->path);
   if (!call.ok()) return call.status();
-  absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
-  if (!ttl.ok()) return ttl.status();
+  const std::optional<int64_t> ttl = request->ttl_seconds;
   if (body.contains("age_encryption_recipients") && body["age_encryption_recipients"].is_array() &&
       !body["age_encryption_recipients"].empty()) {
     return absl::UnimplementedError("age_encryption_recipients: encrypted exports are not supported by this server");
   }
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = *ttl]() {
+  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl]() {
     training::SaveArgs args;
     args.name = name;
     args.save_optimizer = false;
@@ -217,14 +171,15 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenan
     return coordinator_.SubmitSave(context, adapter, args);
   };
   Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
-    Outcome o;
-    o.json = {{"path", absl::StrCat("tinker://", model_id, "/external_weights/", name)},
-              {"type", "save_weights_external"}};
-    return o;
+    return Outcome::Of(OpResult::OfPath("save_weights_external",
+                                          absl::StrCat("tinker://", model_id, "/external_weights/", name)));
   };
-  return Sequenced(tenant, call->model, call->seq,
-                   {"save_weights_external", FingerprintOf(absl::StrCat(call->name, "\n", ttl->value_or(0)))},
-                   std::move(submit), std::move(encode));
+  absl::StatusOr<FuturePromise> promise =
+      Sequenced(tenant, call->model, call->seq,
+                {"save_weights_external", FingerprintOf(absl::StrCat(call->name, "\n", ttl.value_or(0)))},
+                std::move(submit), std::move(encode));
+  if (!promise.ok()) return promise.status();
+  return ToJson(*promise);
 }
 
 absl::StatusOr<Json> TinkerApi::ExternalWeightsUrls(const tenancy::Tenant& tenant, const std::string& model_id,

@@ -2,7 +2,7 @@
 // completed with the encoded answer) and the entries behind them (NewEntry, Complete,
 // Attach, Promise), their expiry (Housekeep), seq_id ordering per model (Sequenced,
 // DrainLocked, ArmGapTimer) and retrieve_future's long poll; also what a finished future or
-// a direct call's error answers (Outcome::ToJson, ErrorCategory, HttpStatusFor). Every
+// a direct call's error answers (FailureJson, ErrorCategory, HttpStatusFor). Every
 // training and sampling call of tinker_api.cc and tinker_sampling.cc submits through here.
 #include "server/tinker/tinker_api.h"
 
@@ -23,8 +23,9 @@
 #include "core/common/log.h"
 #include "core/sampling/sampler_coordinator.h"
 #include "server/status_map.h"
+#include "server/tinker/stored_result.h"
+#include "server/tinker/tinker_codec.h"
 #include "server/tinker/tinker_internal.h"
-#include "server/tinker/tinker_json.h"
 
 namespace twinkle::tinker {
 
@@ -55,9 +56,15 @@ const char* ErrorCategory(const absl::Status& status) {
 
 int HttpStatusFor(const absl::Status& status) { return ToHttpStatus(status); }
 
-Json Outcome::ToJson() const {
-  if (!error.ok()) return {{"error", std::string(error.message())}, {"category", ErrorCategory(error)}};
-  return json;
+Json FailureJson(const absl::Status& status) {
+  return {{"error", std::string(status.message())}, {"category", ErrorCategory(status)}};
+}
+
+Outcome Outcome::Of(const OpResult& result) {
+  Outcome o;
+  o.json = ToJson(result);
+  o.proto = StoredProto(result);
+  return o;
 }
 
 void TinkerApi::Housekeep() {
@@ -132,17 +139,14 @@ void TinkerApi::Attach(const std::shared_ptr<Entry>& entry, uint64_t future_id, 
   if (!s.ok()) Complete(entry, Outcome::Failed(s));
 }
 
-Json TinkerApi::Promise(const Entry& entry) const {
-  Json j = {{"request_id", entry.request_id}};
-  j["model_id"] = entry.model_id.empty() ? Json(nullptr) : Json(entry.model_id);
-  if (!entry.sample_sequence_ids.empty()) j["sample_sequence_ids"] = entry.sample_sequence_ids;
-  return j;
+FuturePromise TinkerApi::Promise(const Entry& entry) const {
+  return FuturePromise{entry.request_id, entry.model_id, entry.sample_sequence_ids};
 }
 
 // ---- seq_id ordering -----------------------------------------------------------------------
 
-absl::StatusOr<Json> TinkerApi::Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model,
-                                          int64_t seq_id, OpIdentity op, Submit submit, Encoder encode) {
+absl::StatusOr<FuturePromise> TinkerApi::Sequenced(const tenancy::Tenant& tenant, const std::shared_ptr<Model>& model,
+                                                   int64_t seq_id, OpIdentity op, Submit submit, Encoder encode) {
   absl::MutexLock lock(&model->mu);
   if (seq_id > 0) {
     auto seen = model->by_seq.find(seq_id);
@@ -295,36 +299,32 @@ absl::StatusOr<uint64_t> FutureIdOf(const std::string& request_id) {
   return id;
 }
 
-// What a finished request id's future answers.
-std::shared_ptr<const Outcome> OutcomeOf(const FutureResult& result) {
-  auto o = std::make_shared<Outcome>();
+// What a finished request id's future answers: the encodings stored at completion, as
+// they are (each transport reads its own).
+void FillPoll(const FutureResult& result, Poll& poll) {
+  poll.done = true;
   if (!result.ok()) {
-    o->error = result.status();
-    return o;
+    poll.error = result.status();
+    return;
   }
   absl::StatusOr<const EncodedResult*> encoded = ValueAs<EncodedResult>(*result, "Tinker answer");
   if (!encoded.ok()) {
-    o->error = encoded.status();
-    return o;
+    poll.error = encoded.status();
+    return;
   }
-  o->json = Json::parse((*encoded)->json, nullptr, /*allow_exceptions=*/false);
-  if (o->json.is_discarded()) o->error = absl::DataLossError("the stored answer of this request is not JSON");
-  o->proto = (*encoded)->proto;
-  return o;
+  poll.result = **encoded;
 }
 
 }  // namespace
 
-void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
+void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const RetrieveFutureRequest& request,
                                std::function<void(absl::StatusOr<Poll>)> done) {
-  absl::StatusOr<std::string> request_id = GetString(body, "request_id");
-  if (!request_id.ok()) return done(request_id.status());
-  absl::StatusOr<uint64_t> future = FutureIdOf(*request_id);
+  absl::StatusOr<uint64_t> future = FutureIdOf(request.request_id);
   if (!future.ok()) return done(future.status());
   // Whichever comes first answers: the completion or the long-poll timer.
   auto answered = std::make_shared<std::atomic<bool>>(false);
   auto shared_done = std::make_shared<std::function<void(absl::StatusOr<Poll>)>>(std::move(done));
-  const std::string id = *request_id;
+  const std::string id = request.request_id;
   // The store answers from memory, or from the journal for a request of an earlier boot.
   absl::StatusOr<uint64_t> registered =
       futures_.Await(*future, tenant.id, [answered, shared_done, id](const FutureResult& result) {
@@ -332,7 +332,7 @@ void TinkerApi::RetrieveFuture(const tenancy::Tenant& tenant, const Json& body,
         // An op the restart interrupted is the call's error (HTTP 410): the SDK resubmits.
         if (!result.ok() && IsInterruptedByRestart(result.status())) return (*shared_done)(result.status());
         Poll p;
-        p.outcome = OutcomeOf(result);
+        FillPoll(result, p);
         p.request_id = id;
         (*shared_done)(std::move(p));
       });

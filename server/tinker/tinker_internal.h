@@ -1,8 +1,7 @@
 #pragma once
 // Internal to server/tinker: the state TinkerApi keeps per future and per model, its worker
-// threads and the id helpers, shared by tinker_api.cc, tinker_futures.cc, tinker_rest.cc and
-// tinker_sampling.cc (the helpers are defined in tinker_internal.cc). Not part of the
-// interface.
+// threads and the id helpers, shared by the tinker_*.cc files (the helpers are defined in
+// tinker_internal.cc). Not part of the interface.
 
 #include <functional>
 #include <map>
@@ -45,9 +44,19 @@ std::string TinkerPathOf(const std::string& run_id, const std::string& checkpoin
 std::string IsoTime(absl::Time t);
 Json CheckpointJson(const registry::CheckpointRecord& c);
 Json RunJson(const registry::RunRecord& r, const std::vector<registry::CheckpointRecord>& checkpoints);
+// The same, typed (tinker_runs.cc), for the codecs to encode.
+CheckpointInfo CheckpointOf(const registry::CheckpointRecord& c);
+TrainingRunInfo RunOf(const registry::RunRecord& r, const std::vector<registry::CheckpointRecord>& checkpoints);
+// user_metadata as stored with a session or a run (tinker_sessions.cc): its JSON text, ""
+// for null; InvalidArgument past kMaxUserMetadataBytes.
+absl::StatusOr<std::string> StoredMetadata(const Json& metadata);
 // A body's optional "ttl_seconds" (tinker_checkpoints.cc): absent or null = nullopt; else an
 // integer in [1, training::kMaxTtlSeconds] (InvalidArgument naming the field otherwise).
 absl::StatusOr<std::optional<int64_t>> GetTtl(const Json& body);
+
+// A listing's access_scope (tinker_checkpoints.cc): "" or "owned", or "accessible"; anything
+// else is InvalidArgument.
+absl::Status CheckScope(const std::string& scope);
 
 // The UNIMPLEMENTED answers of a server built without a part: checkpoints, the run registry,
 // signed download URLs.

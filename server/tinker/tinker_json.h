@@ -1,6 +1,6 @@
 #pragma once
 // Decoding the Tinker SDK's request bodies: lenient JSON field access (unknown keys ignored,
-// null = absent, integers also as decimal strings: gRPC's JSON form of int64), and the
+// null = absent, integers also as decimal strings: protobuf's JSON form of int64), and the
 // datums and loss settings of forward_backward in both protobuf and JSON form. Errors are
 // InvalidArgument naming the field as the SDK spells it.
 

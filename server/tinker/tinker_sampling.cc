@@ -4,11 +4,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/storage/names.h"
+#include "server/tinker/stored_result.h"
 #include "server/tinker/tinker_api.h"
 #include "server/tinker/tinker_internal.h"
 #include "server/tinker/tinker_json.h"
@@ -22,16 +27,15 @@ absl::Status NoSampler() { return absl::UnimplementedError("sampling is not avai
 
 }  // namespace
 
-absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, body, /*path_required=*/false);
+absl::StatusOr<FuturePromise> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& tenant,
+                                                               const SaveWeightsForSamplerRequest& r) {
+  absl::StatusOr<ModelCall> call = ModelCallOf(tenant, r.model_id, r.seq_id, r.path, /*path_required=*/false);
   if (!call.ok()) return call.status();
   const training::TenantContext context = ContextOf(tenant);
   const std::string run_id = call->model_id;
   if (!call->name.empty()) {
     // Named: a sampler_weights checkpoint (adapter weights only).
-    absl::StatusOr<std::optional<int64_t>> ttl = GetTtl(body);
-    if (!ttl.ok()) return ttl.status();
-    Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = *ttl]() {
+    Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = r.ttl_seconds]() {
       training::SaveArgs args;
       args.name = name;
       args.save_optimizer = false;
@@ -40,20 +44,16 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
       return coordinator_.SubmitSave(context, adapter, args);
     };
     Encoder encode = [run_id, name = call->name](const FutureValue&) {
-      Outcome o;
-      o.json = {{"path", absl::StrCat("tinker://", run_id, "/sampler_weights/", name)},
-                {"type", "save_weights_for_sampler"}};
-      return o;
+      return Outcome::Of(OpResult::OfPath("save_weights_for_sampler",
+                                          absl::StrCat("tinker://", run_id, "/sampler_weights/", name)));
     };
     return Sequenced(tenant, call->model, call->seq, {"save_weights_for_sampler", FingerprintOf(call->name)},
                      std::move(submit), std::move(encode));
   }
   if (sampler_ == nullptr) return NoSampler();
-  // Unnamed: a live snapshot in the adapter's queue and a sampling session on it.
-  absl::StatusOr<int64_t> sampling_seq = GetInt(body, "sampling_session_seq_id", -1);
-  if (!sampling_seq.ok()) return sampling_seq.status();
-  // The unnamed form's fingerprint: the (empty) name; the SDK changes sampling_session_seq_id
-  // on each retry of one call, so that is not part of it.
+  // Unnamed: a live snapshot in the adapter's queue and a sampling session on it. Its
+  // fingerprint is the (empty) name: the SDK changes sampling_session_seq_id on each retry of
+  // one call, so that is not part of it.
   const uint64_t fingerprint = FingerprintOf(std::string_view());
   // The sampling session belongs to the model's session: released when that one finishes.
   Submit submit = [this, context, adapter = call->model->adapter, owner = call->model->session_id, seq = call->seq,
@@ -66,39 +66,33 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& ten
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const sampling::SnapshotSession*> session = ValueAs<sampling::SnapshotSession>(value, "sampling session");
     if (!session.ok()) return Outcome::Failed(session.status());
-    Outcome o;
-    o.json = {{"sampling_session_id", (*session)->sampling_session_id}, {"type", "save_weights_for_sampler"}};
-    return o;
+    return Outcome::Of(OpResult::OfSamplingSession("save_weights_for_sampler", (*session)->sampling_session_id));
   };
   return Sequenced(tenant, call->model, call->seq, {"save_weights_for_sampler", fingerprint}, std::move(submit),
                    std::move(encode));
 }
 
-absl::StatusOr<Json> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant, const Json& body) {
+absl::StatusOr<CreateSamplingSessionResult> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant,
+                                                                             const CreateSamplingSessionRequest& r) {
   if (sampler_ == nullptr) return NoSampler();
-  absl::StatusOr<std::string> session = GetString(body, "session_id", "");
-  absl::StatusOr<int64_t> seq = GetInt(body, "sampling_session_seq_id", -1);
-  absl::StatusOr<std::string> path = GetString(body, "model_path", "");
-  absl::StatusOr<std::string> base = GetString(body, "base_model", "");
-  for (const absl::Status& s : {session.status(), seq.status(), path.status(), base.status()}) {
-    if (!s.ok()) return s;
-  }
-  if (path->empty() && !base->empty() && *base != options_.base_model && *base != options_.model_dir) {
-    return absl::InvalidArgumentError(absl::StrCat("base_model: '", *base, "' is not served here (supported: ",
+  if (r.model_path.empty() && !r.base_model.empty() && r.base_model != options_.base_model &&
+      r.base_model != options_.model_dir) {
+    return absl::InvalidArgumentError(absl::StrCat("base_model: '", r.base_model, "' is not served here (supported: ",
                                                    options_.base_model, ")"));
   }
-  const std::string key = absl::StrCat("sampling_session\n", tenant.id, "\n", *session, "\n", *seq);
-  if (*seq >= 0) {
+  const int64_t seq = r.sampling_session_seq_id;
+  const std::string key = absl::StrCat("sampling_session\n", tenant.id, "\n", r.session_id, "\n", seq);
+  if (seq >= 0) {
     absl::MutexLock lock(&mu_);
     auto it = direct_dedupe_.find(key);
     if (it != direct_dedupe_.end()) return it->second.reply;
   }
   // Owned by the caller's session when it names a live one: released when that one finishes.
-  const std::string owner = coordinator_.SessionAlive(tenant.id, *session) ? *session : "";
-  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(*path), owner);
+  const std::string owner = coordinator_.SessionAlive(tenant.id, r.session_id) ? r.session_id : "";
+  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(r.model_path), owner);
   if (!id.ok()) return id.status();
-  Json reply = {{"sampling_session_id", *id}, {"type", "create_sampling_session"}};
-  if (*seq >= 0) {
+  CreateSamplingSessionResult reply{*id};
+  if (seq >= 0) {
     absl::MutexLock lock(&mu_);
     direct_dedupe_[key] = DirectAnswer{tenant, *id, reply};
   }
@@ -124,86 +118,10 @@ absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const 
 
 namespace {
 
-// target_prompt_logprobs as the request gave it: the ids [rows, width] (dense; a sparse CSR
-// request's unlisted cells are -1) and, for a CSR request, its indices, so that the reply
-// comes back in the same layout.
-struct TargetLayout {
-  int64_t rows = 0, width = 0;
-  bool sparse = false;
-  std::vector<int64_t> crow, col;
-};
-
-absl::StatusOr<TargetLayout> ParseTargetPromptTokens(const Json& body, size_t prompt_len,
-                                                     sampling::SamplingParams& params) {
-  TargetLayout layout;
-  if (!body.contains("target_prompt_logprobs") || body["target_prompt_logprobs"].is_null()) return layout;
-  const Json& t = body["target_prompt_logprobs"];
-  const char* kField = "target_prompt_logprobs";
-  const Json* shape = t.is_object() && t.contains("shape") ? &t["shape"] : nullptr;
-  if (!t.is_object() || !t.contains("data") || !t["data"].is_array() || shape == nullptr || !shape->is_array() ||
-      shape->size() != 2 || !(*shape)[0].is_number_integer() || !(*shape)[1].is_number_integer()) {
-    return absl::InvalidArgumentError(absl::StrCat(kField, ": expected TensorData with data and a 2-D shape"));
-  }
-  layout.rows = (*shape)[0].get<int64_t>();
-  layout.width = (*shape)[1].get<int64_t>();
-  const int64_t rows = static_cast<int64_t>(prompt_len) - 1;
-  if (layout.rows != rows || layout.width < 1 || layout.width > ipc::kMaxPromptTargets) {
-    return absl::InvalidArgumentError(absl::StrCat(kField, ": shape [", layout.rows, ", ", layout.width,
-                                                   "] must be [", rows, ", K] (len(prompt) - 1 rows) with 1 <= K <= ",
-                                                   ipc::kMaxPromptTargets));
-  }
-  std::vector<int64_t> values;
-  for (const Json& v : t["data"]) {
-    if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat(kField, ".data: not token ids"));
-    values.push_back(v.get<int64_t>());
-  }
-  const size_t cells = static_cast<size_t>(layout.rows * layout.width);
-  std::vector<int64_t> dense;
-  if (t.contains("sparse_crow_indices") && !t["sparse_crow_indices"].is_null()) {
-    layout.sparse = true;
-    for (const char* key : {"sparse_crow_indices", "sparse_col_indices"}) {
-      if (!t.contains(key) || !t[key].is_array()) {
-        return absl::InvalidArgumentError(absl::StrCat(kField, ".", key, ": missing"));
-      }
-      for (const Json& v : t[key]) {
-        if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat(kField, ".", key, ": not integers"));
-        (std::strcmp(key, "sparse_crow_indices") == 0 ? layout.crow : layout.col).push_back(v.get<int64_t>());
-      }
-    }
-    const std::vector<int64_t>& crow = layout.crow;
-    if (crow.size() != static_cast<size_t>(layout.rows) + 1 || crow.front() != 0 ||
-        crow.back() != static_cast<int64_t>(values.size()) || layout.col.size() != values.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(kField, ": inconsistent CSR indices"));
-    }
-    dense.assign(cells, -1);  // unlisted cells request nothing
-    for (int64_t r = 0; r < layout.rows; ++r) {
-      if (crow[r] > crow[r + 1]) return absl::InvalidArgumentError(absl::StrCat(kField, ": bad crow_indices"));
-      for (int64_t j = crow[r]; j < crow[r + 1]; ++j) {
-        if (layout.col[j] < 0 || layout.col[j] >= layout.width) {
-          return absl::InvalidArgumentError(absl::StrCat(kField, ": bad col_indices"));
-        }
-        dense[r * layout.width + layout.col[j]] = values[j];
-      }
-    }
-  } else {
-    if (values.size() != cells) {
-      return absl::InvalidArgumentError(absl::StrCat(kField, ": ", values.size(), " ids for shape [", layout.rows, ", ",
-                                                     layout.width, "]"));
-    }
-    dense = std::move(values);
-  }
-  // The SDK's contract: at least one cell names a token id.
-  if (std::none_of(dense.begin(), dense.end(), [](int64_t id) { return id != -1; })) {
-    return absl::InvalidArgumentError(absl::StrCat(kField, ": names no token id (every cell is -1)"));
-  }
-  params.target_prompt_tokens = std::move(dense);
-  params.target_prompt_width = layout.width;
-  return layout;
-}
-
 // A float32 tensor in the layout the request used (dense [rows, width], or CSR with its
 // indices), as protobuf and as JSON TensorData.
-void EncodeTargetLogprobs(const std::vector<float>& dense, const TargetLayout& layout, v1::Tensor* proto, Json* json) {
+void EncodeTargetLogprobs(const std::vector<float>& dense, const TargetPromptTokens& layout, v1::Tensor* proto,
+                          Json* json) {
   proto->set_dtype(v1::DTYPE_FLOAT32);
   proto->add_shape(layout.rows);
   proto->add_shape(layout.width);
@@ -261,7 +179,7 @@ void EncodeTop(const sampling::TopLogprobs& top, v1::TopkLogprobs* proto, Json* 
 // SampleResponse for one prompt, as protobuf and as JSON. Prompt positions before
 // `first_scored` (>= 1: position 0 has no context) get no prompt log-probs.
 Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs, size_t first_scored,
-                     const TargetLayout& target, int64_t alt_k) {
+                     const TargetPromptTokens* target, int64_t alt_k) {
   Outcome o;
   v1::SampleResponse proto;
   Json sequences = Json::array();
@@ -289,8 +207,8 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs,
     EncodeTop(p.prompt_top_logprobs, proto.mutable_topk_prompt_logprobs(), &topk_prompt_logprobs, first_scored);
   }
   Json target_prompt_logprobs = nullptr;
-  if (target.width > 0) {
-    EncodeTargetLogprobs(p.target_prompt_logprobs, target, proto.mutable_target_prompt_logprobs(),
+  if (target != nullptr) {
+    EncodeTargetLogprobs(p.target_prompt_logprobs, *target, proto.mutable_target_prompt_logprobs(),
                          &target_prompt_logprobs);
   }
   Json prompt_alt_tokens = nullptr;
@@ -313,7 +231,7 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs,
         {"tokens", {{"data", p.prompt_alt_token_ids}, {"dtype", "int64"}, {"shape", {rows, alt_k}}}},
         {"logprobs", {{"data", FiniteOrNull(p.prompt_alt_logprobs)}, {"dtype", "float32"}, {"shape", {rows, alt_k}}}}};
   }
-  o.proto = proto.SerializeAsString();
+  o.proto = StoredProto(std::move(proto));
   o.json = {{"type", "sample"},
             {"sequences", std::move(sequences)},
             {"prompt_logprobs", std::move(prompt_logprobs)},
@@ -323,131 +241,116 @@ Outcome EncodeSample(const sampling::PromptOutput& p, bool want_prompt_logprobs,
   return o;
 }
 
-// A top-k width from the asample body: absent or null = 0, else in [0, ipc::kMaxTopLogprobs].
-// (The sampler also caps it at the vocabulary, which only matters for toy models.)
-absl::StatusOr<int64_t> TopkWidth(const Json& body, const char* key) {
-  if (!body.contains(key) || body[key].is_null()) return 0;
-  absl::StatusOr<int64_t> k = GetInt(body, key, 0);
-  if (!k.ok()) return k.status();
-  if (*k < 0 || *k > ipc::kMaxTopLogprobs) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(key, ": ", *k, " must be in [0, ", ipc::kMaxTopLogprobs, "]"));
-  }
-  return *k;
+// The encoder of an asample result (both encodings). With record_stability_info, each
+// sequence is also kept under its sequence id, for stable_reinforce.
+std::function<Outcome(const FutureValue&)> SampleEncoder(std::shared_ptr<StabilityStore> store,
+                                                         const SampleRequest& r, size_t first_scored,
+                                                         std::string tenant_id,
+                                                         std::vector<std::string> sequence_ids) {
+  std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
+  if (r.record_stability_info) recorded_prompt = std::make_shared<const std::vector<int64_t>>(r.prompt);
+  return [store = std::move(store), want_prompt_lp = r.prompt_logprobs, first_scored, recorded_prompt,
+          target = r.target_prompt_logprobs, alt_k = r.prompt_alt_tokens_k, tenant_id = std::move(tenant_id),
+          sequence_ids = std::move(sequence_ids)](const FutureValue& value) {
+    absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
+    if (!out.ok()) return Outcome::Failed(out.status());
+    if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
+    const sampling::PromptOutput& p = (*out)->prompts[0];
+    if (recorded_prompt != nullptr) {
+      const absl::Time now = absl::Now();
+      for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
+        store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens, p.sequences[i].logprobs,
+                      now);
+      }
+    }
+    return EncodeSample(p, want_prompt_lp, first_scored, target ? &*target : nullptr, alt_k);
+  };
 }
 
-absl::StatusOr<sampling::SamplingParams> ParamsFromJson(const Json& body, int64_t num_samples, bool prompt_logprobs) {
+// A top-k width: in [0, ipc::kMaxTopLogprobs]. (The sampler also caps it at the vocabulary,
+// which only matters for toy models.)
+absl::Status CheckTopk(int64_t k, const char* field) {
+  if (k < 0 || k > ipc::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", k, " must be in [0, ", ipc::kMaxTopLogprobs, "]"));
+  }
+  return absl::OkStatus();
+}
+
+// The sampler's parameters for a request whose values have been checked.
+sampling::SamplingParams ParamsOf(const SampleRequest& r) {
   sampling::SamplingParams p;
-  const Json sp = body.contains("sampling_params") && body["sampling_params"].is_object() ? body["sampling_params"]
-                                                                                         : Json::object();
-  absl::StatusOr<int64_t> max_tokens = GetInt(sp, "max_tokens", -1);
-  absl::StatusOr<double> temperature = GetDouble(sp, "temperature", 1.0);
-  absl::StatusOr<int64_t> top_k = GetInt(sp, "top_k", -1);
-  absl::StatusOr<double> top_p = GetDouble(sp, "top_p", 1.0);
-  for (const absl::Status& s : {max_tokens.status(), temperature.status(), top_k.status(), top_p.status()}) {
-    if (!s.ok()) return s;
+  const SamplingParams& sp = r.sampling_params;
+  if (sp.max_tokens && *sp.max_tokens >= 0) p.max_tokens = *sp.max_tokens;
+  p.temperature = sp.temperature;
+  p.top_k = sp.top_k < 0 ? 0 : sp.top_k;
+  p.top_p = sp.top_p;
+  if (sp.seed) p.seed = *sp.seed;
+  // The SDK (0.38 SamplingParams.stop): None keeps the implicit EOS stop, [] disables every
+  // stop token including EOS (generation runs to max_tokens); a non-empty list adds its
+  // strings or token ids to EOS.
+  if (sp.stop_strings) p.stop_strings = *sp.stop_strings;
+  if (sp.stop_tokens) p.stop_token_ids = *sp.stop_tokens;
+  if ((sp.stop_strings || sp.stop_tokens) && p.stop_strings.empty() && p.stop_token_ids.empty()) p.ignore_eos = true;
+  p.num_samples = r.num_samples;
+  p.prompt_logprobs = r.prompt_logprobs;
+  p.prompt_top_logprobs = r.topk_prompt_logprobs;
+  p.top_logprobs = r.topk_sample_logprobs;
+  if (r.target_prompt_logprobs) {
+    p.target_prompt_tokens = r.target_prompt_logprobs->dense;
+    p.target_prompt_width = r.target_prompt_logprobs->width;
   }
-  if (*max_tokens >= 0) p.max_tokens = *max_tokens;
-  p.temperature = *temperature;
-  p.top_k = *top_k < 0 ? 0 : *top_k;
-  p.top_p = *top_p;
-  if (sp.contains("seed") && !sp["seed"].is_null()) {
-    absl::StatusOr<int64_t> seed = GetInt(sp, "seed", 0);
-    if (!seed.ok()) return seed.status();
-    p.seed = static_cast<uint64_t>(*seed);
-  }
-  if (sp.contains("stop") && !sp["stop"].is_null()) {
-    const Json& stop = sp["stop"];
-    if (stop.is_string()) {
-      p.stop_strings.push_back(stop.get<std::string>());
-    } else if (stop.is_array()) {
-      // The SDK (0.38 SamplingParams.stop): None keeps the implicit EOS stop, [] disables
-      // every stop token including EOS (generation runs to max_tokens); a non-empty list adds
-      // its strings or token ids to EOS.
-      if (stop.empty()) p.ignore_eos = true;
-      for (const Json& v : stop) {
-        if (v.is_string()) {
-          p.stop_strings.push_back(v.get<std::string>());
-        } else if (v.is_number_integer()) {
-          p.stop_token_ids.push_back(v.get<int64_t>());
-        } else {
-          return absl::InvalidArgumentError("sampling_params.stop: expected strings or token ids");
-        }
-      }
-    } else {
-      return absl::InvalidArgumentError("sampling_params.stop: expected a string or a list");
-    }
-  }
-  p.num_samples = num_samples;
-  p.prompt_logprobs = prompt_logprobs;
+  p.prompt_alt_tokens_k = r.prompt_alt_tokens_k;
   return p;
+}
+
+// The values of an asample request: counts and widths in range. Returns the first prompt
+// position that is scored (>= 1: position 0 has no context).
+absl::StatusOr<size_t> CheckSample(const SampleRequest& r) {
+  if (r.num_samples < 1) return absl::InvalidArgumentError("num_samples: must be at least 1");
+  if (absl::Status s = CheckTopk(r.topk_prompt_logprobs, "topk_prompt_logprobs"); !s.ok()) return s;
+  if (absl::Status s = CheckTopk(r.topk_sample_logprobs, "topk_sample_logprobs"); !s.ok()) return s;
+  // prompt_logprobs_last_n: only the last n prompt positions are scored (1 <= n <= P - 1).
+  size_t first_scored = 1;
+  if (r.prompt_logprobs_last_n) {
+    const int64_t last_n = *r.prompt_logprobs_last_n;
+    const int64_t scorable = static_cast<int64_t>(r.prompt.size()) - 1;
+    if (!r.prompt_logprobs && r.topk_prompt_logprobs == 0) {
+      return absl::InvalidArgumentError("prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs");
+    }
+    if (last_n < 1 || last_n > scorable) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_logprobs_last_n: ", last_n, " must be in [1, ", scorable,
+                                                     "] (the prompt has ", r.prompt.size(), " tokens)"));
+    }
+    first_scored = static_cast<size_t>(scorable - last_n + 1);
+  }
+  if (r.prompt_alt_tokens_k < 0 || r.prompt_alt_tokens_k > ipc::kMaxPromptTargets) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_alt_tokens_k: ", r.prompt_alt_tokens_k, " must be in [0, ",
+                                                   ipc::kMaxPromptTargets, "]"));
+  }
+  return first_scored;
 }
 
 }  // namespace
 
-absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Json& body) {
+absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, const SampleRequest& r) {
   if (sampler_ == nullptr) return NoSampler();
-  absl::StatusOr<int64_t> num_samples = GetInt(body, "num_samples", 1);
-  if (!num_samples.ok()) return num_samples.status();
-  if (*num_samples < 1) return absl::InvalidArgumentError("num_samples: must be at least 1");
-  const bool want_prompt_lp = GetBool(body, "prompt_logprobs", false).value_or(false);
-  absl::StatusOr<int64_t> topk_prompt = TopkWidth(body, "topk_prompt_logprobs");
-  if (!topk_prompt.ok()) return topk_prompt.status();
-  absl::StatusOr<int64_t> topk_sample = TopkWidth(body, "topk_sample_logprobs");
-  if (!topk_sample.ok()) return topk_sample.status();
-  // record_stability_info: every sequence is kept under its sequence_id for stable_reinforce.
-  absl::StatusOr<bool> record = GetBool(body, "record_stability_info", false);
-  if (!record.ok()) return record.status();
-  if (!body.contains("prompt")) return absl::InvalidArgumentError("prompt: missing");
-  absl::StatusOr<std::vector<int64_t>> prompt = TokensFromModelInput(body["prompt"], "prompt");
-  if (!prompt.ok()) return prompt.status();
-  // prompt_logprobs_last_n: only the last n prompt positions are scored (1 <= n <= P - 1).
-  size_t first_scored = 1;
-  if (body.contains("prompt_logprobs_last_n") && !body["prompt_logprobs_last_n"].is_null()) {
-    absl::StatusOr<int64_t> last_n = GetInt(body, "prompt_logprobs_last_n", 0);
-    if (!last_n.ok()) return last_n.status();
-    const int64_t scorable = static_cast<int64_t>(prompt->size()) - 1;
-    if (!want_prompt_lp && *topk_prompt == 0) {
-      return absl::InvalidArgumentError("prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs");
-    }
-    if (*last_n < 1 || *last_n > scorable) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_logprobs_last_n: ", *last_n, " must be in [1, ",
-                                                     scorable, "] (the prompt has ", prompt->size(), " tokens)"));
-    }
-    first_scored = static_cast<size_t>(scorable - *last_n + 1);
-  }
-  absl::StatusOr<sampling::SamplingParams> params = ParamsFromJson(body, *num_samples, want_prompt_lp);
-  if (!params.ok()) return params.status();
-  params->prompt_top_logprobs = *topk_prompt;
-  params->top_logprobs = *topk_sample;
-  absl::StatusOr<TargetLayout> target = ParseTargetPromptTokens(body, prompt->size(), *params);
-  if (!target.ok()) return target.status();
-  absl::StatusOr<int64_t> alt_k = GetInt(body, "prompt_alt_tokens_k", 0);
-  if (!alt_k.ok()) return alt_k.status();
-  if (*alt_k < 0 || *alt_k > ipc::kMaxPromptTargets) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt_alt_tokens_k: ", *alt_k, " must be in [0, ", ipc::kMaxPromptTargets, "]"));
-  }
-  params->prompt_alt_tokens_k = *alt_k;
-  absl::StatusOr<std::string> session = GetString(body, "sampling_session_id", "");
-  if (!session.ok()) return session.status();
+  absl::StatusOr<size_t> first_scored = CheckSample(r);
+  if (!first_scored.ok()) return first_scored.status();
+  const sampling::SamplingParams params = ParamsOf(r);
   const training::TenantContext context = ContextOf(tenant);
   // seq_ids are per sampling client: only a named session dedupes by them (the implicit
   // session is shared by every session-less caller of the tenant).
-  const bool named_session = !session->empty();
-  if (session->empty()) {
+  std::string session = r.sampling_session_id;
+  int64_t seq = r.seq_id;
+  if (session.empty()) {
     // Session-less: the tenant's one implicit session on model_path (or the base model).
-    absl::StatusOr<std::string> path = GetString(body, "model_path", "");
-    if (!path.ok()) return path.status();
-    absl::StatusOr<std::string> id = sampler_->ImplicitSession(context, InternalPath(*path));
+    absl::StatusOr<std::string> id = sampler_->ImplicitSession(context, InternalPath(r.model_path));
     if (!id.ok()) return id.status();
-    *session = *id;
+    session = *id;
+    seq = -1;
   }
-  absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", -1);
-  if (!seq.ok()) return seq.status();
-  if (!named_session) *seq = -1;
-  const std::string key = absl::StrCat("asample\n", tenant.id, "\n", *session, "\n", *seq);
-  if (*seq >= 0) {
+  const std::string key = absl::StrCat("asample\n", tenant.id, "\n", session, "\n", seq);
+  if (seq >= 0) {
     absl::MutexLock lock(&mu_);
     auto d = dedupe_.find(key);
     if (d != dedupe_.end()) {
@@ -456,38 +359,20 @@ absl::StatusOr<Json> TinkerApi::ASample(const tenancy::Tenant& tenant, const Jso
     }
   }
   // Sampling is charged to the tenant's token rate like training (429 with Retry-After).
-  const int64_t tokens = sampler_->TokensOf({*prompt}, *params);
+  const int64_t tokens = sampler_->TokensOf({r.prompt}, params);
   if (rate_limiter_ != nullptr) {
     if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
   }
   training::SubmitOptions options;
-  absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, *session, {*prompt}, *params, options);
+  absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, session, {r.prompt}, params, options);
   if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
   if (!id.ok()) return id.status();  // 429 on overload: only accepted submissions are remembered
   std::shared_ptr<Entry> entry = NewEntry(tenant.id, "");
-  for (int64_t i = 0; i < *num_samples; ++i) {
+  for (int64_t i = 0; i < r.num_samples; ++i) {
     entry->sample_sequence_ids.push_back(absl::StrCat(entry->request_id, ":", i));
   }
-  std::shared_ptr<const std::vector<int64_t>> recorded_prompt;
-  if (*record) recorded_prompt = std::make_shared<const std::vector<int64_t>>(*prompt);
-  Attach(entry, *id,
-         [store = stability_, want_prompt_lp, first_scored, recorded_prompt, target = *target, alt_k = *alt_k,
-          tenant_id = tenant.id,
-          sequence_ids = entry->sample_sequence_ids](const FutureValue& value) {
-           absl::StatusOr<const sampling::SampleOutput*> out = ValueAs<sampling::SampleOutput>(value, "sampling result");
-           if (!out.ok()) return Outcome::Failed(out.status());
-           if ((*out)->prompts.empty()) return Outcome::Failed(absl::InternalError("sampler returned no result"));
-           const sampling::PromptOutput& p = (*out)->prompts[0];
-           if (recorded_prompt != nullptr) {
-             const absl::Time now = absl::Now();
-             for (size_t i = 0; i < p.sequences.size() && i < sequence_ids.size(); ++i) {
-               store->Record(tenant_id, sequence_ids[i], recorded_prompt, p.sequences[i].tokens,
-                                 p.sequences[i].logprobs, now);
-             }
-           }
-           return EncodeSample(p, want_prompt_lp, first_scored, target, alt_k);
-         });
-  if (*seq >= 0) {
+  Attach(entry, *id, SampleEncoder(stability_, r, *first_scored, tenant.id, entry->sample_sequence_ids));
+  if (seq >= 0) {
     absl::MutexLock lock(&mu_);
     dedupe_[key] = entry->request_id;
   }

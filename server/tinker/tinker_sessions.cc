@@ -32,24 +32,6 @@ absl::Status CheckProjectId(const std::string& id, const char* field) {
   return absl::OkStatus();
 }
 
-// A user_metadata object of strings, within kMaxUserMetadataBytes; "" for none.
-absl::StatusOr<std::string> MetadataOf(const Json& body) {
-  if (!body.contains("user_metadata") || body["user_metadata"].is_null()) return std::string();
-  const Json& m = body["user_metadata"];
-  if (!m.is_object()) return absl::InvalidArgumentError("user_metadata: expected an object");
-  for (const auto& [key, value] : m.items()) {
-    if (!value.is_string()) {  // the SDK reads it back as dict[str, str]
-      return absl::InvalidArgumentError(absl::StrCat("user_metadata.", key.substr(0, 64), ": expected a string"));
-    }
-  }
-  std::string dumped = m.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (dumped.size() > kMaxUserMetadataBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("user_metadata: ", dumped.size(),
-                                                   " bytes of JSON exceed the limit of ", kMaxUserMetadataBytes));
-  }
-  return dumped;
-}
-
 Json MetadataJson(const std::string& stored) {
   if (stored.empty()) return nullptr;
   Json m = Json::parse(stored, nullptr, false);
@@ -60,37 +42,43 @@ Json OptionalString(const std::string& s) { return s.empty() ? Json(nullptr) : J
 
 }  // namespace
 
-absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, const Json& body) {
+absl::StatusOr<std::string> StoredMetadata(const Json& metadata) {
+  if (metadata.is_null()) return std::string();
+  std::string dumped = metadata.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (dumped.size() > kMaxUserMetadataBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("user_metadata: ", dumped.size(),
+                                                   " bytes of JSON exceed the limit of ", kMaxUserMetadataBytes));
+  }
+  return dumped;
+}
+
+absl::StatusOr<CreateSessionResult> TinkerApi::CreateSession(const tenancy::Tenant& tenant,
+                                                             const CreateSessionRequest& r) {
   // Everything is checked before the session exists.
   registry::SessionRecord meta;
-  if (body.contains("tags") && !body["tags"].is_null()) {
-    const Json& tags = body["tags"];
-    if (!tags.is_array()) return absl::InvalidArgumentError("tags: expected a list of strings");
+  if (r.tags) {
+    const std::vector<std::string>& tags = *r.tags;
     if (tags.size() > kMaxSessionTags) {
       return absl::InvalidArgumentError(
           absl::StrCat("tags: ", tags.size(), " tags, more than the limit of ", kMaxSessionTags));
     }
     for (size_t i = 0; i < tags.size(); ++i) {
-      if (!tags[i].is_string()) return absl::InvalidArgumentError(absl::StrCat("tags[", i, "]: expected a string"));
-      const size_t n = tags[i].get_ref<const std::string&>().size();
-      if (n > kMaxTagBytes) {
+      if (tags[i].size() > kMaxTagBytes) {
         return absl::InvalidArgumentError(
-            absl::StrCat("tags[", i, "]: ", n, " bytes, more than the limit of ", kMaxTagBytes));
+            absl::StrCat("tags[", i, "]: ", tags[i].size(), " bytes, more than the limit of ", kMaxTagBytes));
       }
     }
-    meta.tags_json = tags.dump(-1, ' ', false, Json::error_handler_t::replace);
+    meta.tags_json = Json(tags).dump(-1, ' ', false, Json::error_handler_t::replace);
   }
-  absl::StatusOr<std::string> metadata = MetadataOf(body);
+  absl::StatusOr<std::string> metadata = StoredMetadata(r.user_metadata);
   if (!metadata.ok()) return metadata.status();
   meta.user_metadata_json = *metadata;
-  if (body.contains("project_id") && !body["project_id"].is_null()) {
-    if (!body["project_id"].is_string()) return absl::InvalidArgumentError("project_id: expected a string");
-    meta.project_id = body["project_id"].get<std::string>();
+  if (r.project_id) {
+    meta.project_id = *r.project_id;
     if (absl::Status s = CheckProjectId(meta.project_id, "project_id"); !s.ok()) return s;
   }
-  if (body.contains("display_name") && !body["display_name"].is_null()) {
-    if (!body["display_name"].is_string()) return absl::InvalidArgumentError("display_name: expected a string");
-    meta.display_name = body["display_name"].get<std::string>();
+  if (r.display_name) {
+    meta.display_name = *r.display_name;
     if (meta.display_name.size() > kMaxDisplayNameBytes) {
       return absl::InvalidArgumentError(absl::StrCat("display_name: ", meta.display_name.size(),
                                                      " bytes, more than the limit of ", kMaxDisplayNameBytes));
@@ -108,7 +96,7 @@ absl::StatusOr<Json> TinkerApi::CreateSession(const tenancy::Tenant& tenant, con
       if (absl::Status s = registry_->PutProject(tenant.id, meta.project_id, absl::Now()); !s.ok()) return s;
     }
   }
-  return Json{{"session_id", id}, {"type", "create_session"}};
+  return CreateSessionResult{id};
 }
 
 absl::StatusOr<Json> TinkerApi::ListSessions(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {

@@ -441,3 +441,138 @@ def test_grpc_tinker_service_training_sequence(tinker_server: ServerProcess) -> 
     with pytest.raises(grpc.RpcError) as err:
         stub.GetInfo(ts.ModelRequest(model_id=model_id), metadata=[("x-api-key", KEYS["bob"])])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_grpc_tinker_service_answers_as_the_http_api(tinker_server: ServerProcess) -> None:
+    """The TinkerService calls the training sequence above does not reach, each compared with
+    what the SDK reads over HTTP for the same object: capabilities, heartbeats, weights info,
+    the run and checkpoint listings, sampler saves (named, and a snapshot sampled with a seed
+    over both transports), checkpoint deletion and unload; and bad requests are
+    INVALID_ARGUMENT naming the field."""
+    import json
+    import urllib.request
+    from datetime import datetime
+
+    import grpc
+    from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
+    from twinkle_client._proto.tinker.v1 import tinker_service_pb2 as ts
+    from twinkle_client._proto.tinker.v1 import tinker_service_pb2_grpc as tsg
+
+    stub = tsg.TinkerServiceStub(grpc.insecure_channel(tinker_server.grpc_address))
+    md = [("x-api-key", KEYS["alice"])]
+    svc = service(tinker_server, KEYS["alice"])
+    rest = svc.create_rest_client()
+
+    def wait(request_id: str) -> Any:
+        while True:
+            r = stub.RetrieveFuture(ts.RetrieveFutureRequest(request_id=request_id), metadata=md, timeout=60)
+            kind = r.WhichOneof("result")
+            if kind != "try_again":
+                assert kind != "error", r.error
+                return getattr(r, kind)
+
+    def invalid(call: Any, request: Any, field: str) -> None:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, metadata=md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert err.value.details().startswith(f"{field}:"), err.value.details()
+
+    def when(text: str) -> datetime:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+    # Capabilities.
+    caps = stub.GetServerCapabilities(ts.GetServerCapabilitiesRequest(), metadata=md).supported_models
+    sdk_caps = rest.get_server_capabilities().result().supported_models
+    assert [(m.model_name, m.trainable, m.sampleable) for m in caps] == \
+        [(m.model_name, m.trainable, m.sampleable) for m in sdk_caps]
+    assert [m.max_context_length for m in caps] == [m.max_context_length or 0 for m in sdk_caps]
+
+    # A model trained through the SDK, with one switch off so that weights info says something.
+    training = resolved(svc.create_lora_training_client(base_model=MODEL_NAME, rank=4, train_unembed=False))
+    training.forward_backward([datum(SEQ)], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = training.save_state("w1").result().path
+    model_id = training.get_info().model_id
+
+    info = stub.WeightsInfo(ts.WeightsInfoRequest(tinker_path=path), metadata=md)
+    sdk_info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank, info.train_unembed, info.train_mlp, info.train_attn) == \
+        (sdk_info.base_model, sdk_info.is_lora, sdk_info.lora_rank, sdk_info.train_unembed, sdk_info.train_mlp,
+         sdk_info.train_attn) == (MODEL_NAME, True, 4, False, True, True)
+
+    # A sampler checkpoint saved over gRPC (seq_id 0: outside the SDK's order), its op result
+    # read over gRPC.
+    saved = wait(stub.SaveWeightsForSampler(ts.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=0, path="s1"),
+                                            metadata=md).request_id)
+    assert saved.path == f"tinker://{model_id}/sampler_weights/s1"
+
+    listed = stub.ListTrainingRuns(ts.ListTrainingRunsRequest(), metadata=md).training_runs
+    runs = {r.training_run_id: r for r in listed}
+    sdk_run = rest.get_training_run(model_id).result()
+    run = runs[model_id]
+    assert (run.base_model, run.model_owner, run.is_lora, run.lora_rank) == \
+        (sdk_run.base_model, sdk_run.model_owner, sdk_run.is_lora, sdk_run.lora_rank)
+    assert (run.base_model, run.is_lora, run.lora_rank) == (MODEL_NAME, True, 4)
+    assert when(run.last_request_time) == sdk_run.last_request_time
+
+    checkpoints = stub.ListCheckpoints(ts.ListCheckpointsRequest(training_run_id=model_id), metadata=md).checkpoints
+    sdk_checkpoints = rest.list_checkpoints(model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path, c.size_bytes) for c in checkpoints] == \
+        [(c.checkpoint_id, c.checkpoint_type, c.tinker_path, c.size_bytes) for c in sdk_checkpoints]
+    assert [when(c.time) for c in checkpoints] == [c.time for c in sdk_checkpoints]
+    assert {c.checkpoint_id: c.checkpoint_type for c in checkpoints} == \
+        {"weights/w1": "training", "sampler_weights/s1": "sampler"}
+    assert all(c.size_bytes > 0 for c in checkpoints)
+
+    stub.DeleteCheckpoint(ts.DeleteCheckpointRequest(training_run_id=model_id, checkpoint_id="weights/w1"), metadata=md)
+    assert [c.checkpoint_id for c in rest.list_checkpoints(model_id).result().checkpoints] == ["sampler_weights/s1"]
+
+    # An unnamed sampler save (a snapshot and a sampling session on it) and a seeded Sample on
+    # it over gRPC; the same request over the HTTP API samples the same tokens.
+    snapshot = wait(stub.SaveWeightsForSampler(ts.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=0),
+                                               metadata=md).request_id).sampling_session_id
+    assert snapshot
+    prompt = SEQ[:4]
+    grpc_sample = wait(stub.Sample(ts.SampleRequest(
+        sampling_session_id=snapshot, seq_id=1, prompt=prompt, num_samples=2,
+        sampling_params=tp.SamplingParams(max_tokens=5, seed=7, temperature=1.0)), metadata=md).request_id)
+    grpc_tokens = [np.frombuffer(q.tokens, dtype=np.int32).tolist() for q in grpc_sample.sequences]
+    assert len(grpc_tokens) == 2 and all(1 <= len(t) <= 5 for t in grpc_tokens)
+
+    def http(route: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(f"http://{tinker_server.host}:{tinker_server.http_port}/api/v1/{route}",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"x-api-key": KEYS["alice"], "content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.loads(answer.read())
+
+    promise = http("asample", {"sampling_session_id": snapshot, "seq_id": 2, "num_samples": 2,
+                               "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                               "sampling_params": {"max_tokens": 5, "seed": 7, "temperature": 1.0}})
+    while (answer := http("retrieve_future", {"request_id": promise["request_id"]})).get("type") == "try_again":
+        pass
+    assert [q["tokens"] for q in answer["sequences"]] == grpc_tokens
+
+    # Sessions: a gRPC session heartbeats; an unknown one is NOT_FOUND.
+    session = stub.CreateSession(ts.CreateSessionRequest(tags=["grpc"]), metadata=md).session_id
+    stub.SessionHeartbeat(ts.SessionHeartbeatRequest(session_id=session), metadata=md)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SessionHeartbeat(ts.SessionHeartbeatRequest(session_id="no-such-session"), metadata=md)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # Bad requests name the field, as the HTTP API does.
+    invalid(stub.SessionHeartbeat, ts.SessionHeartbeatRequest(), "session_id")
+    invalid(stub.CreateModel, ts.CreateModelRequest(session_id=session, base_model="no-such-model"), "base_model")
+    invalid(stub.CreateModel, ts.CreateModelRequest(session_id=session, base_model=MODEL_NAME,
+                                                    lora_config=ts.LoraConfig(rank=4096)), "lora_config.rank")
+    invalid(stub.SaveWeights, ts.SaveWeightsRequest(model_id=model_id, seq_id=0), "path")
+    invalid(stub.WeightsInfo, ts.WeightsInfoRequest(), "tinker_path")
+    invalid(stub.OptimStep, ts.OptimStepRequest(model_id=model_id, seq_id=0,
+                                                adam_params=ts.AdamParams(learning_rate=float("nan"))), "learning_rate")
+
+    # Unload: the op result names the model, which is then gone.
+    unloaded = wait(stub.UnloadModel(ts.ModelRequest(model_id=model_id), metadata=md).request_id)
+    assert unloaded.model_id == model_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetInfo(ts.ModelRequest(model_id=model_id), metadata=md)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

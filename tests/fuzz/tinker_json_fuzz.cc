@@ -87,7 +87,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (d.ok()) CheckDatum(*d);
     }
   }
-  // asample (TinkerApi::ASample).
+  // asample (DecodeSample, tinker_decode.cc).
   if (body->contains("prompt")) (void)tk::TokensFromModelInput((*body)["prompt"], "prompt");
   return 0;
 }
