@@ -200,18 +200,10 @@ class TinkerApi {
                                                     const ListCheckpointsRequest& request);
   absl::StatusOr<DeleteCheckpointResult> DeleteCheckpoint(const tenancy::Tenant& tenant,
                                                           const DeleteCheckpointRequest& request);
-  // The JSON REST calls of tinker_rest.cc: GetTrainingRun and ListUserCheckpoints back the
-  // HTTP routes; the other three forms are what the typed calls above replaced, called by
-  // nothing now and kept only until tinker_rest.cc's owner deletes them.
-  absl::StatusOr<Json> ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
+  // The JSON forms behind the HTTP routes GET /training_runs/{id} and /checkpoints
+  // (tinker_rest.cc; their scoped wrappers are in tinker_checkpoints.cc).
   absl::StatusOr<Json> GetTrainingRun(const tenancy::Tenant& tenant, const std::string& run_id);
-  absl::StatusOr<Json> ListCheckpoints(const tenancy::Tenant& tenant, const std::string& run_id);
   absl::StatusOr<Json> ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);
-  absl::StatusOr<Json> DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
-                                        const std::string& checkpoint_id);
-  // Likewise replaced by GetServerCapabilities and the typed SessionHeartbeat (tinker_rest.cc).
-  Json Capabilities() const;
-  absl::StatusOr<Json> SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body);
   // ---- sessions (tinker_sessions.cc) ----
   // Newest first, from the registry (finished sessions included).
   absl::StatusOr<Json> ListSessions(const tenancy::Tenant& tenant, int32_t limit, int32_t offset);

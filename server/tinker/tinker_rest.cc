@@ -38,27 +38,7 @@ Json TinkerApi::ClientConfig() const {
 
 Json TinkerApi::DynamicConfig() const { return {{"refresh_interval_sec", 300}}; }
 
-Json TinkerApi::Capabilities() const {
-  Json model = {{"model_name", options_.base_model}, {"trainable", true}, {"sampleable", sampler_ != nullptr}};
-  const int64_t context = options_.max_context_length ? options_.max_context_length() : 0;
-  if (context > 0) model["max_context_length"] = context;
-  return {{"supported_models", Json::array({model})}};
-}
-
 Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; }
-
-absl::StatusOr<Json> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant, const Json& body) {
-  absl::StatusOr<std::string> session = GetString(body, "session_id");
-  if (!session.ok()) return session.status();
-  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), *session); !s.ok()) {
-    absl::MutexLock lock(&mu_);
-    if (finished_.contains(absl::StrCat(tenant.id, "\n", *session))) {
-      return Gone(absl::StrCat("session_id: session '", *session, "' has finished"));
-    }
-    return s;
-  }
-  return Json{{"type", "session_heartbeat"}};
-}
 
 absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, const std::string& session_id) {
   const training::TenantContext context = ContextOf(tenant);
@@ -122,19 +102,6 @@ Json RunJson(const registry::RunRecord& r, const std::vector<registry::Checkpoin
   return run;
 }
 
-absl::StatusOr<Json> TinkerApi::ListTrainingRuns(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
-  if (registry_ == nullptr) return NoRegistry();
-  int32_t total = 0;
-  absl::StatusOr<std::vector<registry::RunRecord>> runs = registry_->ListRuns(tenant.id, {limit, offset}, &total);
-  if (!runs.ok()) return runs.status();
-  Json list = Json::array();
-  for (const registry::RunRecord& r : *runs) {
-    absl::StatusOr<Json> run = GetTrainingRun(tenant, ModelIdOf(r.run_id));
-    if (run.ok()) list.push_back(*std::move(run));
-  }
-  return Json{{"training_runs", std::move(list)}, {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", total}}}};
-}
-
 absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, const std::string& model_id) {
   if (registry_ == nullptr) return NoRegistry();
   const std::string run_id = RunIdOf(model_id);
@@ -142,16 +109,6 @@ absl::StatusOr<Json> TinkerApi::GetTrainingRun(const tenancy::Tenant& tenant, co
   if (!r.ok()) return r.status();
   absl::StatusOr<std::vector<registry::CheckpointRecord>> cks = registry_->ListCheckpoints(tenant.id, run_id);
   return RunJson(*r, cks.ok() ? *cks : std::vector<registry::CheckpointRecord>{});
-}
-
-absl::StatusOr<Json> TinkerApi::ListCheckpoints(const tenancy::Tenant& tenant, const std::string& model_id) {
-  if (registry_ == nullptr) return NoRegistry();
-  absl::StatusOr<std::vector<registry::CheckpointRecord>> cks =
-      registry_->ListCheckpoints(tenant.id, RunIdOf(model_id));
-  if (!cks.ok()) return cks.status();
-  Json list = Json::array();
-  for (const registry::CheckpointRecord& c : *cks) list.push_back(CheckpointJson(c));
-  return Json{{"checkpoints", std::move(list)}, {"cursor", nullptr}};
 }
 
 absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenant, int32_t limit, int32_t offset) {
@@ -172,13 +129,6 @@ absl::StatusOr<Json> TinkerApi::ListUserCheckpoints(const tenancy::Tenant& tenan
   }
   return Json{{"checkpoints", std::move(list)},
               {"cursor", {{"offset", offset}, {"limit", limit}, {"total_count", all.size()}}}};
-}
-
-absl::StatusOr<Json> TinkerApi::DeleteCheckpoint(const tenancy::Tenant& tenant, const std::string& run_id,
-                                                 const std::string& checkpoint_id) {
-  if (checkpoints_ == nullptr) return NoCheckpoints();
-  if (absl::Status s = checkpoints_->Delete(tenant.id, RunIdOf(run_id), checkpoint_id); !s.ok()) return s;
-  return Json::object();
 }
 
 }  // namespace twinkle::tinker
