@@ -361,6 +361,17 @@ def test_wire_schema_matches_the_pinned_sdk(repo_root: Path) -> None:
 
 # ---- gRPC: tinker.v1.TinkerService through generated stubs --------------------------------------
 
+def grpc_result(stub: Any, md: list[tuple[str, str]], request_id: str) -> Any:
+    """TinkerService/RetrieveFuture until the future is done: its result (an error fails the test)."""
+    from twinkle_client._proto.tinker.v1 import tinker_service_pb2 as ts
+    while True:
+        r = stub.RetrieveFuture(ts.RetrieveFutureRequest(request_id=request_id), metadata=md, timeout=60)
+        kind = r.WhichOneof("result")
+        if kind != "try_again":
+            assert kind != "error", r.error
+            return getattr(r, kind)
+
+
 def test_grpc_tinker_service_training_sequence(tinker_server: ServerProcess) -> None:
     import grpc
     from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
@@ -372,12 +383,7 @@ def test_grpc_tinker_service_training_sequence(tinker_server: ServerProcess) -> 
     md = [("x-api-key", KEYS["alice"])]
 
     def wait(request_id: str) -> Any:
-        while True:
-            r = stub.RetrieveFuture(ts.RetrieveFutureRequest(request_id=request_id), metadata=md, timeout=60)
-            kind = r.WhichOneof("result")
-            if kind != "try_again":
-                assert kind != "error", r.error
-                return getattr(r, kind)
+        return grpc_result(stub, md, request_id)
 
     session = stub.CreateSession(ts.CreateSessionRequest(), metadata=md).session_id
     promise = stub.CreateModel(ts.CreateModelRequest(session_id=session, model_seq_id=0, base_model=MODEL_NAME,
@@ -464,12 +470,7 @@ def test_grpc_tinker_service_answers_as_the_http_api(tinker_server: ServerProces
     rest = svc.create_rest_client()
 
     def wait(request_id: str) -> Any:
-        while True:
-            r = stub.RetrieveFuture(ts.RetrieveFutureRequest(request_id=request_id), metadata=md, timeout=60)
-            kind = r.WhichOneof("result")
-            if kind != "try_again":
-                assert kind != "error", r.error
-                return getattr(r, kind)
+        return grpc_result(stub, md, request_id)
 
     def invalid(call: Any, request: Any, field: str) -> None:
         with pytest.raises(grpc.RpcError) as err:
