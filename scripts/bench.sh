@@ -7,6 +7,8 @@
 #   scheduler  tests/bench/bench_scheduler.py: scheduler policy (build/bin/scheduler_bench),
 #              fused vs unfused through the full server (8 tenants), no-op RPC latency
 #              (build/bin/noop_latency). Binaries from $TWINKLE_BUILD_DIR (default build/).
+#   memory     tests/bench/bench_memory.py: peak RSS of one training step vs sequence length
+#              (1K..32K tokens), with and without activation checkpointing
 #   openai     tests/bench/bench_openai.py: /v1/completions through the full server with the
 #              openai SDK, 16 concurrent clients: time to first token and tokens/s, streaming
 #              vs not
@@ -17,6 +19,7 @@ what="${1:-engine}"; shift || true
 [ -x build/bin/twinkle-engine ] || ./scripts/setup.sh
 case "$what" in
   engine) exec .venv/bin/python tests/bench/bench_engine.py "$@" ;;
+  memory) exec .venv/bin/python tests/bench/bench_memory.py "$@" ;;
   sampler) exec .venv/bin/python tests/bench/bench_sampler.py "$@" ;;
   scheduler)
     bin="${TWINKLE_BUILD_DIR:-build}/bin"
@@ -34,6 +37,7 @@ case "$what" in
     done
     exec .venv/bin/python tests/bench/bench_openai.py "$@" ;;
   *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N] [--family qwen3|qwen3_5] [--ranks N]" >&2
+     echo "       scripts/bench.sh memory [--lengths 1024,...] [--settings plain,checkpointed,whole] [--vocab N] [--hidden N] [--layers N] [--engine-bin PATH]" >&2
      echo "       scripts/bench.sh sampler [--layers N] [--steps N] [--max-tokens N] [--repeats N] [--seconds S] [--load X] [--threads N]" >&2
      echo "       scripts/bench.sh scheduler [--seconds S] [--rounds N] [--tenants N] [--tokens N] [--noop-calls N]" >&2
      echo "       scripts/bench.sh openai [--clients N] [--requests N] [--max-tokens N] [--prompt-tokens N] [--rounds N]" >&2

@@ -174,6 +174,7 @@ training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   o.max_adapters = c.limits.max_adapters;
   o.max_lora_rank = c.limits.max_lora_rank;
   o.max_tokens_per_request = c.limits.max_tokens_per_request;
+  o.max_context_tokens = c.model.max_context_tokens;
   o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
   o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
   o.base_model = c.model.name;
@@ -321,6 +322,8 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.max_lora_rank = c.limits.max_lora_rank;
   o.kv_cache_blocks = DedicatedSampler(c) ? 1 : c.sampler.kv_cache_blocks;
   o.kv_block_size = c.sampler.kv_block_size;
+  o.activation_checkpointing = c.engine.activation_checkpointing;
+  o.logit_chunk_rows = c.engine.logit_chunk_rows;
   o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
   o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
   o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);

@@ -99,6 +99,11 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   absl::StatusOr<c10::Device> device = ParseDevice(req->device.empty() ? device_ : req->device);
   if (!device.ok()) return device.status();
 
+  if (req->logit_chunk_rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("load_model: logit_chunk_rows must be >= 0, got ", req->logit_chunk_rows));
+  }
+
   const absl::Time start = absl::Now();
   absl::StatusOr<engine::LoadedModel> loaded = engine::LoadModel(req->model_dir, *dtype, *device);
   if (!loaded.ok()) return loaded.status();
@@ -125,9 +130,11 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
     group = *std::move(joined);
     reply.world_size = group->world_size();
   }
-  auto trainer = std::make_unique<Trainer>(
-      std::make_unique<DecoderModel>(config, std::move(loaded->weights)), *device,
-      req->max_lora_rank, std::move(group));
+  auto model = std::make_unique<DecoderModel>(config, std::move(loaded->weights));
+  model->set_logit_chunk_rows(req->logit_chunk_rows);
+  model->set_activation_checkpointing(req->activation_checkpointing);
+  auto trainer = std::make_unique<Trainer>(std::move(model), *device, req->max_lora_rank,
+                                           std::move(group));
   if (absl::Status s = trainer->InitSampler(*dtype, req->kv_cache_blocks, req->kv_block_size);
       !s.ok()) {
     return s;

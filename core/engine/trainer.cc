@@ -368,10 +368,12 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
   }
   const at::Tensor input = at::cat(tokens).to(device_);
   const at::Tensor target = at::cat(width > 0 ? padded : targets).to(device_);
-  const at::Tensor logits = model_->Forward(input, seq_lens, seq_groups, lora);
-  // log p(target) = logit[target] - logsumexp(logits): never materialises the [N, vocab]
-  // log-softmax in the forward pass.
-  const at::Tensor logprobs = TargetLogprobs(logits, target);
+  const at::Tensor hidden = model_->Hidden(input, seq_lens, seq_groups, lora);
+  // log p(target) = logit[target] - logsumexp(logits), in row chunks: the [N, vocab] logits
+  // exist whole only when the request asks for them back.
+  at::Tensor logits;
+  const at::Tensor logprobs = model_->TargetLogprobs(hidden, target, seq_lens, seq_groups, lora,
+                                                     req->return_logits ? &logits : nullptr);
 
   // Every datum's log-probs as one split: autograd then has one node that concatenates their
   // gradients, where a narrow per datum would add a full-size [N] gradient per datum.

@@ -445,7 +445,9 @@ void Supervisor::HandleMessages(absl::Time now) {
         load.envelope.body =
             ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device,
                                                 options_.max_lora_rank, options_.kv_cache_blocks,
-                                                options_.kv_block_size});
+                                                options_.kv_block_size,
+                                                options_.activation_checkpointing,
+                                                options_.logit_chunk_rows});
         absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
         if (s.ok()) s = ipc::SendMessage(zmq_->router, load, w.identity);
         if (!s.ok()) {

@@ -39,6 +39,8 @@ struct SupervisorOptions {
   int64_t max_lora_rank = 0;          // passed to the workers, which refuse larger adapters
   int64_t kv_cache_blocks = 0;        // sampler KV cache blocks per worker (0 = engine default 2048)
   int64_t kv_block_size = 0;          // tokens per KV block (0 = engine default 16)
+  bool activation_checkpointing = false;  // engine.activation_checkpointing
+  int64_t logit_chunk_rows = 0;           // engine.logit_chunk_rows (0 = engine default)
   absl::Duration heartbeat_interval = absl::Milliseconds(200);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
   absl::Duration startup_timeout = absl::Seconds(120);

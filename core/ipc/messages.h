@@ -42,7 +42,12 @@ struct LoadModelRequest {
   int64_t max_lora_rank = 0;  // create_adapter refuses larger ranks; 0 = no limit
   int64_t kv_cache_blocks = 0;  // sampler KV cache blocks per worker; 0 = 2048
   int64_t kv_block_size = 0;    // tokens per KV block; 0 = 16
-  MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank, kv_cache_blocks, kv_block_size);
+  // Training memory: recompute each decoder layer in backward (activation checkpointing),
+  // and rows per lm_head/log-softmax chunk (0 = engine default, LogitChunkRows).
+  bool activation_checkpointing = false;
+  int64_t logit_chunk_rows = 0;
+  MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank, kv_cache_blocks, kv_block_size,
+                     activation_checkpointing, logit_chunk_rows);
 };
 struct LoadModelReply {
   std::string architecture;

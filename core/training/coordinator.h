@@ -68,6 +68,9 @@ struct CoordinatorOptions {
   int32_t max_adapters = 64;               // server-wide
   int32_t max_lora_rank = 64;              // server-wide (the engine's own limit)
   int64_t max_tokens_per_request = 32768;  // server-wide hard limit on one request
+  // Longest sequence a forward/forward_backward may hold (model.max_context_tokens); 0 = the
+  // model's max_position_embeddings as the engine reports it (no limit when unknown).
+  int64_t max_context_tokens = 0;
   absl::Duration adapter_timeout = absl::Seconds(1800);       // session silent this long
   absl::Duration adapter_max_lifetime = absl::Seconds(36000);
   std::string base_model;                             // recorded with runs

@@ -165,6 +165,17 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
     return absl::FailedPreconditionError(absl::StrCat("inputs: ", packed->tokens, " tokens, above your quota of ",
                                                       tenant.max_tokens_per_request, " per request (max_tokens_per_request)"));
   }
+  // Refused here, before the op is queued: on the engine it would fail its whole fused step.
+  const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens
+                                                          : engine_.max_position_embeddings();
+  for (size_t i = 0; context > 0 && i < packed->lengths.size(); ++i) {
+    if (packed->lengths[i] > context) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs: sequence ", i, " holds ", packed->lengths[i], " tokens, above the model's context of ",
+          context, " tokens (", options_.max_context_tokens > 0 ? "model.max_context_tokens" : "max_position_embeddings",
+          ")"));
+    }
+  }
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
   sched::Op op;
   op.tenant = tenant.id;

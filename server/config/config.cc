@@ -69,6 +69,7 @@ template <typename V> void VisitFields(V& v, ModelSection& c) {
   v.Field("path", c.path, RequiredPath());
   v.Field("name", c.name, Spec{});
   v.Field("dtype", c.dtype, OneOf({"float32", "bfloat16", "float16"}));
+  v.Field("max_context_tokens", c.max_context_tokens, Range(0, 1e9));
   v.Field("chat_renderer_fallback", c.chat_renderer_fallback, OneOf({"", "qwen3", "qwen3_5", "llama3", "chatml"}));
 }
 template <typename V> void VisitFields(V& v, EngineSection& c) {
@@ -83,6 +84,8 @@ template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("call_timeout_per_mib_s", c.call_timeout_per_mib_s, Range(0, 86400));
   v.Field("adapter_restore_points", c.adapter_restore_points, Spec{});
   v.Field("collective_timeout_s", c.collective_timeout_s, Range(1, 86400));
+  v.Field("activation_checkpointing", c.activation_checkpointing, Spec{});
+  v.Field("logit_chunk_rows", c.logit_chunk_rows, Range(0, 1e7));
 }
 // Also the shape of a tenant's `quotas` (same keys, same ranges).
 template <typename V> void VisitFields(V& v, LimitsSection& c) {

@@ -46,6 +46,8 @@ struct ModelSection {
   // The chat renderer for /v1/chat/completions when the model's chat template is not one the
   // server recognizes: "" = none (chat answers 501), else qwen3 | qwen3_5 | llama3 | chatml.
   std::string chat_renderer_fallback;
+  // Longest training sequence (tokens); 0 = the model's max_position_embeddings.
+  int64_t max_context_tokens = 0;
 };
 
 struct EngineSection {
@@ -67,6 +69,11 @@ struct EngineSection {
   // Data parallelism (two or more devices): how long a rendezvous or a collective waits for
   // the other ranks.
   double collective_timeout_s = 300;
+  // Training memory (docs/config.md): recompute each decoder layer in backward instead of
+  // keeping its activations, and the rows per lm_head/log-softmax chunk (0 = the engine's
+  // default, LogitChunkRows).
+  bool activation_checkpointing = false;
+  int64_t logit_chunk_rows = 0;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/engine/model/gated_deltanet.h"
@@ -19,39 +21,247 @@ at::Tensor RotateHalf(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// See TargetLogprobs. Saves the logits, the targets and the row log-sum-exps.
-class TargetLogprobsFn : public torch::autograd::Function<TargetLogprobsFn> {
+// The row chunks and lm_head LoRA segments of one ChunkedLogprobsFn call: everything that
+// is not a tensor. Kept in the context as IValue lists for backward.
+struct LogitPlan {
+  std::vector<int64_t> chunk_begin, chunk_end;
+  std::vector<int64_t> seg_begin, seg_end;
+  std::vector<int64_t> seg_own;  // index into own_x of the segment's own input, or -1
+  std::vector<double> seg_scale;
+  // forward_backward (grad mode on at the call): the forward computes each chunk's LoRA term
+  // through LoraDelta's autograd path, the one backward's recompute takes, so the recomputed
+  // logits are bit for bit those of the forward (a no-grad `forward` takes the inference path,
+  // as before).
+  bool training = false;
+};
+
+// A segment's own input (LoRA dropout) restricted to a chunk: which own_x, and where.
+struct OwnRows {
+  int64_t own = 0, offset = 0;
+  at::Tensor leaf;  // backward: the detached rows whose gradient is read back
+};
+
+// The lm_head LoRA segments over rows [c0, c1), in chunk-local rows. With `leaves`, each own
+// input's rows become a fresh leaf that requires grad (recorded there), for backward.
+std::vector<kernels::LoraSegment> ChunkSegments(const LogitPlan& plan, at::TensorList a,
+                                                at::TensorList b, at::TensorList own_x,
+                                                int64_t c0, int64_t c1,
+                                                std::vector<OwnRows>* leaves) {
+  std::vector<kernels::LoraSegment> segments;
+  for (size_t s = 0; s < plan.seg_begin.size(); ++s) {
+    const int64_t lo = std::max(plan.seg_begin[s], c0), hi = std::min(plan.seg_end[s], c1);
+    if (lo >= hi) continue;
+    kernels::LoraSegment seg{lo - c0, hi - c0, a[s], b[s], plan.seg_scale[s], {}};
+    if (plan.seg_own[s] >= 0) {
+      const int64_t own = plan.seg_own[s], offset = lo - plan.seg_begin[s];
+      seg.x = own_x[own].narrow(0, offset, hi - lo);
+      if (leaves != nullptr) {
+        seg.x = seg.x.detach().requires_grad_(true);
+        leaves->push_back(OwnRows{own, offset, seg.x});
+      }
+    }
+    segments.push_back(std::move(seg));
+  }
+  return segments;
+}
+
+// float32 logits of the rows hc: lm_head, plus the LoRA segments' term (as Forward did).
+at::Tensor ChunkLogits(const at::Tensor& hc, const at::Tensor& weight,
+                       const std::vector<kernels::LoraSegment>& segments) {
+  at::Tensor logits = at::linear(hc, weight);
+  if (!segments.empty()) logits = logits + kernels::LoraDelta(hc, logits.size(-1), segments);
+  return logits.to(at::kFloat);
+}
+
+// logits[i, t_i] - lse_i ([N]), or per column of [N, K] targets.
+at::Tensor PickLogprobs(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse) {
+  if (targets.dim() == 2) return logits.gather(1, targets) - lse.unsqueeze(1);  // [N, K]
+  const at::Tensor picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
+  return picked - lse;
+}
+
+// d/dlogits of Σ g · (logit[t] - lse) = g · (onehot(t) - softmax): the softmax part is what
+// autograd's logsumexp backward computes, g · exp(logits - lse), here in place in one buffer.
+// [N, K] targets: the softmax part is weighted by each row's Σ_k g.
+at::Tensor LogitsGrad(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                      const at::Tensor& g) {
+  at::Tensor out = at::sub(logits, lse.unsqueeze(1));
+  if (targets.dim() == 2) {
+    out.exp_().mul_(-g.sum(1, /*keepdim=*/true));
+    out.scatter_add_(1, targets, g);
+    return out;
+  }
+  const at::Tensor g1 = g.unsqueeze(1);
+  out.exp_().mul_(-g1);
+  out.scatter_add_(1, targets.unsqueeze(1), g1);
+  return out;
+}
+
+// See DecoderModel::TargetLogprobs. Saves the hidden states, the targets and the rows'
+// log-sum-exps, never logits: backward recomputes each chunk's logits (lm_head GEMM and LoRA
+// term), turns them into the chunk's logit gradient and backpropagates that through the
+// recomputed chunk (a reentrant autograd call), so at most one chunk of [rows, vocab] exists
+// at a time, forward or backward. The lm_head LoRA weights are inputs only so the output
+// requires grad when they do; the recompute's LoRA node accumulates their gradients.
+class ChunkedLogprobsFn : public torch::autograd::Function<ChunkedLogprobsFn> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-                            const at::Tensor& targets) {
-    const at::Tensor lse = at::logsumexp(logits, {-1});
-    ctx->save_for_backward({logits, targets, lse});
-    if (targets.dim() == 2) return logits.gather(1, targets) - lse.unsqueeze(1);  // [N, K]
-    const at::Tensor picked = logits.gather(1, targets.unsqueeze(1)).squeeze(1);
-    return picked - lse;
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                            const at::Tensor& weight, const at::Tensor& targets,
+                            at::TensorList a, at::TensorList b, at::TensorList own_x,
+                            const LogitPlan& plan, at::Tensor* logits_out) {
+    at::Tensor lse;
+    at::Tensor out = Run(h, weight, targets, a, b, own_x, plan, logits_out, &lse);
+    torch::autograd::variable_list saved{h, weight, targets, lse};
+    saved.insert(saved.end(), a.begin(), a.end());
+    saved.insert(saved.end(), b.begin(), b.end());
+    saved.insert(saved.end(), own_x.begin(), own_x.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["chunk_begin"] = plan.chunk_begin;
+    ctx->saved_data["chunk_end"] = plan.chunk_end;
+    ctx->saved_data["seg_begin"] = plan.seg_begin;
+    ctx->saved_data["seg_end"] = plan.seg_end;
+    ctx->saved_data["seg_own"] = plan.seg_own;
+    ctx->saved_data["seg_scale"] = plan.seg_scale;
+    return out;
+  }
+
+  // The forward pass over the chunks (also the no-grad path): log-probs, and the rows'
+  // log-sum-exps in *lse; the full logits only when logits_out asks for them.
+  static at::Tensor Run(const at::Tensor& h_in, const at::Tensor& weight, const at::Tensor& targets,
+                        at::TensorList a, at::TensorList b, at::TensorList own_x,
+                        const LogitPlan& plan, at::Tensor* logits_out, at::Tensor* lse) {
+    const at::Tensor h = h_in.detach();
+    const int64_t n = h.size(0), vocab = weight.size(0);
+    const at::TensorOptions f32 = h.options().dtype(at::kFloat);
+    at::Tensor out = targets.dim() == 2 ? at::empty({n, targets.size(1)}, f32) : at::empty({n}, f32);
+    *lse = at::empty({n}, f32);
+    if (logits_out != nullptr) *logits_out = at::empty({n, vocab}, f32);
+    for (size_t c = 0; c < plan.chunk_begin.size(); ++c) {
+      const int64_t c0 = plan.chunk_begin[c], rows = plan.chunk_end[c] - c0;
+      at::Tensor logits;
+      {
+        std::optional<at::AutoGradMode> grad;
+        if (plan.training) grad.emplace(true);
+        logits = ChunkLogits(h.narrow(0, c0, rows), weight,
+                             ChunkSegments(plan, a, b, own_x, c0, c0 + rows, nullptr))
+                     .detach();
+      }
+      const at::Tensor chunk_lse = at::logsumexp(logits, {-1});
+      lse->narrow(0, c0, rows).copy_(chunk_lse);
+      out.narrow(0, c0, rows).copy_(PickLogprobs(logits, targets.narrow(0, c0, rows), chunk_lse));
+      if (logits_out != nullptr) logits_out->narrow(0, c0, rows).copy_(logits);
+    }
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const c10::NoGradGuard no_grad;
+    LogitPlan plan;
+    plan.chunk_begin = ctx->saved_data["chunk_begin"].toIntVector();
+    plan.chunk_end = ctx->saved_data["chunk_end"].toIntVector();
+    plan.seg_begin = ctx->saved_data["seg_begin"].toIntVector();
+    plan.seg_end = ctx->saved_data["seg_end"].toIntVector();
+    plan.seg_own = ctx->saved_data["seg_own"].toIntVector();
+    plan.seg_scale = ctx->saved_data["seg_scale"].toDoubleVector();
+    plan.training = true;
+    const size_t num_segments = plan.seg_begin.size();
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& logits = saved[0];
-    const at::Tensor& targets = saved[1];
-    const at::Tensor& lse = saved[2];
-    if (targets.dim() == 2) {  // [N, K]: the softmax part is weighted by each row's Σ_k g
-      const at::Tensor& g = grads[0];
-      at::Tensor out = at::sub(logits, lse.unsqueeze(1));
-      out.exp_().mul_(-g.sum(1, /*keepdim=*/true));
-      out.scatter_add_(1, targets, g);
-      return {out, at::Tensor()};
+    const at::Tensor &h = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
+    const at::TensorList a(saved.data() + 4, num_segments);
+    const at::TensorList b(saved.data() + 4 + num_segments, num_segments);
+    const size_t num_own = saved.size() - 4 - 2 * num_segments;
+    const at::TensorList own_x(saved.data() + 4 + 2 * num_segments, num_own);
+    const size_t own_in = 3 + 2 * num_segments;  // own_x's first index among the inputs
+
+    const bool need_h = ctx->needs_input_grad(0);
+    at::Tensor dh = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
+    std::vector<at::Tensor> d_own(num_own);
+    for (size_t j = 0; j < num_own; ++j) {
+      if (ctx->needs_input_grad(own_in + j)) d_own[j] = at::zeros_like(own_x[j]);
     }
-    const at::Tensor g = grads[0].unsqueeze(1);
-    // d/dlogits of (logit[t] - lse) = onehot(t) - softmax; the softmax part is what autograd's
-    // logsumexp backward computes, grad · exp(logits - lse), here in place in one buffer.
-    at::Tensor out = at::sub(logits, lse.unsqueeze(1));
-    out.exp_().mul_(-g);
-    out.scatter_add_(1, targets.unsqueeze(1), g);
-    return {out, at::Tensor()};
+    const at::Tensor& g = grads[0];
+    const at::AutoGradMode grad_on(true);
+    for (size_t c = 0; c < plan.chunk_begin.size(); ++c) {
+      const int64_t c0 = plan.chunk_begin[c], rows = plan.chunk_end[c] - c0;
+      at::Tensor hc = h.narrow(0, c0, rows).detach();
+      if (need_h) hc.requires_grad_(true);
+      std::vector<OwnRows> leaves;
+      const at::Tensor logits =
+          ChunkLogits(hc, weight, ChunkSegments(plan, a, b, own_x, c0, c0 + rows, &leaves));
+      if (!logits.requires_grad()) continue;  // neither h nor a LoRA weight reaches these rows
+      at::Tensor dl;
+      {
+        const c10::NoGradGuard no_grad;
+        dl = LogitsGrad(logits.detach(), targets.narrow(0, c0, rows), lse.narrow(0, c0, rows),
+                        g.narrow(0, c0, rows));
+      }
+      torch::autograd::backward({logits}, {dl});
+      const c10::NoGradGuard no_grad;
+      if (need_h) dh.narrow(0, c0, rows).copy_(hc.grad());
+      for (const OwnRows& l : leaves) {
+        if (d_own[l.own].defined() && l.leaf.grad().defined()) {
+          d_own[l.own].narrow(0, l.offset, l.leaf.size(0)).copy_(l.leaf.grad());
+        }
+      }
+    }
+    torch::autograd::variable_list result{dh, at::Tensor(), at::Tensor()};
+    result.resize(result.size() + 2 * num_segments);  // a, b: accumulated by the recompute
+    result.insert(result.end(), d_own.begin(), d_own.end());
+    result.emplace_back();  // the plan
+    result.emplace_back();  // logits_out
+    return result;
+  }
+};
+
+// A decoder layer's forward as a closure over everything but its input (the batch layout,
+// RoPE tables, the LoRA callback), for CheckpointedLayerFn's recompute. Held in the autograd
+// context as a capsule.
+struct LayerRun : torch::CustomClassHolder {
+  std::function<at::Tensor(const at::Tensor&)> run;
+};
+
+// One scalar leaf per thread that requires grad: an input of every checkpointed layer, so a
+// layer's output requires grad even when its input does not (the first layer's input is the
+// frozen embedding's output) and only its LoRA weights train. It never gets a gradient.
+const at::Tensor& CheckpointAnchor() {
+  thread_local const at::Tensor anchor = at::zeros({}, at::kFloat).requires_grad_(true);
+  return anchor;
+}
+
+// Activation checkpointing of one decoder layer: forward runs the layer on a detached input
+// and keeps only that input (the layer's own activations are freed as soon as it returns);
+// backward runs the layer again from it with autograd on and backpropagates the incoming
+// gradient through the recomputed graph (a reentrant autograd call), which hands the input
+// its gradient and accumulates the layer's LoRA gradients. The forward also runs with
+// autograd on, so both runs take the same kernels (LoraDelta's training path) and the
+// recomputed activations are bit for bit the forward's. LibTorch has no
+// torch.utils.checkpoint; this is its reentrant variant.
+class CheckpointedLayerFn : public torch::autograd::Function<CheckpointedLayerFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& anchor, const c10::intrusive_ptr<LayerRun>& layer) {
+    at::Tensor y;
+    {
+      const at::AutoGradMode grad_on(true);
+      y = layer->run(x.detach()).detach();
+    }
+    ctx->save_for_backward({x});
+    ctx->saved_data["layer"] = c10::IValue::make_capsule(layer);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const c10::intrusive_ptr<LayerRun> layer =
+        c10::static_intrusive_pointer_cast<LayerRun>(ctx->saved_data["layer"].toCapsule());
+    const bool need_x = ctx->needs_input_grad(0);
+    at::Tensor x = ctx->get_saved_variables()[0].detach();
+    if (need_x) x.requires_grad_(true);
+    const at::AutoGradMode grad_on(true);
+    const at::Tensor y = layer->run(x);
+    if (!y.requires_grad()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    torch::autograd::backward({y}, {grads[0]});
+    return {need_x ? x.grad() : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -125,10 +335,6 @@ class PackedAttentionFn : public torch::autograd::Function<PackedAttentionFn> {
 };
 
 }  // namespace
-
-at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets) {
-  return TargetLogprobsFn::apply(logits, targets);
-}
 
 const char* LinearKindName(LinearKind kind) {
   switch (kind) {
@@ -579,9 +785,30 @@ at::Tensor DecoderModel::Attention(const Layer& layer, int64_t index, const at::
   return Linear(layer, index, LinearKind::kO, attn, lora);
 }
 
-at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
-                                 const std::vector<int64_t>& seq_groups,
-                                 const LoraSegmentsFn& lora) const {
+namespace {
+
+// Rows of each group (op): consecutive sequences of one group.
+std::vector<int64_t> GroupRows(const std::vector<int64_t>& seq_lens,
+                               const std::vector<int64_t>& seq_groups) {
+  std::vector<int64_t> group_rows;
+  for (size_t s = 0; s < seq_lens.size(); ++s) {
+    const bool same = s > 0 && (seq_groups.empty() || seq_groups[s] == seq_groups[s - 1]);
+    if (!same) group_rows.push_back(0);
+    group_rows.back() += seq_lens[s];
+  }
+  return group_rows;
+}
+
+}  // namespace
+
+int64_t LogitChunkRows(int64_t vocab, int64_t configured) {
+  if (configured > 0) return configured;
+  return std::max<int64_t>(1, kLogitChunkElements / std::max<int64_t>(vocab, 1));
+}
+
+at::Tensor DecoderModel::Hidden(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                                const std::vector<int64_t>& seq_groups,
+                                const LoraSegmentsFn& lora) const {
   // Positions restart at 0 in every sequence; angles in float32 as transformers computes them.
   std::vector<at::Tensor> positions;
   for (int64_t len : seq_lens) positions.push_back(at::arange(len, at::kLong));
@@ -589,33 +816,84 @@ at::Tensor DecoderModel::Forward(const at::Tensor& tokens, const std::vector<int
   const auto [cos, sin] = Rope(pos);
 
   // Rows of each group (op): consecutive sequences of one group, for the MoE blocks.
-  std::vector<int64_t> group_rows;
-  for (size_t s = 0; s < seq_lens.size(); ++s) {
-    const bool same = s > 0 && (seq_groups.empty() || seq_groups[s] == seq_groups[s - 1]);
-    if (!same) group_rows.push_back(0);
-    group_rows.back() += seq_lens[s];
-  }
+  const std::vector<int64_t> group_rows = GroupRows(seq_lens, seq_groups);
 
   at::Tensor x = at::embedding(embed_, tokens.to(embed_.device()));
+  const bool checkpoint = activation_checkpointing_ && c10::GradMode::is_enabled();
   for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& layer = layers_[i];
     const int64_t index = static_cast<int64_t>(i);
-    const at::Tensor normed = RmsNorm(x, layer.input_norm);
-    x = x + (layer.linear_attention
-                 ? LinearAttention(layer, index, normed, seq_lens, seq_groups, lora, {})
-                 : Attention(layer, index, normed, seq_lens, seq_groups, cos, sin, lora));
-    const at::Tensor h = RmsNorm(x, layer.post_norm);
-    x = x + (layer.moe ? Moe(layer, h, group_rows) : Mlp(layer, index, h, lora));
+    if (!checkpoint) {
+      x = RunLayer(index, x, seq_lens, seq_groups, group_rows, cos, sin, lora);
+      continue;
+    }
+    // The closure copies the layout and RoPE tables; `lora` is the caller's, alive until
+    // its backward has run (Trainer::Forward backpropagates before it returns).
+    auto layer = c10::make_intrusive<LayerRun>();
+    layer->run = [this, index, seq_lens, seq_groups, group_rows, cos, sin,
+                  lora](const at::Tensor& input) {
+      return RunLayer(index, input, seq_lens, seq_groups, group_rows, cos, sin, lora);
+    };
+    x = CheckpointedLayerFn::apply(x, CheckpointAnchor(), layer);
   }
+  return RmsNorm(x, final_norm_);
+}
+
+at::Tensor DecoderModel::RunLayer(int64_t index, const at::Tensor& x,
+                                  const std::vector<int64_t>& seq_lens,
+                                  const std::vector<int64_t>& seq_groups,
+                                  const std::vector<int64_t>& group_rows, const at::Tensor& cos,
+                                  const at::Tensor& sin, const LoraSegmentsFn& lora) const {
+  const Layer& layer = layers_[static_cast<size_t>(index)];
+  const at::Tensor normed = RmsNorm(x, layer.input_norm);
+  const at::Tensor mid =
+      x + (layer.linear_attention
+               ? LinearAttention(layer, index, normed, seq_lens, seq_groups, lora, {})
+               : Attention(layer, index, normed, seq_lens, seq_groups, cos, sin, lora));
+  const at::Tensor h = RmsNorm(mid, layer.post_norm);
+  return mid + (layer.moe ? Moe(layer, h, group_rows) : Mlp(layer, index, h, lora));
+}
+
+at::Tensor DecoderModel::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets,
+                                        const std::vector<int64_t>& seq_lens,
+                                        const std::vector<int64_t>& seq_groups,
+                                        const LoraSegmentsFn& lora, at::Tensor* logits) const {
+  TORCH_CHECK(hidden.dim() == 2 && targets.size(0) == hidden.size(0),
+              "TargetLogprobs: hidden ", hidden.sizes(), " and targets ", targets.sizes());
+  // Chunks never straddle a group (op): a tenant's chunks, and so its numbers, are the same
+  // fused or alone.
+  LogitPlan plan;
+  plan.training = c10::GradMode::is_enabled();
+  const int64_t rows = LogitChunkRows(config_.vocab_size, logit_chunk_rows_);
+  int64_t start = 0;
+  for (int64_t group : GroupRows(seq_lens, seq_groups)) {
+    for (int64_t c = 0; c < group; c += rows) {
+      plan.chunk_begin.push_back(start + c);
+      plan.chunk_end.push_back(start + std::min(group, c + rows));
+    }
+    start += group;
+  }
+  TORCH_CHECK(start == hidden.size(0), "TargetLogprobs: sequences cover ", start, " of ",
+              hidden.size(0), " rows");
   // lm_head LoRA as PEFT applies it, also with tied embeddings: the delta is added to the
-  // logits only; the (shared) embedding lookup above never sees it.
-  const at::Tensor h = RmsNorm(x, final_norm_);
-  at::Tensor logits = at::linear(h, lm_head_);
+  // logits only; the (shared) embedding lookup never sees it.
+  std::vector<at::Tensor> a, b, own_x;
   if (lora) {
-    std::vector<kernels::LoraSegment> segments = lora(0, LinearKind::kLmHead, h);
-    if (!segments.empty()) logits = logits + kernels::LoraDelta(h, logits.size(-1), segments);
+    for (kernels::LoraSegment& s : lora(0, LinearKind::kLmHead, hidden)) {
+      plan.seg_begin.push_back(s.row_begin);
+      plan.seg_end.push_back(s.row_end);
+      plan.seg_scale.push_back(s.scale);
+      plan.seg_own.push_back(s.x.defined() ? static_cast<int64_t>(own_x.size()) : -1);
+      a.push_back(s.a);
+      b.push_back(s.b);
+      if (s.x.defined()) own_x.push_back(s.x);
+    }
   }
-  return logits.to(at::kFloat);
+  if (!plan.training) {
+    at::Tensor lse;
+    return ChunkedLogprobsFn::Run(hidden, lm_head_, targets, a, b, own_x, plan, logits, &lse);
+  }
+  return ChunkedLogprobsFn::apply(hidden, lm_head_, targets, at::TensorList(a), at::TensorList(b),
+                                  at::TensorList(own_x), plan, logits);
 }
 
 at::Tensor DecoderModel::PagedAttention(const Layer& layer, int64_t index, const at::Tensor& h,

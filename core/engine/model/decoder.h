@@ -58,9 +58,33 @@ class DecoderModel {
   // tokens: int64 [N], the concatenation of sequences of lengths `seq_lens` (sum = N).
   // seq_groups: per sequence, the op (tenant) it belongs to, or empty for one group; work is
   // never batched across groups, so a group's numbers do not depend on the others.
-  // Returns logits [N, vocab] in float32. `lora` may be empty (base model only).
-  at::Tensor Forward(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
-                     const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
+  // Returns the final-norm hidden states [N, hidden] in the model's dtype: what lm_head
+  // reads (TargetLogprobs). `lora` may be empty (base model only).
+  at::Tensor Hidden(const at::Tensor& tokens, const std::vector<int64_t>& seq_lens,
+                    const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora) const;
+
+  // log p(targets[i]) under softmax(logits[i]), logits = lm_head(hidden) plus the lm_head
+  // LoRA term (`lora`, asked for with layer 0), in float32: targets int64 [N] give [N];
+  // [N, K] (soft targets) give [N, K], logits[i, t_ik] - logsumexp(logits[i]). The [N, vocab]
+  // logits never exist at once: rows go through lm_head, logsumexp and the gather in chunks
+  // of LogitChunkRows(vocab) rows (within each group of seq_groups, so a tenant's chunks are
+  // the same fused or alone), and the one autograd node saves only hidden, targets and the
+  // rows' log-sum-exps: its backward recomputes each chunk's logits, writes that chunk's
+  // gradient g · (onehot(t) - softmax) and backpropagates it through the chunk's lm_head and
+  // LoRA term (gradients to hidden and to the lm_head LoRA A/B). Same values, forward and
+  // backward, as the full-logits composition up to the order of the LoRA gradient sums.
+  // `logits`: when non-null, also receives the float32 logits [N, vocab] (no gradient), for
+  // return_logits; only then do they exist whole.
+  at::Tensor TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets,
+                            const std::vector<int64_t>& seq_lens,
+                            const std::vector<int64_t>& seq_groups, const LoraSegmentsFn& lora,
+                            at::Tensor* logits) const;
+
+  // Rows per chunk of TargetLogprobs; 0 = LogitChunkRows's default.
+  void set_logit_chunk_rows(int64_t rows) { logit_chunk_rows_ = rows; }
+  // Activation checkpointing (engine.activation_checkpointing): with autograd on, each
+  // decoder layer keeps only its input and is recomputed in backward. Same gradients.
+  void set_activation_checkpointing(bool on) { activation_checkpointing_ = on; }
 
   // Incremental decoding (generation) over a paged KV cache: per layer K and V, each
   // [num_blocks, block_size, kv_heads, head_dim] (after RoPE), in the model's dtype and on
@@ -115,6 +139,11 @@ class DecoderModel {
     at::Tensor conv_weight, dt_bias, a_log, gated_norm;
     std::map<LinearKind, at::Tensor> weight, bias;
   };
+  // Decoder layer `index` over the packed batch: x + attention, then + MLP (or MoE).
+  at::Tensor RunLayer(int64_t index, const at::Tensor& x, const std::vector<int64_t>& seq_lens,
+                      const std::vector<int64_t>& seq_groups,
+                      const std::vector<int64_t>& group_rows, const at::Tensor& cos,
+                      const at::Tensor& sin, const LoraSegmentsFn& lora) const;
   at::Tensor Linear(const Layer& layer, int64_t index, LinearKind kind, const at::Tensor& x,
                     const LoraSegmentsFn& lora) const;
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
@@ -165,15 +194,17 @@ class DecoderModel {
   at::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   at::Tensor inv_freq_;  // [rotary_dim / 2], float32, RoPE scaling applied
+  int64_t logit_chunk_rows_ = 0;
+  bool activation_checkpointing_ = false;
 };
 
-// log p(targets[i]) under softmax(logits[i]) for logits [N, vocab] (float) and int64
-// targets [N]: logits[i, t_i] - logsumexp(logits[i]), as one autograd node whose backward
-// writes the [N, vocab] gradient g_i · (onehot(t_i) - softmax(logits[i])) in one buffer
-// (gather + logsumexp as separate ops would allocate and add several of them). Same values,
-// forward and backward, as that composition. Targets [N, K] (soft targets) give [N, K]:
-// logits[i, t_ik] - logsumexp(logits[i]), gradient Σ_k g_ik · (onehot(t_ik) - softmax).
-at::Tensor TargetLogprobs(const at::Tensor& logits, const at::Tensor& targets);
+// Logits per chunk of DecoderModel::TargetLogprobs: at most this many float32 values
+// (64 MiB) unless configured, so the transient [rows, vocab] buffers (a chunk's logits and
+// their gradient) stay the same size whatever the sequence length.
+inline constexpr int64_t kLogitChunkElements = int64_t{1} << 24;
+// Rows per chunk: `configured` when positive, else max(1, kLogitChunkElements / vocab)
+// (e.g. 512 rows for a 32K vocabulary, 110 for Qwen3's 151936).
+int64_t LogitChunkRows(int64_t vocab, int64_t configured = 0);
 
 // RoPE inverse frequencies exactly as transformers computes them (fp32) over the rotated
 // dims (config.rotary_dim()), with linear or llama3 scaling.

@@ -97,6 +97,22 @@ TEST(ConfigTest, CollectiveTimeoutIsReadAndBounded) {
               HasSubstr("engine.collective_timeout_s: 86401 is out of range"));
 }
 
+TEST(ConfigTest, TrainingMemoryKeysAreReadAndChecked) {
+  absl::StatusOr<Config> c =
+      Parse("model:\n  path: m\nengine:\n  activation_checkpointing: true\n  logit_chunk_rows: 256\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->engine.activation_checkpointing);
+  EXPECT_EQ(c->engine.logit_chunk_rows, 256);
+  absl::StatusOr<Config> d = Parse("model:\n  path: m\n");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->engine.activation_checkpointing);
+  EXPECT_EQ(d->engine.logit_chunk_rows, 0);
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  activation_checkpointing: sometimes\n"),
+              HasSubstr("engine.activation_checkpointing: expected true or false, got 'sometimes'"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  logit_chunk_rows: -1\n"),
+              HasSubstr("engine.logit_chunk_rows: -1 is out of range [0, 1e+07]"));
+}
+
 TEST(ConfigTest, EnumValueIsChecked) {
   EXPECT_THAT(ErrorOf("model:\n  path: m\n  dtype: float8\n"),
               HasSubstr("test.yaml:3: model.dtype: 'float8' is not one of: float32, bfloat16, float16"));

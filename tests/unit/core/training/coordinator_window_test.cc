@@ -2,12 +2,15 @@
 // it asks the engine for over a Twinkle gradient-accumulation window, and what it reports.
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/futures/future_store.h"
 #include "core/ipc/messages.h"
@@ -77,6 +80,8 @@ class FakeEngine final : public EngineLink {
   }
   uint64_t generation() const override { return 1; }
   int64_t vocab_size() const override { return kVocab; }
+  int64_t max_position_embeddings() const override { return max_positions; }
+  int64_t max_positions = 0;
   std::vector<std::string> supported_losses() const override {
     return {"twinkle:cross_entropy", "twinkle:grpo", "cross_entropy"};
   }
@@ -244,6 +249,34 @@ TEST_F(CoordinatorWindowTest, QueuedOpsDedupeByKeyFuseAcrossAdaptersAndRespectTh
 
 // Sessions are bounded per tenant (max_sessions): the first over the limit is refused naming
 // it, another tenant is unaffected, and ending one makes room again.
+TEST_F(CoordinatorWindowTest, ASequenceLongerThanTheContextIsRefusedBeforeItIsQueued) {
+  // model.max_context_tokens when set, else the model's max_position_embeddings.
+  for (const auto& [configured, positions, limit, key] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t, std::string>>{
+           {8, 0, 8, "model.max_context_tokens"}, {0, 6, 6, "max_position_embeddings"}}) {
+    coordinator_->Stop();
+    CoordinatorOptions options;
+    options.max_context_tokens = configured;
+    engine_.max_positions = positions;
+    coordinator_ = std::make_unique<TrainingCoordinator>(options, engine_, futures_);
+    coordinator_->Start();
+    Add("a", 1);
+    EXPECT_EQ(ForwardBackward("a", {Seq(3, 2), Seq(limit, 2)}).sequences.size(), 2u);  // at the limit: trains
+    ForwardArgs args;
+    args.inputs = {Seq(3, 2), Seq(limit + 1, 2)};
+    const size_t calls = engine_.forward_calls().size();
+    absl::StatusOr<uint64_t> id =
+        coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, args, false, {});
+    ASSERT_FALSE(id.ok());
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(id.status().message(),
+                ::testing::HasSubstr(absl::StrCat("sequence 1 holds ", limit + 1, " tokens, above the model's context of ",
+                                                  limit, " tokens (", key, ")")));
+    EXPECT_EQ(engine_.forward_calls().size(), calls);  // nothing reached the engine
+  }
+  engine_.max_positions = 0;
+}
+
 TEST_F(CoordinatorWindowTest, SessionsAreBoundedPerTenant) {
   TenantContext alice{"alice"};
   alice.max_sessions = 2;
