@@ -9,7 +9,7 @@ checkpointing change how much is kept, never the numbers.
 2. Activation checkpointing: every LoRA gradient equals the non-checkpointed one (<= 1e-6
    relative, fp32) on a dense, a Qwen3.5 hybrid (Gated DeltaNet) and a MoE model.
 3. Memory: on a model whose vocabulary makes the [tokens x vocab] logits dominate, the worker's
-   peak RSS for one forward_backward stays below the size of those logits (test_memory_bench.py
+   peak RSS for one forward_backward stays below the size of those logits (tests/bench/bench_memory.py
    has the table's sweep).
 """
 

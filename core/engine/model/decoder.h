@@ -203,7 +203,7 @@ class DecoderModel {
 // their gradient) stay the same size whatever the sequence length.
 inline constexpr int64_t kLogitChunkElements = int64_t{1} << 24;
 // Rows per chunk: `configured` when positive, else max(1, kLogitChunkElements / vocab)
-// (e.g. 512 rows for a 32K vocabulary, 110 for Qwen3's 151936).
+// (e.g. 524 rows for a 32000 vocabulary, 110 for Qwen3's 151936).
 int64_t LogitChunkRows(int64_t vocab, int64_t configured = 0);
 
 // RoPE inverse frequencies exactly as transformers computes them (fp32) over the rotated
