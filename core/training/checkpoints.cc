@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "core/common/log.h"
 #include "core/engine/model/safetensors.h"
 #include "core/storage/checkpoint_dir.h"
@@ -51,32 +52,66 @@ const KindInfo& InfoOf(CheckpointKind kind) {
 
 const char* KindDir(CheckpointKind kind) { return InfoOf(kind).dir; }
 
-// The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
-const std::vector<std::string>& AllLinear() {
-  static const std::vector<std::string> kNames = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "gate_proj", "up_proj", "down_proj"};
-  return kNames;
+// The LoRA-able linears of the decoders we load, by PEFT's module names, in groups: full
+// attention, the MLP, and Qwen3.5's Gated DeltaNet (linear attention). "all-linear" is all of
+// them but lm_head, as in PEFT.
+constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
+constexpr const char* kLinearAttnKinds[] = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"};
+constexpr absl::Span<const char* const> kKindGroups[] = {kAttnKinds, kMlpKinds, kLinearAttnKinds};
+
+// "model.layers.0.mlp.up_proj" -> "up_proj".
+std::string KindOf(absl::string_view module) {
+  const size_t dot = module.rfind('.');
+  return std::string(dot == absl::string_view::npos ? module : module.substr(dot + 1));
 }
 
-std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets) {
+// The module kinds an adapter's tensors (PEFT names, "<module>.lora_A.weight") wrap.
+std::set<std::string> KindsOfTensors(const std::map<std::string, ipc::TensorDesc>& tensors) {
+  std::set<std::string> kinds;
+  for (const auto& [name, desc] : tensors) {
+    absl::string_view module = name;
+    if (absl::ConsumeSuffix(&module, ".lora_A.weight") || absl::ConsumeSuffix(&module, ".lora_B.weight")) {
+      kinds.insert(KindOf(module));
+    }
+  }
+  return kinds;
+}
+
+// adapter_config.json's target_modules as PEFT writes them: "all-linear" expanded into module
+// names. `wrapped`: the kinds the adapter's tensors hold, when known; then "all-linear" lists
+// just those (as PEFT lists the modules it wrapped: a Qwen3.5 adapter's DeltaNet linears, a
+// dense model's attention and MLP); without it, the attention and MLP kinds.
+std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets,
+                                           const std::set<std::string>* wrapped = nullptr) {
   std::vector<std::string> out;
+  const auto add = [&out](const std::string& name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  };
   for (const std::string& t : targets) {
-    const std::vector<std::string> expanded = t == "all-linear" ? AllLinear() : std::vector<std::string>{t};
-    for (const std::string& e : expanded) {
-      if (std::find(out.begin(), out.end(), e) == out.end()) out.push_back(e);
+    if (t != "all-linear") {
+      add(t);
+      continue;
+    }
+    for (absl::Span<const char* const> group : kKindGroups) {
+      const bool dense_group = group.data() != kLinearAttnKinds;
+      for (const char* kind : group) {
+        if (wrapped != nullptr ? wrapped->contains(kind) : dense_group) add(kind);
+      }
     }
   }
   return out;
 }
 
-json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model) {
+json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model,
+                       const std::set<std::string>* wrapped = nullptr) {
   return json{{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
               {"base_model_name_or_path", base_model},
               {"r", lora.rank},
               {"lora_alpha", lora.alpha},
               {"lora_dropout", lora.dropout},
-              {"target_modules", PeftTargetModules(lora.targets)},
+              {"target_modules", PeftTargetModules(lora.targets, wrapped)},
               {"use_rslora", lora.use_rslora},
               {"bias", "none"},
               {"fan_in_fan_out", false},
@@ -278,7 +313,8 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
   absl::StatusOr<std::string> adapter = storage::SerializeSafetensors(*weights, {{"format", "pt"}});
   if (!adapter.ok()) return adapter.status();
   files.push_back({kAdapterWeights, *std::move(adapter)});
-  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_).dump(2)});
+  const std::set<std::string> wrapped = KindsOfTensors(state->weights);
+  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_, &wrapped).dump(2)});
   const bool training = kind == CheckpointKind::kTraining;
   const bool with_optimizer = training && content.include_optimizer;
   if (training) files.push_back({kTrainerState, TrainerStateJson(content.trainer).dump(2)});
@@ -295,7 +331,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
   const CheckpointPath path{run_id, kind, name};
   const absl::Time now = clock_.Now();
   const auto has = [&](const std::string& t) {
-    const std::vector<std::string> m = PeftTargetModules(content.lora.targets);
+    const std::vector<std::string> m = PeftTargetModules(content.lora.targets, &wrapped);
     return std::find(m.begin(), m.end(), t) != m.end();
   };
   const json metadata{{"checkpoint_version", kCheckpointVersion},
@@ -689,22 +725,16 @@ absl::StatusOr<std::map<std::string, std::vector<int64_t>>> BaseWeightShapes(con
 
 namespace {
 
-constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
-constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
 constexpr char kPeftPrefix[] = "base_model.model.";
 
 absl::Status BadImport(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("import: ", std::string(what)));
 }
 
-std::string KindOf(const std::string& module) {
-  const size_t dot = module.rfind('.');
-  return dot == std::string::npos ? module : module.substr(dot + 1);
-}
-
 bool IsTargetKind(const std::string& kind) {
-  for (const char* k : kAttnKinds) if (kind == k) return true;
-  for (const char* k : kMlpKinds) if (kind == k) return true;
+  for (absl::Span<const char* const> group : kKindGroups) {
+    for (const char* k : group) if (kind == k) return true;
+  }
   return kind == "lm_head";
 }
 
@@ -768,7 +798,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
     const std::string module(rest);
     if (!IsTargetKind(KindOf(module))) {
       return BadImport(absl::StrCat("tensor '", t.name, "': module kind '", KindOf(module),
-                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, lm_head)"));
+                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, in_proj_qkv/z/b/a, out_proj, lm_head)"));
     }
     if (t.dtype != engine::SafetensorsDtype::kF32) {
       return BadImport(absl::StrCat("tensor '", t.name, "': dtype ", std::string(engine::SafetensorsDtypeName(t.dtype)),
@@ -800,12 +830,13 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
     for (const char* k : names) any = any || kinds.contains(k);
     if (any) for (const char* k : names) kinds.insert(k);
   };
-  group(kAttnKinds);
-  group(kMlpKinds);
+  for (absl::Span<const char* const> names : kKindGroups) group(names);
   std::set<std::string> expected;
   for (const auto& [tensor, shape] : base) {
     if (!absl::EndsWith(tensor, ".weight") || shape.size() != 2) continue;
     const std::string module = tensor.substr(0, tensor.size() - std::string_view(".weight").size());
+    // The text model's modules only: the engine never runs a vision tower or an MTP head.
+    if (absl::StartsWith(module, "mtp.") || absl::StrContains(module, "visual.")) continue;
     if (kinds.contains(KindOf(module)) && KindOf(module) != "lm_head") expected.insert(module);
   }
   if (kinds.contains("lm_head")) expected.insert("lm_head");
@@ -841,8 +872,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
   lora.alpha = kDefaultLoraAlpha;
   lora.use_rslora = false;
   lora.targets.clear();
-  for (const char* k : kAttnKinds) if (kinds.contains(k)) lora.targets.push_back(k);
-  for (const char* k : kMlpKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  for (absl::Span<const char* const> group : kKindGroups) {
+    for (const char* k : group) if (kinds.contains(k)) lora.targets.push_back(k);
+  }
   if (kinds.contains("lm_head")) lora.targets.push_back("lm_head");
   return WriteAdapter(tenant, run_id, CheckpointKind::kTraining, name, *std::move(weights),
                       PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds,
