@@ -106,10 +106,9 @@ absl::Status Trainer::ReduceGradients(const std::vector<Adapter*>& adapters,
   return absl::OkStatus();
 }
 
-absl::Status Trainer::InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks,
-                                  int64_t kv_block_size) {
+absl::Status Trainer::InitSampler(at::ScalarType dtype, KvCacheSize cache_size) {
   absl::StatusOr<std::unique_ptr<Sampler>> sampler =
-      Sampler::Create(*model_, device_, dtype, kv_cache_blocks, kv_block_size,
+      Sampler::Create(*model_, device_, dtype, cache_size,
                       [this](const std::string& id) { return FindAdapter(id); });
   if (!sampler.ok()) return sampler.status();
   sampler_ = *std::move(sampler);

@@ -339,8 +339,10 @@ struct SampleStepReply {
   int64_t blocks_in_use = 0;
   int64_t blocks_total = 0;
   int64_t block_size = 0;
+  int64_t states_in_use = 0;  // recurrent state slots (hybrid models; 0 and 0 for a dense one)
+  int64_t states_total = 0;
   MSGPACK_DEFINE_MAP(finished, rejected, deferred, progress, running, blocks_in_use,
-                     blocks_total, block_size);
+                     blocks_total, block_size, states_in_use, states_total);
 };
 
 }  // namespace twinkle::ipc

@@ -34,7 +34,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "1")
 from e2e_support import configs, paths  # noqa: E402
 from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
 from e2e_support.training import KEYS, auth_overrides  # noqa: E402
-from e2e_support.waiting import scaled  # noqa: E402
+from e2e_support.waiting import scaled, wait_until  # noqa: E402
 
 sys.path.insert(0, str(paths.REPO_ROOT / "scripts"))
 import make_reference_models  # noqa: E402
@@ -321,3 +321,67 @@ def test_qwen3_5_adapters_round_trip_with_peft(families: FamilyServers, variant:
     made = service.create_training_client_from_state(path)
     again = made.result() if hasattr(made, "result") else made
     np.testing.assert_array_equal(forward_logprobs(again, SEQ), trained)
+
+
+# ---- recurrent state slots in the sampler's capacity -------------------------------------------------
+
+
+def test_qwen3_5_state_slots_are_counted_in_capacity(families: FamilyServers, server_bin: Path, tmp_path: Path) -> None:
+    """sampler.state_slots: 4. Capacity and /metrics report 4 slots and 0 in use; 5 samples in
+    one request (limit + 1) are refused naming both numbers; three concurrent requests of 2
+    samples (6 sequences for 4 slots) all complete, one waiting for room; then every slot is
+    free again. A dense model reports 0 slots."""
+    import concurrent.futures
+
+    import requests
+    import tinker
+    from tinker import types
+    from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb
+
+    from e2e_support import prom
+    from e2e_support.training import Client
+
+    slots = 4
+    config = configs.merged(configs.base_config(families.model("qwen3_5")),
+                            auth_overrides(sampler={"state_slots": slots}))
+    server = launch(server_bin, configs.write_config(tmp_path / "twinkle.yaml", config), config, tmp_path)
+    try:
+        server.wait_ports(scaled(STARTUP_TIMEOUT_S))
+        server.wait_health("SERVING", scaled(STARTUP_TIMEOUT_S))
+        client = Client(server.grpc_address, KEYS["alice"])
+
+        def capacity():
+            return client.utility.GetCapacity(upb.GetCapacityRequest(), metadata=client.metadata, timeout=10)
+
+        def gauges() -> tuple[float, float]:
+            samples = prom.parse(requests.get(server.http_url("/metrics"), timeout=10).text)
+            return (prom.value(samples, "twinkle_sampler_state_slots", state="in_use"),
+                    prom.value(samples, "twinkle_sampler_state_slots", state="total"))
+
+        service = tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=KEYS["alice"])
+        made = service.create_sampling_client(base_model=FAMILIES["qwen3_5"])
+        sampler = made.result() if hasattr(made, "result") else made
+        prompt = types.ModelInput.from_ints(SEQ[:6])
+        params = types.SamplingParams(max_tokens=24, temperature=1.0, seed=3)
+        sampler.sample(prompt, num_samples=1, sampling_params=params).result()  # the lane has answered once
+        assert (capacity().sampler_state_slots_total, capacity().sampler_state_slots_in_use) == (slots, 0)
+        assert [(w.state_slots_total, w.state_slots_in_use) for w in capacity().sampler_workers] == [(slots, 0)]
+
+        with pytest.raises(tinker.BadRequestError) as refused:
+            sampler.sample(prompt, num_samples=slots + 1, sampling_params=params).result()
+        assert "num_samples: 5 exceeds the 4 recurrent state slots" in str(refused.value)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(lambda s: sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(
+                max_tokens=24, temperature=1.0, seed=s)).result(), seed) for seed in range(3)]
+            results = [f.result(timeout=scaled(120)) for f in futures]
+        assert [len(r.sequences) for r in results] == [2, 2, 2]
+        assert capacity().sampler_state_slots_in_use == 0
+        wait_until(lambda: gauges() == (0.0, float(slots)), scaled(10), "the state-slot gauges at idle")  # sampled each second
+    finally:
+        stop_all([server])
+
+    dense = families.server("qwen3_moe")  # no DeltaNet layers: no slots
+    dense_client = Client(dense.grpc_address, KEYS["alice"])
+    dense_capacity = dense_client.utility.GetCapacity(upb.GetCapacityRequest(), metadata=dense_client.metadata, timeout=10)
+    assert dense_capacity.sampler_state_slots_total == 0 and dense_capacity.sampler_state_slots_in_use == 0
