@@ -328,7 +328,7 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
     for (const OpRows& r : rows) {
       if (r.adapter == nullptr || !r.adapter->targets(kind)) continue;
       kernels::LoraSegment s{r.begin, r.end, r.adapter->a(layer, kind), r.adapter->b(layer, kind),
-                             r.adapter->scale(), {}};
+                             r.adapter->scale(kind), {}};
       const double p = r.adapter->config().dropout;
       if (backward && p > 0) {
         // The mask depends only on this adapter's seed, step, micro-batch, layer and linear,
