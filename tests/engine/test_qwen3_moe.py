@@ -250,12 +250,16 @@ def test_qwen3_5_moe_packed_logits_match_transformers(engine: Engine, reference_
 
 
 def test_qwen3_5_moe_lora_matches_peft_and_fuses_exactly(reference_models: Path) -> None:
-    """DeltaNet + attention + lm_head LoRA vs PEFT (logits, logprobs, loss, gradients), then
-    3 adapters fused x 20 rounds vs each alone."""
+    """DeltaNet + attention + shared expert (gate/up/down_proj, shared_expert_gate) + lm_head
+    LoRA vs PEFT (logits, logprobs, loss, gradients), then 3 all-linear adapters fused x 20
+    rounds vs each alone."""
     model_dir = reference_models / "qwen3_5_moe"
-    with Engine() as engine:
-        load(engine, model_dir)
-        check_lora_against_peft(engine, model_dir, "qwen3_5_moe", DELTANET + ATTENTION + ["lm_head"])
+    # Two adapters: LoRA on the DeltaNet decay input (in_proj_a) is itself only ~1e-5 exact in
+    # fp32 (test_qwen3_5.py), so the shared expert is held without it.
+    for targets in (DELTANET + ATTENTION + ["lm_head"], ATTENTION + MLP + ["shared_expert_gate", "lm_head"]):
+        with Engine() as engine:
+            load(engine, model_dir)
+            check_lora_against_peft(engine, model_dir, "qwen3_5_moe", targets)
 
     def create(e: Engine, a: str) -> None:
         e.call("create_adapter", {"adapter_id": a, "rank": ADAPTERS[a], "alpha": 16.0, "seed": ord(a),
