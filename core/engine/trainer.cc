@@ -533,6 +533,9 @@ absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request
   for (LinearKind kind : config.targets) body.config.targets.push_back(LinearKindName(kind));
   body.config.seed = config.seed;
   body.config.optimizer = config.optimizer;
+  Adapter::PeftTargets peft = adapter->peft_targets();
+  body.peft = ipc::PeftTargets{std::move(peft.target_modules), std::move(peft.target_parameters),
+                               std::move(peft.rank_pattern), std::move(peft.alpha_pattern)};
   return Reply(body, std::move(reply));
 }
 

@@ -314,6 +314,28 @@ absl::Status Adapter::Restore(const AdapterStateUpdate& update) {
   return absl::OkStatus();
 }
 
+Adapter::PeftTargets Adapter::peft_targets() const {
+  PeftTargets out;
+  const bool params = targets(LinearKind::kExpertsGateUp) || targets(LinearKind::kExpertsDown) ||
+                      targets(LinearKind::kRouter);
+  for (LinearKind kind : config_.targets) {
+    const bool mlp = kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+    // Qwen3-MoE: the MLP names became parameters (a dense-MLP layer is no target any more).
+    if (kind == LinearKind::kRouter || (mlp && !targets(kind))) continue;
+    out.target_modules.push_back(LinearKindName(kind));
+  }
+  if (params) {
+    if (targets(LinearKind::kExpertsGateUp)) {
+      out.target_parameters.push_back("gate_up_proj");
+      out.rank_pattern[".*\\.gate_up_proj"] = 2 * config_.rank;
+      out.alpha_pattern[".*\\.gate_up_proj"] = 2 * config_.alpha;
+    }
+    if (targets(LinearKind::kExpertsDown)) out.target_parameters.push_back("down_proj");
+    if (targets(LinearKind::kRouter)) out.target_parameters.push_back("gate.weight");
+  }
+  return out;
+}
+
 std::pair<at::Tensor, at::Tensor> Adapter::InferenceWeights(int64_t layer, LinearKind kind) const {
   const auto& [a, b] = weights_.at(kind)[layer];
   if (IsExpertKind(kind)) return {a.detach(), b.detach()};

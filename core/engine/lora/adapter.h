@@ -94,6 +94,16 @@ class Adapter {
   // expert by the decoder) come as they are, detached.
   std::pair<at::Tensor, at::Tensor> InferenceWeights(int64_t layer, LinearKind kind) const;
 
+  // The targets as PEFT's adapter_config.json states them for this adapter on this model:
+  // target_modules; Qwen3-MoE: target_parameters ("gate_up_proj", "down_proj", "gate.weight")
+  // and, with gate_up_proj, rank_pattern {".*\\.gate_up_proj": 2r} and alpha_pattern {…: 2α}.
+  struct PeftTargets {
+    std::vector<std::string> target_modules, target_parameters;
+    std::map<std::string, int64_t> rank_pattern;
+    std::map<std::string, double> alpha_pattern;
+  };
+  PeftTargets peft_targets() const;
+
   // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
   // "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" for
   // a ConditionalGeneration checkpoint, "base_model.model.lm_head.lora_A.weight"), in a fixed order (the optimizer's parameter
