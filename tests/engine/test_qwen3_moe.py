@@ -413,3 +413,31 @@ def test_sampled_logprobs_with_expert_lora_match_training_forward(engine: Engine
             worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
                                             fwd[:len(p) - 1], 1e-5, absolute=True))
     print(f"{variant}: largest logprob difference {worst:.3e}")
+
+
+def test_merged_export_merges_the_router_and_refuses_expert_lora(reference_models: Path, tmp_path: Path) -> None:
+    """Merged export: a router LoRA (2-D) merges as PEFT's merge_and_unload does; LoRA on the
+    experts (3-D target_parameters) is refused by name (UNIMPLEMENTED), nothing written."""
+    from test_export import run_export
+    model_dir = reference_models / "qwen3_moe"
+    for targets in (["q_proj", "gate"], MLP):
+        torch.manual_seed(1)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                              LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        adapter_dir = tmp_path / "-".join(targets)
+        peft.save_pretrained(adapter_dir)
+        code, reply, _ = run_export(model_dir, adapter_dir, tmp_path / "exports", adapter_dir.name)
+        if targets == MLP:
+            assert code == 1 and reply["code"] == 12 and "LoRA on the MoE experts" in reply["message"], reply
+            assert not (tmp_path / "exports" / adapter_dir.name).exists()
+            continue
+        assert code == 0, reply
+        merged = dict(peft.merge_and_unload().state_dict())
+        got = load_file(Path(reply["path"]) / "model.safetensors")
+        changed = [k for k in got if k.endswith(("mlp.gate.weight", "q_proj.weight"))]
+        assert len(changed) == 2 * 3 - 1  # q_proj in 3 layers, the router in the 2 MoE layers
+        base = load_file(model_dir / "model.safetensors")
+        assert all(float((got[k] - base[k]).abs().max()) > 1e-3 for k in changed)  # the LoRA is in
+        worst = max(float((got[k] - merged[k]).abs().max()) for k in changed)
+        print(f"router + q_proj export vs PEFT merge_and_unload: max |dW| = {worst:.3e} over {len(changed)} tensors")
+        assert worst <= 1e-6
