@@ -17,7 +17,8 @@ model from the same target list and compare):
 Checked: logits, logprobs, loss and every LoRA gradient vs PEFT; PEFT loads the engine's
 adapter (PEFT's own saved config and the v4-style target list) and the engine loads PEFT's;
 three adapters fused x 20 training rounds vs each alone; greedy generation vs PEFT merged and
-sampled logprobs vs the training forward with expert LoRA; hostile targets, ranks and shapes.
+sampled logprobs vs the training forward with expert LoRA; rsLoRA's gate_up scale; merged
+export (router merged, expert LoRA refused); hostile targets, ranks and shapes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from test_fused import HYPER
 from test_model import check_lora_against_peft, engine_forward, hf_logits, sequences
 from test_sampler_pool import GAP, engine, load, make_adapter, one_thread, row  # noqa: F401 (fixtures)
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -441,3 +442,23 @@ def test_merged_export_merges_the_router_and_refuses_expert_lora(reference_model
         worst = max(float((got[k] - merged[k]).abs().max()) for k in changed)
         print(f"router + q_proj export vs PEFT merge_and_unload: max |dW| = {worst:.3e} over {len(changed)} tensors")
         assert worst <= 1e-6
+
+
+def test_rslora_scales_gate_up_as_peft(engine: Engine, reference_models: Path) -> None:
+    """With rsLoRA PEFT scales gate_up_proj by alpha_pattern / sqrt(rank_pattern) = 2α/√(2r),
+    the other targets by α/√r: the engine's logits equal PEFT's."""
+    from test_model import random_lora_state
+    model_dir = reference_models / "qwen3_moe"
+    load(engine, model_dir)
+    targets = ["q_proj"] + MLP + ["gate"]
+    engine.call("create_adapter", {"adapter_id": "rs", "rank": 4, "alpha": 8.0, "use_rslora": True, "targets": targets})
+    weights = random_lora_state(engine, "rs", seed=9)
+    engine.call("set_adapter_state", {"adapter_id": "rs", "weights": weights})
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8.0, use_rslora=True, target_modules=targets)).eval()
+    assert not set_peft_model_state_dict(peft, weights).unexpected_keys
+    seqs = sequences(256, [9, 30], seed=43)
+    got = engine_forward(engine, seqs, "rs")
+    with torch.no_grad():
+        for i, q in enumerate(seqs):
+            assert_close(f"rslora seq{i} logits", got[i], hf_logits(peft, q), 1e-5)
