@@ -424,7 +424,9 @@ at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x, const 
     }
     const auto same = [](const kernels::LoraSegment* p, const kernels::LoraSegment* q) {
       if (p == nullptr || q == nullptr) return p == q;
-      return p->a.is_same(q->a) && p->b.is_same(q->b) && p->scale == q->scale;
+      // By memory, not by tensor object: the sampler hands each row a view of its own.
+      return p->a.const_data_ptr() == q->a.const_data_ptr() && p->b.const_data_ptr() == q->b.const_data_ptr() &&
+             p->a.sizes().equals(q->a.sizes()) && p->scale == q->scale;
     };
     std::vector<int64_t> row_slot(static_cast<size_t>(n), 0);
     for (int64_t r = 0; r < n; ++r) {
