@@ -327,7 +327,7 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
     for (const OpRows& r : rows) {
       if (r.adapter == nullptr || !r.adapter->targets(kind)) continue;
       kernels::LoraSegment s{r.begin, r.end, r.adapter->a(layer, kind), r.adapter->b(layer, kind),
-                             r.adapter->scale(), {}};
+                             r.adapter->scale(kind), {}};
       const double p = r.adapter->config().dropout;
       if (backward && p > 0) {
         // The mask depends only on this adapter's seed, step, micro-batch, layer and linear,
@@ -532,6 +532,9 @@ absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request
   for (LinearKind kind : config.targets) body.config.targets.push_back(LinearKindName(kind));
   body.config.seed = config.seed;
   body.config.optimizer = config.optimizer;
+  Adapter::PeftTargets peft = adapter->peft_targets();
+  body.peft = ipc::PeftTargets{std::move(peft.target_modules), std::move(peft.target_parameters),
+                               std::move(peft.rank_pattern), std::move(peft.alpha_pattern)};
   return Reply(body, std::move(reply));
 }
 

@@ -66,24 +66,9 @@ std::string KindOf(absl::string_view module) {
   return std::string(dot == absl::string_view::npos ? module : module.substr(dot + 1));
 }
 
-// The module kinds an adapter's tensors (PEFT names, "<module>.lora_A.weight") wrap.
-std::set<std::string> KindsOfTensors(const std::map<std::string, ipc::TensorDesc>& tensors) {
-  std::set<std::string> kinds;
-  for (const auto& [name, desc] : tensors) {
-    absl::string_view module = name;
-    if (absl::ConsumeSuffix(&module, ".lora_A.weight") || absl::ConsumeSuffix(&module, ".lora_B.weight")) {
-      kinds.insert(KindOf(module));
-    }
-  }
-  return kinds;
-}
-
-// adapter_config.json's target_modules as PEFT writes them: "all-linear" expanded into module
-// names. `wrapped`: the kinds the adapter's tensors hold, when known; then "all-linear" lists
-// just those (as PEFT lists the modules it wrapped: a Qwen3.5 adapter's DeltaNet linears, a
-// dense model's attention and MLP); without it, the attention and MLP kinds.
-std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets,
-                                           const std::set<std::string>* wrapped = nullptr) {
+// adapter_config.json's target_modules where the engine has not stated them (an import, whose
+// targets are explicit): "all-linear" as the attention and MLP kinds.
+std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets) {
   std::vector<std::string> out;
   const auto add = [&out](const std::string& name) {
     if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
@@ -93,25 +78,33 @@ std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targe
       add(t);
       continue;
     }
-    for (absl::Span<const char* const> group : kKindGroups) {
-      const bool dense_group = group.data() != kLinearAttnKinds;
-      for (const char* kind : group) {
-        if (wrapped != nullptr ? wrapped->contains(kind) : dense_group) add(kind);
-      }
-    }
+    for (const char* kind : kAttnKinds) add(kind);
+    for (const char* kind : kMlpKinds) add(kind);
   }
   return out;
 }
 
+// `peft`: the engine's statement of the targets on its model (get_adapter_state), which
+// wins where it has any: it knows what "all-linear" resolves to there, and which names PEFT
+// turns into target_parameters (Qwen3-MoE's experts and router).
 json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model,
-                       const std::set<std::string>* wrapped = nullptr) {
+                       const ipc::PeftTargets* peft = nullptr) {
+  const bool engine = peft != nullptr && (!peft->target_modules.empty() || !peft->target_parameters.empty());
+  json target_parameters = nullptr;
+  json rank_pattern = json::object(), alpha_pattern = json::object();
+  if (engine && !peft->target_parameters.empty()) {
+    target_parameters = peft->target_parameters;
+    for (const auto& [k, v] : peft->rank_pattern) rank_pattern[k] = v;
+    for (const auto& [k, v] : peft->alpha_pattern) alpha_pattern[k] = v;
+  }
   return json{{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
               {"base_model_name_or_path", base_model},
               {"r", lora.rank},
               {"lora_alpha", lora.alpha},
               {"lora_dropout", lora.dropout},
-              {"target_modules", PeftTargetModules(lora.targets, wrapped)},
+              {"target_modules", engine ? peft->target_modules : PeftTargetModules(lora.targets)},
+              {"target_parameters", target_parameters},
               {"use_rslora", lora.use_rslora},
               {"bias", "none"},
               {"fan_in_fan_out", false},
@@ -119,8 +112,8 @@ json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model,
               {"init_lora_weights", true},
               {"modules_to_save", nullptr},
               {"use_dora", false},
-              {"rank_pattern", json::object()},
-              {"alpha_pattern", json::object()}};
+              {"rank_pattern", rank_pattern},
+              {"alpha_pattern", alpha_pattern}};
 }
 
 json TrainerStateJson(const TrainerState& t) {
@@ -178,6 +171,41 @@ absl::StatusOr<LoraArgs> ParseAdapterConfig(const json& j) {
     const json& targets = j.at("target_modules");
     lora.targets = targets.is_string() ? std::vector<std::string>{targets.get<std::string>()}
                                        : targets.get<std::vector<std::string>>();
+    // Qwen3-MoE as PEFT writes it: the experts' and router's LoRA are target_parameters (back
+    // to the names they came from), gate_up_proj's rank and alpha doubled by the patterns.
+    bool gate_up = false;
+    if (j.contains("target_parameters") && !j["target_parameters"].is_null()) {
+      for (const std::string& p : j["target_parameters"].get<std::vector<std::string>>()) {
+        const auto is = [&p](const std::string& name) { return p == name || absl::EndsWith(p, "." + name); };
+        if (is("gate_up_proj")) {
+          gate_up = true;
+          lora.targets.insert(lora.targets.end(), {"gate_proj", "up_proj"});
+        } else if (is("down_proj")) {
+          lora.targets.push_back("down_proj");
+        } else if (is("gate.weight")) {
+          lora.targets.push_back("gate");
+        } else {
+          return absl::DataLossError(absl::StrCat("adapter_config.json: target_parameters '", p,
+                                                  "' is not supported (gate_up_proj, down_proj, gate.weight)"));
+        }
+      }
+    }
+    const std::string pattern = ".*\\.gate_up_proj";
+    const auto expect = [&](const char* key, double want) -> absl::Status {
+      if (!j.contains(key) || j[key].is_null() || j[key].empty()) {
+        return gate_up ? absl::DataLossError(absl::StrCat("adapter_config.json: ", key, " must hold {\"", pattern,
+                                                          "\": ", want, "} with target_parameters gate_up_proj"))
+                       : absl::OkStatus();
+      }
+      if (!gate_up || j[key].size() != 1 || !j[key].contains(pattern) || j[key][pattern].get<double>() != want) {
+        return absl::DataLossError(absl::StrCat("adapter_config.json: ", key, " ", j[key].dump(),
+                                                " is not supported (only {\"", pattern, "\": ", want,
+                                                "}, as PEFT writes it for the experts' gate_up_proj)"));
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status s = expect("rank_pattern", 2.0 * static_cast<double>(lora.rank)); !s.ok()) return s;
+    if (absl::Status s = expect("alpha_pattern", 2.0 * lora.alpha); !s.ok()) return s;
     return lora;
   } catch (const json::exception& e) {
     return absl::DataLossError(absl::StrCat("adapter_config.json: ", e.what()));
@@ -313,8 +341,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
   absl::StatusOr<std::string> adapter = storage::SerializeSafetensors(*weights, {{"format", "pt"}});
   if (!adapter.ok()) return adapter.status();
   files.push_back({kAdapterWeights, *std::move(adapter)});
-  const std::set<std::string> wrapped = KindsOfTensors(state->weights);
-  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_, &wrapped).dump(2)});
+  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_, &state->peft).dump(2)});
   const bool training = kind == CheckpointKind::kTraining;
   const bool with_optimizer = training && content.include_optimizer;
   if (training) files.push_back({kTrainerState, TrainerStateJson(content.trainer).dump(2)});
@@ -331,7 +358,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
   const CheckpointPath path{run_id, kind, name};
   const absl::Time now = clock_.Now();
   const auto has = [&](const std::string& t) {
-    const std::vector<std::string> m = PeftTargetModules(content.lora.targets, &wrapped);
+    const std::vector<std::string> m = PeftTargetModules(content.lora.targets);
     return std::find(m.begin(), m.end(), t) != m.end();
   };
   const json metadata{{"checkpoint_version", kCheckpointVersion},

@@ -389,7 +389,7 @@ class GenerationBatch {
                                                 begins[i] + admitted[i]->prompt_len(),
                                                 a->a(layer, kind),
                                                 a->b(layer, kind),
-                                                a->scale(),
+                                                a->scale(kind),
                                                 {}});
       }
       return segments;
@@ -500,10 +500,10 @@ class GenerationBatch {
         if (cpu) {
           auto [wa, wb] = a->InferenceWeights(layer, kind);
           segments.push_back(
-              kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(), {}});
+              kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(kind), {}});
         } else {
           segments.push_back(kernels::LoraSegment{
-              row, row + 1, a->a(layer, kind), a->b(layer, kind), a->scale(), {}});
+              row, row + 1, a->a(layer, kind), a->b(layer, kind), a->scale(kind), {}});
         }
       }
       return segments;
