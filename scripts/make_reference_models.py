@@ -108,10 +108,15 @@ ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_
                 "k_norm.weight", "model.norm.weight", "language_model.norm.weight")
 
 
-def make(variant: str, out: Path, seed: int = 0) -> Path:
+def make(variant: str, out: Path, seed: int = 0, text_overrides: dict[str, Any] | None = None) -> Path:
+    """text_overrides: settings of the text model to change (e.g. vocab_size and the special
+    token ids, to serve the model with a real tokenizer)."""
     model_cls, config_fn = VARIANTS[variant]
     torch.manual_seed(seed)
     config = config_fn()
+    text_config = getattr(config, "text_config", config)
+    for key, value in (text_overrides or {}).items():
+        setattr(text_config, key, value)
     config.torch_dtype = torch.float32
     model = model_cls(config).eval()
     qwen3_5 = variant.startswith("qwen3_5")

@@ -221,7 +221,7 @@ void SampleGauges(ServingState& state) {
   state.metrics.SetDraining(state.draining.load());
   const sampling::SamplerStats z = state.sampler->stats();
   state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
-                            z.tokens_generated});
+                            z.tokens_generated, z.states_in_use, z.states_total});
 }
 
 // Once a second: expire adapters and futures, and sample the gauges; every
@@ -322,6 +322,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
   o.max_lora_rank = c.limits.max_lora_rank;
   o.kv_cache_blocks = DedicatedSampler(c) ? 1 : c.sampler.kv_cache_blocks;
   o.kv_block_size = c.sampler.kv_block_size;
+  o.state_slots = DedicatedSampler(c) ? 1 : c.sampler.state_slots;
   o.activation_checkpointing = c.engine.activation_checkpointing;
   o.logit_chunk_rows = c.engine.logit_chunk_rows;
   o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
@@ -344,6 +345,7 @@ SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
   o.pool = "sampler";
   o.devices = c.sampler.devices;
   o.kv_cache_blocks = c.sampler.kv_cache_blocks;
+  o.state_slots = c.sampler.state_slots;
   o.data_parallel = false;  // sampler workers are independent
   return o;
 }

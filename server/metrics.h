@@ -68,10 +68,12 @@ class Metrics {
   // 1 from SIGTERM until exit: readiness fails and new calls are refused (server.drain_timeout_s).
   void SetDraining(bool draining);
   // The sampler pool: open sessions, engine snapshots, rows waiting / in the engine's batch,
-  // KV cache blocks in use / total, and tokens generated so far (a running total).
+  // KV cache blocks in use / total, tokens generated so far (a running total), and a hybrid
+  // model's recurrent state slots in use / total (0 and 0 for a dense model).
   struct SamplerGauges {
     int64_t sessions = 0, snapshots = 0, waiting = 0, running = 0;
     int64_t kv_blocks_in_use = 0, kv_blocks_total = 0, tokens_generated = 0;
+    int64_t state_slots_in_use = 0, state_slots_total = 0;
   };
   void SetSampler(const SamplerGauges& g);
 
@@ -104,6 +106,7 @@ class Metrics {
   prometheus::Gauge& sampler_snapshots_;
   prometheus::Family<prometheus::Gauge>& sampler_requests_;
   prometheus::Family<prometheus::Gauge>& sampler_kv_blocks_;
+  prometheus::Family<prometheus::Gauge>& sampler_state_slots_;
   prometheus::Counter& sampler_tokens_;
   // RecordRequest's cache of series, per method: its latency histogram and its request
   // counter per code. Read-mostly: a shared lock on the hot path, exclusive to add a series

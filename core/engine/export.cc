@@ -129,6 +129,12 @@ absl::StatusOr<ExportResult> Export(const ExportRequest& request) {
   const std::string embed = config->text_prefix + "embed_tokens.weight";
   bool untie = false;
   for (const auto& [weight, pair] : adapter->pairs) {
+    if (absl::EndsWith(weight, ".mlp.experts.weight") || absl::EndsWith(weight, ".mlp.experts.base_layer.weight")) {
+      return absl::UnimplementedError(absl::StrCat(
+          "the adapter has LoRA on the MoE experts (", weight.substr(0, weight.size() - 7),
+          ", PEFT target_parameters), which merged export does not support yet; the adapter "
+          "checkpoint itself loads in PEFT"));
+    }
     if (source_of.count(weight) == 0) {
       if (weight == "lm_head.weight" && config->tie_word_embeddings && base->Find(embed) != nullptr) {
         source_of[weight] = embed;

@@ -135,12 +135,14 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   model->set_activation_checkpointing(req->activation_checkpointing);
   auto trainer = std::make_unique<Trainer>(std::move(model), *device, req->max_lora_rank,
                                            std::move(group));
-  if (absl::Status s = trainer->InitSampler(*dtype, req->kv_cache_blocks, req->kv_block_size);
+  if (absl::Status s = trainer->InitSampler(
+          *dtype, {req->kv_cache_blocks, req->kv_block_size, req->state_slots});
       !s.ok()) {
     return s;
   }
   reply.kv_cache_blocks = trainer->sampler().blocks_total();
   reply.kv_block_size = trainer->sampler().block_size();
+  reply.state_slots = trainer->sampler().states_total();
   trainer_ = std::move(trainer);
   trainer_->RegisterMethods(methods_);
   reply.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);

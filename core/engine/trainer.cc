@@ -106,10 +106,9 @@ absl::Status Trainer::ReduceGradients(const std::vector<Adapter*>& adapters,
   return absl::OkStatus();
 }
 
-absl::Status Trainer::InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks,
-                                  int64_t kv_block_size) {
+absl::Status Trainer::InitSampler(at::ScalarType dtype, KvCacheSize cache_size) {
   absl::StatusOr<std::unique_ptr<Sampler>> sampler =
-      Sampler::Create(*model_, device_, dtype, kv_cache_blocks, kv_block_size,
+      Sampler::Create(*model_, device_, dtype, cache_size,
                       [this](const std::string& id) { return FindAdapter(id); });
   if (!sampler.ok()) return sampler.status();
   sampler_ = *std::move(sampler);
@@ -328,7 +327,7 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
     for (const OpRows& r : rows) {
       if (r.adapter == nullptr || !r.adapter->targets(kind)) continue;
       kernels::LoraSegment s{r.begin, r.end, r.adapter->a(layer, kind), r.adapter->b(layer, kind),
-                             r.adapter->scale(), {}};
+                             r.adapter->scale(kind), {}};
       const double p = r.adapter->config().dropout;
       if (backward && p > 0) {
         // The mask depends only on this adapter's seed, step, micro-batch, layer and linear,
@@ -535,6 +534,9 @@ absl::StatusOr<MethodReply> Trainer::GetAdapterState(const ipc::Message& request
   for (LinearKind kind : config.targets) body.config.targets.push_back(LinearKindName(kind));
   body.config.seed = config.seed;
   body.config.optimizer = config.optimizer;
+  Adapter::PeftTargets peft = adapter->peft_targets();
+  body.peft = ipc::PeftTargets{std::move(peft.target_modules), std::move(peft.target_parameters),
+                               std::move(peft.rank_pattern), std::move(peft.alpha_pattern)};
   return Reply(body, std::move(reply));
 }
 

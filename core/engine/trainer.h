@@ -34,7 +34,7 @@ class Trainer {
           std::unique_ptr<ProcessGroup> group = nullptr);
 
   // Allocates the sampler's KV cache (0 = defaults); before RegisterMethods.
-  absl::Status InitSampler(at::ScalarType dtype, int64_t kv_cache_blocks, int64_t kv_block_size);
+  absl::Status InitSampler(at::ScalarType dtype, KvCacheSize cache_size);
   const Sampler& sampler() const { return *sampler_; }
 
   // Adds this trainer's methods to the worker's method table.

@@ -225,6 +225,10 @@ int64_t DataParallelLink::max_position_embeddings() const {
   std::optional<ModelInfo> info = supervisor_.model_info();
   return info ? info->max_position_embeddings : 0;
 }
+int64_t DataParallelLink::state_slots() const {
+  std::optional<ModelInfo> info = supervisor_.model_info();
+  return info ? info->state_slots : 0;
+}
 std::vector<std::string> DataParallelLink::supported_losses() const {
   std::optional<ModelInfo> info = supervisor_.model_info();
   return info ? info->supported_losses : std::vector<std::string>{};

@@ -69,6 +69,7 @@ class DataParallelLink final : public training::EngineLink {
   uint64_t generation() const override { return supervisor_.engine_generation(0); }
   int64_t vocab_size() const override;
   int64_t max_position_embeddings() const override;
+  int64_t state_slots() const override;
   std::vector<std::string> supported_losses() const override;
 
   int32_t world_size() const { return world_size_; }

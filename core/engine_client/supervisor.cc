@@ -445,7 +445,7 @@ void Supervisor::HandleMessages(absl::Time now) {
         load.envelope.body =
             ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device,
                                                 options_.max_lora_rank, options_.kv_cache_blocks,
-                                                options_.kv_block_size,
+                                                options_.kv_block_size, options_.state_slots,
                                                 options_.activation_checkpointing,
                                                 options_.logit_chunk_rows});
         absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
@@ -489,7 +489,7 @@ void Supervisor::HandleMessages(absl::Time now) {
                                 reply->dtype, reply->num_layers, reply->vocab_size,
                                 reply->hidden_size, reply->supported_losses,
                                 reply->kv_cache_blocks, reply->kv_block_size,
-                                reply->max_position_embeddings};
+                                reply->max_position_embeddings, reply->state_slots};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
         w.loaded_generation = ++engine_generation_;

@@ -39,6 +39,7 @@ struct SupervisorOptions {
   int64_t max_lora_rank = 0;          // passed to the workers, which refuse larger adapters
   int64_t kv_cache_blocks = 0;        // sampler KV cache blocks per worker (0 = engine default 2048)
   int64_t kv_block_size = 0;          // tokens per KV block (0 = engine default 16)
+  int64_t state_slots = 0;            // recurrent state slots of a hybrid model (0 = engine default 64)
   bool activation_checkpointing = false;  // engine.activation_checkpointing
   int64_t logit_chunk_rows = 0;           // engine.logit_chunk_rows (0 = engine default)
   absl::Duration heartbeat_interval = absl::Milliseconds(200);
@@ -84,6 +85,7 @@ struct ModelInfo {
   int64_t kv_cache_blocks = 0;  // the sampler's KV cache per worker, as allocated
   int64_t kv_block_size = 0;
   int64_t max_position_embeddings = 0;
+  int64_t state_slots = 0;  // the sampler's recurrent state slots per worker (0: dense model)
 };
 
 class Supervisor {

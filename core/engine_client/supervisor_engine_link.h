@@ -31,6 +31,10 @@ class SupervisorEngineLink final : public training::EngineLink {
     std::optional<ModelInfo> info = supervisor_.model_info();
     return info ? info->max_position_embeddings : 0;
   }
+  int64_t state_slots() const override {
+    std::optional<ModelInfo> info = supervisor_.model_info();
+    return info ? info->state_slots : 0;
+  }
   std::vector<std::string> supported_losses() const override {
     std::optional<ModelInfo> info = supervisor_.model_info();
     return info ? info->supported_losses : std::vector<std::string>{};

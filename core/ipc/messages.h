@@ -42,12 +42,13 @@ struct LoadModelRequest {
   int64_t max_lora_rank = 0;  // create_adapter refuses larger ranks; 0 = no limit
   int64_t kv_cache_blocks = 0;  // sampler KV cache blocks per worker; 0 = 2048
   int64_t kv_block_size = 0;    // tokens per KV block; 0 = 16
+  int64_t state_slots = 0;      // recurrent state slots (hybrid models only); 0 = 64
   // Training memory: recompute each decoder layer in backward (activation checkpointing),
   // and rows per lm_head/log-softmax chunk (0 = engine default, LogitChunkRows).
   bool activation_checkpointing = false;
   int64_t logit_chunk_rows = 0;
   MSGPACK_DEFINE_MAP(model_dir, dtype, device, max_lora_rank, kv_cache_blocks, kv_block_size,
-                     activation_checkpointing, logit_chunk_rows);
+                     state_slots, activation_checkpointing, logit_chunk_rows);
 };
 struct LoadModelReply {
   std::string architecture;
@@ -64,9 +65,10 @@ struct LoadModelReply {
   int64_t kv_block_size = 0;
   int64_t max_position_embeddings = 0;
   int32_t world_size = 1;  // the data-parallel process group this rank joined (1 = none)
+  int64_t state_slots = 0;  // the sampler's recurrent state slots, as allocated (0: dense model)
   MSGPACK_DEFINE_MAP(architecture, model_type, parameter_count, dtype, device, num_layers,
                      vocab_size, hidden_size, supported_losses, load_seconds, kv_cache_blocks,
-                     kv_block_size, max_position_embeddings, world_size);
+                     kv_block_size, max_position_embeddings, world_size, state_slots);
 };
 
 // Describes a tensor travelling as a raw frame: frame index into Message::buffers.

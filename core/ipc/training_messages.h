@@ -143,6 +143,17 @@ struct ClipGradNormReply {
 // Everything that makes an adapter what it is, so that offloading (get_adapter_state +
 // remove_adapter, later create_adapter(config) + set_adapter_state with these fields) lets
 // training continue bit for bit: same weights, gradients, optimizer and dropout masks.
+// The targets as PEFT writes them in adapter_config.json for this adapter on this model
+// (the engine knows the model): Qwen3-MoE's experts and router are target_parameters with
+// gate_up_proj's rank and alpha doubled by rank_pattern / alpha_pattern, as PEFT 0.21's
+// conversion writes them; otherwise target_modules names every linear "all-linear" resolved to.
+struct PeftTargets {
+  std::vector<std::string> target_modules;
+  std::vector<std::string> target_parameters;
+  std::map<std::string, int64_t> rank_pattern;
+  std::map<std::string, double> alpha_pattern;
+  MSGPACK_DEFINE_MAP(target_modules, target_parameters, rank_pattern, alpha_pattern);
+};
 struct AdapterStateReply {
   std::map<std::string, TensorDesc> weights;    // PEFT keys
   std::map<std::string, TensorDesc> grads;      // accumulated, where any
@@ -151,8 +162,9 @@ struct AdapterStateReply {
   std::string optimizer_kind;                   // "adamw" | "adam" | "sgd"
   int64_t micro_batches_since_step = 0;         // seeds the next dropout masks
   CreateAdapterRequest config;                  // the create_adapter body that rebuilds it
+  PeftTargets peft;                             // for adapter_config.json
   MSGPACK_DEFINE_MAP(weights, grads, optimizer, step, optimizer_kind, micro_batches_since_step,
-                     config);
+                     config, peft);
 };
 // Restores what get_adapter_state returned; a field left out keeps the adapter's current
 // value. Weights may be a subset (by PEFT key). `grads`, when present (even empty), become
@@ -339,8 +351,10 @@ struct SampleStepReply {
   int64_t blocks_in_use = 0;
   int64_t blocks_total = 0;
   int64_t block_size = 0;
+  int64_t states_in_use = 0;  // recurrent state slots (hybrid models; 0 and 0 for a dense one)
+  int64_t states_total = 0;
   MSGPACK_DEFINE_MAP(finished, rejected, deferred, progress, running, blocks_in_use,
-                     blocks_total, block_size);
+                     blocks_total, block_size, states_in_use, states_total);
 };
 
 }  // namespace twinkle::ipc

@@ -617,8 +617,11 @@ SamplerStats SamplerCoordinator::stats() const {
   s.sessions = static_cast<int64_t>(sessions_.size());
   for (const std::unique_ptr<Lane>& lane : lanes_) {
     SamplerLaneStats l{static_cast<int64_t>(lane->waiting.size()), static_cast<int64_t>(lane->running.size()),
-                       lane->blocks_in_use, lane->blocks_total, lane->tokens_generated};
+                       lane->blocks_in_use, lane->blocks_total, lane->tokens_generated,
+                       lane->states_in_use, lane->states_total};
     s.waiting += l.waiting;
+    s.states_in_use += l.states_in_use;
+    s.states_total += l.states_total;
     s.running += l.running;
     s.blocks_in_use += l.blocks_in_use;
     s.blocks_total += l.blocks_total;
@@ -669,6 +672,11 @@ absl::StatusOr<uint64_t> SamplerCoordinator::SubmitSample(const TenantContext& t
   if (params.num_samples < 0 || params.num_samples > options_.max_num_samples) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_samples: ", params.num_samples, " must be in [1, ", options_.max_num_samples, "]"));
+  }
+  if (const int64_t slots = model_.state_slots(); slots > 0 && params.num_samples > slots) {
+    return absl::InvalidArgumentError(absl::StrCat("num_samples: ", params.num_samples, " exceeds the ", slots,
+                                                   " recurrent state slots of a sampler worker (sequences of this "
+                                                   "hybrid model that can run at once: sampler.state_slots)"));
   }
   if (prompts.empty()) return absl::InvalidArgumentError("prompts: empty; give at least one prompt");
   const int64_t vocab = model_.vocab_size();

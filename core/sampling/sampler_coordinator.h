@@ -176,6 +176,8 @@ struct SamplerLaneStats {
   int64_t blocks_in_use = 0;
   int64_t blocks_total = 0;
   int64_t tokens_generated = 0;
+  int64_t states_in_use = 0;  // recurrent state slots of a hybrid model (0 and 0: dense)
+  int64_t states_total = 0;
 };
 
 // Sums over the lanes, and each lane's own figures (`lanes`, in link order).
@@ -188,6 +190,8 @@ struct SamplerStats {
   int64_t blocks_total = 0;  // known once a lane's engine has answered a sample_step
   int64_t block_size = 0;
   int64_t tokens_generated = 0;
+  int64_t states_in_use = 0;
+  int64_t states_total = 0;
   std::vector<SamplerLaneStats> lanes;
 };
 

@@ -451,6 +451,8 @@ void SamplerCoordinator::DecodeLoop(Lane& lane) {
       lane.blocks_in_use = body->blocks_in_use;
       lane.blocks_total = body->blocks_total;
       lane.block_size = body->block_size;
+      lane.states_in_use = body->states_in_use;
+      lane.states_total = body->states_total;
     }
     for (auto& [row, m] : progress) {
       const Request& request = *row->request;

@@ -96,6 +96,8 @@ struct SamplerCoordinator::Lane {
   int64_t blocks_in_use = 0;  // from the engine's last sample_step reply
   int64_t blocks_total = 0;
   int64_t block_size = 0;
+  int64_t states_in_use = 0;  // recurrent state slots (hybrid models), from the same reply
+  int64_t states_total = 0;
   int64_t tokens_generated = 0;
   absl::CondVar wake;  // with mu_: work arrived, a snapshot may be free, or stop
   std::thread thread;

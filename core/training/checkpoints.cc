@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "core/common/log.h"
 #include "core/engine/model/safetensors.h"
 #include "core/storage/checkpoint_dir.h"
@@ -51,32 +52,59 @@ const KindInfo& InfoOf(CheckpointKind kind) {
 
 const char* KindDir(CheckpointKind kind) { return InfoOf(kind).dir; }
 
-// The decoder linears PEFT's "all-linear" means for our architectures (lm_head excluded).
-const std::vector<std::string>& AllLinear() {
-  static const std::vector<std::string> kNames = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "gate_proj", "up_proj", "down_proj"};
-  return kNames;
+// The LoRA-able linears of the decoders we load, by PEFT's module names, in groups: full
+// attention, the MLP, and Qwen3.5's Gated DeltaNet (linear attention). "all-linear" is all of
+// them but lm_head, as in PEFT.
+constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
+constexpr const char* kLinearAttnKinds[] = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"};
+constexpr absl::Span<const char* const> kKindGroups[] = {kAttnKinds, kMlpKinds, kLinearAttnKinds};
+
+// "model.layers.0.mlp.up_proj" -> "up_proj".
+std::string KindOf(absl::string_view module) {
+  const size_t dot = module.rfind('.');
+  return std::string(dot == absl::string_view::npos ? module : module.substr(dot + 1));
 }
 
+// adapter_config.json's target_modules where the engine has not stated them (an import, whose
+// targets are explicit): "all-linear" as the attention and MLP kinds.
 std::vector<std::string> PeftTargetModules(const std::vector<std::string>& targets) {
   std::vector<std::string> out;
+  const auto add = [&out](const std::string& name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  };
   for (const std::string& t : targets) {
-    const std::vector<std::string> expanded = t == "all-linear" ? AllLinear() : std::vector<std::string>{t};
-    for (const std::string& e : expanded) {
-      if (std::find(out.begin(), out.end(), e) == out.end()) out.push_back(e);
+    if (t != "all-linear") {
+      add(t);
+      continue;
     }
+    for (const char* kind : kAttnKinds) add(kind);
+    for (const char* kind : kMlpKinds) add(kind);
   }
   return out;
 }
 
-json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model) {
+// `peft`: the engine's statement of the targets on its model (get_adapter_state), which
+// wins where it has any: it knows what "all-linear" resolves to there, and which names PEFT
+// turns into target_parameters (Qwen3-MoE's experts and router).
+json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model,
+                       const ipc::PeftTargets* peft = nullptr) {
+  const bool engine = peft != nullptr && (!peft->target_modules.empty() || !peft->target_parameters.empty());
+  json target_parameters = nullptr;
+  json rank_pattern = json::object(), alpha_pattern = json::object();
+  if (engine && !peft->target_parameters.empty()) {
+    target_parameters = peft->target_parameters;
+    for (const auto& [k, v] : peft->rank_pattern) rank_pattern[k] = v;
+    for (const auto& [k, v] : peft->alpha_pattern) alpha_pattern[k] = v;
+  }
   return json{{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
               {"base_model_name_or_path", base_model},
               {"r", lora.rank},
               {"lora_alpha", lora.alpha},
               {"lora_dropout", lora.dropout},
-              {"target_modules", PeftTargetModules(lora.targets)},
+              {"target_modules", engine ? peft->target_modules : PeftTargetModules(lora.targets)},
+              {"target_parameters", target_parameters},
               {"use_rslora", lora.use_rslora},
               {"bias", "none"},
               {"fan_in_fan_out", false},
@@ -84,8 +112,8 @@ json PeftAdapterConfig(const LoraArgs& lora, const std::string& base_model) {
               {"init_lora_weights", true},
               {"modules_to_save", nullptr},
               {"use_dora", false},
-              {"rank_pattern", json::object()},
-              {"alpha_pattern", json::object()}};
+              {"rank_pattern", rank_pattern},
+              {"alpha_pattern", alpha_pattern}};
 }
 
 json TrainerStateJson(const TrainerState& t) {
@@ -143,6 +171,41 @@ absl::StatusOr<LoraArgs> ParseAdapterConfig(const json& j) {
     const json& targets = j.at("target_modules");
     lora.targets = targets.is_string() ? std::vector<std::string>{targets.get<std::string>()}
                                        : targets.get<std::vector<std::string>>();
+    // Qwen3-MoE as PEFT writes it: the experts' and router's LoRA are target_parameters (back
+    // to the names they came from), gate_up_proj's rank and alpha doubled by the patterns.
+    bool gate_up = false;
+    if (j.contains("target_parameters") && !j["target_parameters"].is_null()) {
+      for (const std::string& p : j["target_parameters"].get<std::vector<std::string>>()) {
+        const auto is = [&p](const std::string& name) { return p == name || absl::EndsWith(p, "." + name); };
+        if (is("gate_up_proj")) {
+          gate_up = true;
+          lora.targets.insert(lora.targets.end(), {"gate_proj", "up_proj"});
+        } else if (is("down_proj")) {
+          lora.targets.push_back("down_proj");
+        } else if (is("gate.weight")) {
+          lora.targets.push_back("gate");
+        } else {
+          return absl::DataLossError(absl::StrCat("adapter_config.json: target_parameters '", p,
+                                                  "' is not supported (gate_up_proj, down_proj, gate.weight)"));
+        }
+      }
+    }
+    const std::string pattern = ".*\\.gate_up_proj";
+    const auto expect = [&](const char* key, double want) -> absl::Status {
+      if (!j.contains(key) || j[key].is_null() || j[key].empty()) {
+        return gate_up ? absl::DataLossError(absl::StrCat("adapter_config.json: ", key, " must hold {\"", pattern,
+                                                          "\": ", want, "} with target_parameters gate_up_proj"))
+                       : absl::OkStatus();
+      }
+      if (!gate_up || j[key].size() != 1 || !j[key].contains(pattern) || j[key][pattern].get<double>() != want) {
+        return absl::DataLossError(absl::StrCat("adapter_config.json: ", key, " ", j[key].dump(),
+                                                " is not supported (only {\"", pattern, "\": ", want,
+                                                "}, as PEFT writes it for the experts' gate_up_proj)"));
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status s = expect("rank_pattern", 2.0 * static_cast<double>(lora.rank)); !s.ok()) return s;
+    if (absl::Status s = expect("alpha_pattern", 2.0 * lora.alpha); !s.ok()) return s;
     return lora;
   } catch (const json::exception& e) {
     return absl::DataLossError(absl::StrCat("adapter_config.json: ", e.what()));
@@ -278,7 +341,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::Save(const std::stri
   absl::StatusOr<std::string> adapter = storage::SerializeSafetensors(*weights, {{"format", "pt"}});
   if (!adapter.ok()) return adapter.status();
   files.push_back({kAdapterWeights, *std::move(adapter)});
-  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_).dump(2)});
+  files.push_back({kAdapterConfig, PeftAdapterConfig(content.lora, base_model_, &state->peft).dump(2)});
   const bool training = kind == CheckpointKind::kTraining;
   const bool with_optimizer = training && content.include_optimizer;
   if (training) files.push_back({kTrainerState, TrainerStateJson(content.trainer).dump(2)});
@@ -689,22 +752,16 @@ absl::StatusOr<std::map<std::string, std::vector<int64_t>>> BaseWeightShapes(con
 
 namespace {
 
-constexpr const char* kAttnKinds[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
-constexpr const char* kMlpKinds[] = {"gate_proj", "up_proj", "down_proj"};
 constexpr char kPeftPrefix[] = "base_model.model.";
 
 absl::Status BadImport(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("import: ", std::string(what)));
 }
 
-std::string KindOf(const std::string& module) {
-  const size_t dot = module.rfind('.');
-  return dot == std::string::npos ? module : module.substr(dot + 1);
-}
-
 bool IsTargetKind(const std::string& kind) {
-  for (const char* k : kAttnKinds) if (kind == k) return true;
-  for (const char* k : kMlpKinds) if (kind == k) return true;
+  for (absl::Span<const char* const> group : kKindGroups) {
+    for (const char* k : group) if (kind == k) return true;
+  }
   return kind == "lm_head";
 }
 
@@ -768,7 +825,7 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
     const std::string module(rest);
     if (!IsTargetKind(KindOf(module))) {
       return BadImport(absl::StrCat("tensor '", t.name, "': module kind '", KindOf(module),
-                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, lm_head)"));
+                                    "' is not supported (q/k/v/o_proj, gate/up/down_proj, in_proj_qkv/z/b/a, out_proj, lm_head)"));
     }
     if (t.dtype != engine::SafetensorsDtype::kF32) {
       return BadImport(absl::StrCat("tensor '", t.name, "': dtype ", std::string(engine::SafetensorsDtypeName(t.dtype)),
@@ -800,12 +857,13 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
     for (const char* k : names) any = any || kinds.contains(k);
     if (any) for (const char* k : names) kinds.insert(k);
   };
-  group(kAttnKinds);
-  group(kMlpKinds);
+  for (absl::Span<const char* const> names : kKindGroups) group(names);
   std::set<std::string> expected;
   for (const auto& [tensor, shape] : base) {
     if (!absl::EndsWith(tensor, ".weight") || shape.size() != 2) continue;
     const std::string module = tensor.substr(0, tensor.size() - std::string_view(".weight").size());
+    // The text model's modules only: the engine never runs a vision tower or an MTP head.
+    if (absl::StartsWith(module, "mtp.") || absl::StrContains(module, "visual.")) continue;
     if (kinds.contains(KindOf(module)) && KindOf(module) != "lm_head") expected.insert(module);
   }
   if (kinds.contains("lm_head")) expected.insert("lm_head");
@@ -841,8 +899,9 @@ absl::StatusOr<registry::CheckpointRecord> CheckpointStore::ImportPeftAdapter(
   lora.alpha = kDefaultLoraAlpha;
   lora.use_rslora = false;
   lora.targets.clear();
-  for (const char* k : kAttnKinds) if (kinds.contains(k)) lora.targets.push_back(k);
-  for (const char* k : kMlpKinds) if (kinds.contains(k)) lora.targets.push_back(k);
+  for (absl::Span<const char* const> group : kKindGroups) {
+    for (const char* k : group) if (kinds.contains(k)) lora.targets.push_back(k);
+  }
   if (kinds.contains("lm_head")) lora.targets.push_back("lm_head");
   return WriteAdapter(tenant, run_id, CheckpointKind::kTraining, name, *std::move(weights),
                       PeftAdapterConfig(lora, base_model_).dump(2), ttl_seconds,

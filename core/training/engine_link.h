@@ -23,6 +23,9 @@ class EngineLink {
   virtual int64_t vocab_size() const = 0;
   // The model's max_position_embeddings (0 = unknown): prompt + max_tokens must fit.
   virtual int64_t max_position_embeddings() const { return 0; }
+  // A hybrid model's recurrent state slots per worker (0 = none or unknown): a request's
+  // samples must fit, since each running sample holds one.
+  virtual int64_t state_slots() const { return 0; }
   // Loss names the engine implements.
   virtual std::vector<std::string> supported_losses() const = 0;
 };

@@ -126,6 +126,7 @@ template <typename V> void VisitFields(V& v, SamplerSection& c) {
   v.Field("devices", c.devices, Spec{});
   v.Field("kv_cache_blocks", c.kv_cache_blocks, Range(1, 1e8));
   v.Field("kv_block_size", c.kv_block_size, Range(1, 1024));
+  v.Field("state_slots", c.state_slots, Range(1, 65536));
   v.Field("max_decode_steps_per_call", c.max_decode_steps_per_call, Range(1, 4096));
   v.Field("stream_decode_steps_per_call", c.stream_decode_steps_per_call, Range(1, 4096));
   v.Field("max_snapshots", c.max_snapshots, Range(1, 1e5));

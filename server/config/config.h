@@ -136,6 +136,7 @@ struct SamplerSection {
   std::vector<std::string> devices;       // empty = colocated; else one sampler worker per entry
   int64_t kv_cache_blocks = 2048;         // KV cache blocks per worker that samples
   int32_t kv_block_size = 16;             // tokens per block
+  int32_t state_slots = 64;               // recurrent state slots per worker that samples (hybrid models)
   int32_t max_decode_steps_per_call = 8;  // one decode chunk: what a training step may wait behind
   int32_t stream_decode_steps_per_call = 1;  // the chunk while a streaming request runs (1 = per token)
   int32_t max_snapshots = 64;             // adapter snapshots held on the engine, server-wide

@@ -79,8 +79,10 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
       if (std::optional<ModelInfo> info = sampling.model_info()) {
         response->set_sampler_kv_blocks_total(info->kv_cache_blocks * static_cast<int64_t>(stats.lanes.size()));
         response->set_sampler_kv_block_size(info->kv_block_size);
+        response->set_sampler_state_slots_total(info->state_slots * static_cast<int64_t>(stats.lanes.size()));
       }
       response->set_sampler_kv_blocks_in_use(stats.blocks_in_use);
+      response->set_sampler_state_slots_in_use(stats.states_in_use);
       response->set_sampler_snapshots(static_cast<int32_t>(stats.snapshots));
       response->set_sampler_running(stats.running);
       response->set_sampler_waiting(stats.waiting);
@@ -92,6 +94,8 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerCo
         if (lane < workers.size()) load->set_device(workers[lane].device);
         load->set_kv_blocks_total(l.blocks_total);
         load->set_kv_blocks_in_use(l.blocks_in_use);
+        load->set_state_slots_total(l.states_total);
+        load->set_state_slots_in_use(l.states_in_use);
         load->set_running(l.running);
         load->set_waiting(l.waiting);
         load->set_tokens_generated(l.tokens_generated);

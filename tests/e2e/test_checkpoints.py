@@ -489,3 +489,58 @@ def test_merged_export_loads_in_transformers_and_matches(launch_server: LaunchSe
         worst = max(worst, float(np.max(np.abs(np.asarray(seq.logps[:-1], dtype=np.float64) - ref))))
     print(f"merged export ({exported.size_bytes} bytes) in transformers vs our adapter: max |Δ log p| = {worst:.3e}")
     assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "qwen3_5_moe"])
+def test_peft_loads_our_moe_checkpoint(launch_server: LaunchServer, tmp_path: Path, variant: str) -> None:
+    """An MoE adapter saved through the server loads in PEFT 0.21 and gives our log-probs:
+    Qwen3-MoE's experts and router as target_parameters with the gate_up rank/alpha patterns
+    PEFT writes; Qwen3.5-MoE's all-linear as the explicit list (shared expert, its gate,
+    DeltaNet). Resuming from it in the server gives the same log-probs again."""
+    import sys
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import make_reference_models
+
+    model = make_reference_models.make(variant, tmp_path / "models")
+    server = launch_server({"model": {"path": str(model)}, "storage": {"data_dir": str(tmp_path / "data")}})
+    c = Client(server.grpc_address, None)
+    n_vocab = vocab(model)
+    for name in ("p", "q"):
+        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=name, config=tpb.LoraConfig(
+            r=4, lora_alpha=16, seed=3, target_modules=["all-linear", "lm_head"])))
+    c.call("SetOptimizer", tpb.SetOptimizerRequest(adapter_name="p", optimizer_cls="AdamW", config={"lr": 5e-2}))
+    for step in range(3):
+        train_step(c, "p", data_for(step, n_vocab))
+    saved = save(c, "p", "moe-peft")
+    config = json.loads((Path(saved.checkpoint_dir) / "adapter_config.json").read_text())
+    print(f"{variant}: target_modules={config['target_modules']} target_parameters={config['target_parameters']} "
+          f"rank_pattern={config['rank_pattern']} alpha_pattern={config['alpha_pattern']}")
+    if variant == "qwen3_moe":
+        assert sorted(config["target_modules"]) == ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]
+        assert config["target_parameters"] == ["gate_up_proj", "down_proj", "gate.weight"]
+        assert config["rank_pattern"] == {r".*\.gate_up_proj": 8} and config["alpha_pattern"] == {r".*\.gate_up_proj": 32}
+    else:
+        assert {"in_proj_qkv", "gate_proj", "shared_expert_gate", "lm_head"} <= set(config["target_modules"])
+        assert config["target_parameters"] is None
+    probe = batch(77, n_vocab, sequences=3)
+    ours = c.call("ForwardOnly", tpb.ForwardRequest(adapter_name="p", inputs=probe)).result
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32),
+                                     saved.checkpoint_dir).eval()
+    c.call("ResumeFromCheckpoint", tpb.LoadRequest(adapter_name="q", name=saved.twinkle_path))
+    resumed = c.call("ForwardOnly", tpb.ForwardRequest(adapter_name="q", inputs=probe)).result
+    worst = 0.0
+    for f, seq, again in zip(probe, ours.sequences, resumed.sequences):
+        ids = torch.tensor([list(f.input_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(peft(ids).logits[0].double(), dim=-1)
+        targets = torch.tensor(list(f.labels[1:]))
+        targets = torch.where(targets == -100, ids[0, 1:], targets)
+        ref = logp[:-1].gather(1, targets[:, None])[:, 0].numpy()
+        got = np.asarray(seq.logps[:-1], dtype=np.float64)
+        worst = max(worst, float(np.max(np.abs(got - ref))))
+        assert np.array_equal(np.asarray(again.logps), np.asarray(seq.logps))
+    print(f"{variant}: PEFT-loaded checkpoint vs our log-probs: max |diff| = {worst:.3e}")
+    assert worst <= 1e-4

@@ -290,7 +290,8 @@ def test_200_mixed_requests_free_their_states(engine: Engine, reference_models: 
     import random
 
     model_dir = reference_models / "qwen3_5"
-    load(engine, model_dir, kv_cache_blocks=96, kv_block_size=4)
+    slots = 64  # load_model's default (kv_cache.h kDefaultStateSlots)
+    assert load(engine, model_dir, kv_cache_blocks=96, kv_block_size=4)["state_slots"] == slots
     sample_adapters(engine, None)
     rng = random.Random(3)
     rows = {i: row(rng.choice(["", "a", "b", "c", "d"]), sequences(256, [rng.randint(1, 40)], seed=i)[0],
@@ -303,6 +304,7 @@ def test_200_mixed_requests_free_their_states(engine: Engine, reference_models: 
         cancel = [i for i in sorted(running) if rng.random() < 0.03]
         reply = step(engine, [(i, rows[i]) for i in admit], cancel=cancel, steps=rng.randint(0, 6))
         assert not reply["rejected"], reply["rejected"]
+        assert 0 <= reply["states_in_use"] <= reply["states_total"] == slots
         running -= set(cancel)
         cancelled |= set(cancel)
         queue = reply["deferred"] + queue[len(admit):]
@@ -312,8 +314,7 @@ def test_200_mixed_requests_free_their_states(engine: Engine, reference_models: 
             done[f["request_id"]] = f["result"]
     assert set(done) | cancelled == set(rows)
     final = step(engine, steps=0)
-    assert final["blocks_in_use"] == 0 and final["running"] == 0
-    slots = 64  # kv_cache.h kDefaultStateSlots
+    assert final["blocks_in_use"] == 0 and final["running"] == 0 and final["states_in_use"] == 0
     # Prompt 4 = one shared block, + one block a sample: 65 of the 96 blocks.
     reply = step(engine, [(1000, row("a", sequences(256, [4], seed=5)[0], max_tokens=2, num_samples=slots,
                                      temperature=1.0, seed=1))], steps=4)
@@ -324,3 +325,17 @@ def test_200_mixed_requests_free_their_states(engine: Engine, reference_models: 
         engine.call("sample", {"rows": [row("", sequences(256, [3], seed=5)[0], max_tokens=1,
                                             num_samples=slots + 1)]})
     print(f"{len(done) - 1} finished, {len(cancelled)} cancelled; {slots} state slots all free afterwards")
+
+
+def test_state_slots_are_sized_by_load_model(engine: Engine, reference_models: Path) -> None:
+    """load_model's state_slots sizes the pool (the config's sampler.state_slots); a request
+    with one sample more than the slots is refused naming both numbers; a dense model has none."""
+    info = load(engine, reference_models / "qwen3_5", kv_cache_blocks=32, kv_block_size=4, state_slots=3)
+    assert info["state_slots"] == 3
+    reply = step(engine, [(1, row("", sequences(256, [4], seed=1)[0], max_tokens=2, num_samples=4, seed=1))], steps=0)
+    assert [r["request_id"] for r in reply["rejected"]] == [1]
+    assert "num_samples (4) exceeds the 3 recurrent state slots" in reply["rejected"][0]["error"]
+    reply = step(engine, [(2, row("", sequences(256, [4], seed=1)[0], max_tokens=8, num_samples=3, seed=1))], steps=1)
+    assert not reply["rejected"] and reply["states_in_use"] == 3 and reply["states_total"] == 3
+    with Engine() as dense:
+        assert load(dense, reference_models / "qwen3", state_slots=3)["state_slots"] == 0

@@ -427,7 +427,8 @@ def test_fifo_deferral_reset_cancel_and_stats(engine: Engine, reference_models: 
     load(engine, model_dir, kv_cache_blocks=19, kv_block_size=8)
     stats = step(engine, steps=0)
     assert stats == {"finished": [], "rejected": [], "deferred": [], "progress": [], "running": 0,
-                     "blocks_in_use": 0, "blocks_total": 19, "block_size": 8}
+                     "blocks_in_use": 0, "blocks_total": 19, "block_size": 8,
+                     "states_in_use": 0, "states_total": 0}
     p = torch.arange(5, 21)  # 16 tokens = 2 full blocks, shared by the samples
     big = row("", p, max_tokens=40, num_samples=3)   # 2 + 3 x 5 = 17 blocks
     small = row("", p, max_tokens=8)                 # 2 + 1 = 3 blocks

@@ -21,7 +21,7 @@ constexpr LinearKind kTargetKinds[] = {
     LinearKind::kQ,         LinearKind::kK,       LinearKind::kV,       LinearKind::kO,
     LinearKind::kGate,      LinearKind::kUp,      LinearKind::kDown,    LinearKind::kLmHead,
     LinearKind::kInProjQkv, LinearKind::kInProjZ, LinearKind::kInProjB, LinearKind::kInProjA,
-    LinearKind::kOutProj};
+    LinearKind::kOutProj,   LinearKind::kRouter,  LinearKind::kSharedExpertGate};
 
 }  // namespace
 
@@ -30,6 +30,8 @@ absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::stri
   for (const std::string& name : names) {
     if (name == "all-linear") {
       wanted.insert(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
+      wanted.insert(LinearKind::kRouter);  // only where PEFT wraps it (Qwen3-MoE)
+      wanted.insert(LinearKind::kSharedExpertGate);
       continue;
     }
     bool found = false;
@@ -43,10 +45,11 @@ absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::stri
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown LoRA target module '", name,
           "' (accepted: all-linear, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-          "lm_head; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)"));
+          "lm_head; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; Qwen3-MoE: gate "
+          "(the router); Qwen3.5-MoE: shared_expert_gate)"));
     }
   }
-  if (wanted.empty()) return std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds));
+  if (wanted.empty()) return ParseTargets({"all-linear"});
   return std::vector<LinearKind>(wanted.begin(), wanted.end());  // enum order
 }
 
@@ -69,64 +72,103 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
   // CPU from the adapter's seed so the same seed gives the same adapter on any device.
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
   const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat);
-  std::vector<LinearKind> targets =
-      config.targets.empty() ? std::vector<LinearKind>(std::begin(kAllLinearKinds), std::end(kAllLinearKinds))
-                             : config.targets;
+  std::vector<LinearKind> targets = config.targets;
+  if (targets.empty()) targets = *ParseTargets({"all-linear"});
   std::sort(targets.begin(), targets.end());
   targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
-  // Qwen3-MoE: PEFT turns gate_proj/up_proj/down_proj (and all-linear) into LoRA on the
-  // fused expert parameters (target_parameters), which the engine does not implement yet;
-  // applying them to the dense-MLP layers only would train something else than PEFT does.
-  // all-linear keeps the attention linears; naming an MLP linear is refused.
-  if (!model.config().moe_layers.empty()) {
-    const bool all_linear =
-        std::all_of(std::begin(kAllLinearKinds), std::end(kAllLinearKinds), [&](LinearKind kind) {
-          return std::find(targets.begin(), targets.end(), kind) != targets.end();
-        });
-    const auto is_mlp = [](LinearKind kind) {
-      return kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
-    };
-    if (!all_linear && std::any_of(targets.begin(), targets.end(), is_mlp)) {
+  const auto has = [](const std::vector<LinearKind>& v, LinearKind kind) {
+    return std::find(v.begin(), v.end(), kind) != v.end();
+  };
+  const bool all_linear = std::all_of(std::begin(kAllLinearKinds), std::end(kAllLinearKinds),
+                                      [&](LinearKind kind) { return has(targets, kind); });
+  const ModelConfig& mc = model.config();
+  // What the adapter holds weights for: the targets as PEFT resolves them on this model.
+  std::vector<LinearKind> kinds = targets;
+  const auto erase = [&](LinearKind kind) { kinds.erase(std::remove(kinds.begin(), kinds.end(), kind), kinds.end()); };
+  if (mc.model_type == "qwen3_moe") {
+    // PEFT 0.21 + transformers 5 (peft/utils/transformers_weight_conversion.py, qwen3_moe ->
+    // the qwen2_moe pattern): gate_proj and up_proj -> target parameter gate_up_proj (both
+    // needed: they are fused), down_proj -> down_proj, gate -> gate.weight; the remaining
+    // target_modules no longer name the MLP, so a dense-MLP layer's linears are not wrapped.
+    const bool gate = has(targets, LinearKind::kGate), up = has(targets, LinearKind::kUp);
+    if (gate != up) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "LoRA on gate_proj/up_proj/down_proj of ", model.config().architecture,
-          " means the experts (PEFT target_parameters), which is not supported yet; target the "
-          "attention linears (q_proj, k_proj, v_proj, o_proj) and lm_head"));
+          "LoRA target ", gate ? "gate_proj" : "up_proj", " without ", gate ? "up_proj" : "gate_proj", ": ",
+          mc.architecture, " fuses both into the experts' gate_up_proj (PEFT target_parameters), so they "
+          "are targeted together or not at all"));
     }
-    targets.erase(std::remove_if(targets.begin(), targets.end(), is_mlp), targets.end());
+    if (gate) kinds.push_back(LinearKind::kExpertsGateUp);
+    if (has(targets, LinearKind::kDown)) kinds.push_back(LinearKind::kExpertsDown);
+    erase(LinearKind::kGate);
+    erase(LinearKind::kUp);
+    erase(LinearKind::kDown);
+  } else {
+    // Elsewhere PEFT maps nothing: a router that is no Linear (Qwen3.5-MoE's
+    // Qwen3_5MoeTopKRouter) is refused by name and left out of all-linear.
+    if (!mc.moe_layers.empty() && !all_linear && has(targets, LinearKind::kRouter)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LoRA target gate: the router of ", mc.architecture,
+          " is not a Linear layer, and PEFT cannot target it (nor does all-linear)"));
+    }
+    erase(LinearKind::kRouter);
+  }
+  const bool param_wrapper = std::any_of(kinds.begin(), kinds.end(), [](LinearKind kind) {
+    return IsExpertKind(kind) || kind == LinearKind::kRouter;
+  });
+  if (param_wrapper && config.dropout != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lora dropout ", config.dropout, " with LoRA on the experts or the router of ", mc.architecture,
+        ": PEFT's ParamWrapper (target_parameters) does not work with lora_dropout != 0"));
   }
   // As PEFT: a named module the model does not have is no error as long as some named one
   // exists ("all-linear" names the linears of every family).
-  const int64_t layers = model.config().num_hidden_layers;
+  const int64_t layers = mc.num_hidden_layers;
   const auto present = [&](LinearKind kind) {
     for (int64_t layer = 0; layer < (kind == LinearKind::kLmHead ? 1 : layers); ++layer) {
       if (model.HasLinear(layer, kind)) return true;
     }
     return false;
   };
-  std::vector<LinearKind> missing;
-  for (LinearKind kind : targets) {
-    if (!present(kind)) missing.push_back(kind);
-  }
-  if (missing.size() == targets.size()) {
+  if (std::none_of(kinds.begin(), kinds.end(), present)) {
     std::vector<std::string> names;
-    for (LinearKind kind : missing) names.push_back(LinearKindName(kind));
+    for (LinearKind kind : targets) {
+      if (kind != LinearKind::kRouter && kind != LinearKind::kSharedExpertGate) names.push_back(LinearKindName(kind));
+    }
+    if (names.empty()) {
+      for (LinearKind kind : targets) names.push_back(LinearKindName(kind));
+    }
     return absl::InvalidArgumentError(absl::StrCat("none of the LoRA target modules [",
                                                    absl::StrJoin(names, ", "), "] is in the ",
-                                                   model.config().architecture, " model"));
+                                                   mc.architecture, " model"));
   }
+  kinds.erase(std::remove_if(kinds.begin(), kinds.end(), [&](LinearKind kind) { return !present(kind); }),
+              kinds.end());
+  // The targets as given, less what this model lacks (create_adapter with them rebuilds it).
   targets.erase(std::remove_if(targets.begin(), targets.end(),
-                               [&](LinearKind kind) { return !present(kind); }),
+                               [&](LinearKind kind) {
+                                 if (kind == LinearKind::kGate || kind == LinearKind::kUp) {
+                                   return !has(kinds, kind) && !has(kinds, LinearKind::kExpertsGateUp);
+                                 }
+                                 if (kind == LinearKind::kDown) {
+                                   return !has(kinds, kind) && !has(kinds, LinearKind::kExpertsDown);
+                                 }
+                                 return !has(kinds, kind);
+                               }),
                 targets.end());
   adapter->config_.targets = targets;
-  const auto targeted = [&](LinearKind kind) {
-    return std::find(targets.begin(), targets.end(), kind) != targets.end();
-  };
+  const double rank2 = 2.0 * r;
+  adapter->gate_up_scale_ = config.use_rslora ? 2.0 * config.alpha / std::sqrt(rank2) : 2.0 * config.alpha / rank2;
+  const auto targeted = [&](LinearKind kind) { return has(kinds, kind); };
   // One (A, B) pair: A drawn from `gen` (so the draw order fixes every adapter's init).
+  // Expert kinds (PEFT's ParamWrapper on a 3-D parameter): A [E·r, in], B [out, E·r], with
+  // gate_up_proj's r doubled; A's bound is still 1/sqrt(in).
   const auto add_pair = [&](LinearKind kind, const std::string& prefix) {
     const auto [in, out] = model.LinearShape(kind);
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    at::Tensor a = at::empty({config.rank, in}, fp32).uniform_(-bound, bound, gen).to(device);
-    at::Tensor b = at::zeros({out, config.rank}, fp32.device(device));
+    const int64_t rank = IsExpertKind(kind) ? (kind == LinearKind::kExpertsGateUp ? 2 : 1) * config.rank * mc.num_experts
+                                            : config.rank;
+    at::Tensor a = at::empty({rank, in}, fp32).uniform_(-bound, bound, gen).to(device);
+    at::Tensor b = at::zeros({out, rank}, fp32.device(device));
     a.set_requires_grad(true);
     b.set_requires_grad(true);
     adapter->named_.emplace_back(prefix + ".lora_A.weight", a);
@@ -142,7 +184,19 @@ absl::StatusOr<std::unique_ptr<Adapter>> Adapter::Create(const AdapterConfig& co
         adapter->weights_[kind].emplace_back();
         continue;
       }
-      add_pair(kind, "base_model.model." + LinearModulePath(model.config(), layer, kind));
+      add_pair(kind, "base_model.model." + LinearModulePath(mc, layer, kind));
+    }
+    // The MoE block's parameters after its linears, in PEFT's order: the experts (PEFT nests
+    // its wrappers: gate_up_proj, wrapped first, is the inner one, `experts.base_layer`, when
+    // down_proj is wrapped too), then the router, then the shared expert's gate.
+    for (LinearKind kind : kMoeKinds) {
+      if (!targeted(kind)) continue;
+      if (!model.HasLinear(layer, kind)) {
+        adapter->weights_[kind].emplace_back();
+        continue;
+      }
+      const bool inner = kind == LinearKind::kExpertsGateUp && targeted(LinearKind::kExpertsDown);
+      add_pair(kind, "base_model.model." + LinearModulePath(mc, layer, kind) + (inner ? ".base_layer" : ""));
     }
   }
   // Last, as PEFT orders it (and so adapters without it keep their draws and order). PEFT
@@ -260,8 +314,31 @@ absl::Status Adapter::Restore(const AdapterStateUpdate& update) {
   return absl::OkStatus();
 }
 
+Adapter::PeftTargets Adapter::peft_targets() const {
+  PeftTargets out;
+  const bool params = targets(LinearKind::kExpertsGateUp) || targets(LinearKind::kExpertsDown) ||
+                      targets(LinearKind::kRouter);
+  for (LinearKind kind : config_.targets) {
+    const bool mlp = kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown;
+    // Qwen3-MoE: the MLP names became parameters (a dense-MLP layer is no target any more).
+    if (kind == LinearKind::kRouter || (mlp && !targets(kind))) continue;
+    out.target_modules.push_back(LinearKindName(kind));
+  }
+  if (params) {
+    if (targets(LinearKind::kExpertsGateUp)) {
+      out.target_parameters.push_back("gate_up_proj");
+      out.rank_pattern[".*\\.gate_up_proj"] = 2 * config_.rank;
+      out.alpha_pattern[".*\\.gate_up_proj"] = 2 * config_.alpha;
+    }
+    if (targets(LinearKind::kExpertsDown)) out.target_parameters.push_back("down_proj");
+    if (targets(LinearKind::kRouter)) out.target_parameters.push_back("gate.weight");
+  }
+  return out;
+}
+
 std::pair<at::Tensor, at::Tensor> Adapter::InferenceWeights(int64_t layer, LinearKind kind) const {
   const auto& [a, b] = weights_.at(kind)[layer];
+  if (IsExpertKind(kind)) return {a.detach(), b.detach()};
   std::vector<Transposed>& per_layer = transposed_[kind];
   if (per_layer.size() != weights_.at(kind).size()) per_layer.resize(weights_.at(kind).size());
   Transposed& t = per_layer[layer];

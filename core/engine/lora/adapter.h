@@ -33,9 +33,11 @@ struct AdapterConfig {
   std::string optimizer = "adamw";
 };
 
-// Parses PEFT-style target names: "all-linear", q_proj, k_proj, ..., down_proj, lm_head
-// (InvalidArgument on an unknown name, listing the accepted ones). "all-linear" does not
-// include lm_head, as in PEFT; ["all-linear", "lm_head"] is the union.
+// Parses PEFT-style target names: "all-linear", q_proj, k_proj, ..., down_proj, lm_head,
+// gate (an MoE router), shared_expert_gate (InvalidArgument on an unknown name, listing the
+// accepted ones). "all-linear" does not include lm_head, as in PEFT; ["all-linear",
+// "lm_head"] is the union. It does include the router and shared_expert_gate: what they
+// mean on a given model, as on the MLP names, is Adapter::Create's business.
 absl::StatusOr<std::vector<LinearKind>> ParseTargets(const std::vector<std::string>& names);
 
 // What set_adapter_state restores; a part left absent keeps the adapter's current value.
@@ -63,8 +65,22 @@ class Adapter {
 
   // The config it was created with; targets resolved (never empty) and optimizer the
   // current optimizer's kind, so create_adapter with it rebuilds an equal adapter.
+  //
+  // MoE models, as PEFT 0.21 with transformers 5 resolves the targets:
+  // - Qwen3-MoE (model_type qwen3_moe): PEFT maps gate_proj and up_proj (both or neither)
+  //   onto the experts' fused gate_up_proj and down_proj onto down_proj (target_parameters,
+  //   3-D LoRA, kExpertsGateUp/kExpertsDown; gate_up gets rank 2r and alpha 2α), and
+  //   all-linear also wraps the router (gate). Dense-MLP layers (mlp_only_layers) then get
+  //   no MLP LoRA, as in PEFT. LoRA dropout is refused there (PEFT's ParamWrapper refuses it).
+  // - Qwen3.5-MoE: PEFT maps nothing; gate_proj/up_proj/down_proj are the shared expert's
+  //   Linears, all-linear adds shared_expert_gate, and the router (not a Linear) is refused.
   const AdapterConfig& config() const { return config_; }
   double scale() const { return scale_; }
+  // The scale of one target kind: scale() except for the experts' gate_up_proj, whose rank
+  // and alpha PEFT doubles (alpha / r alike; with rsLoRA 2·alpha / sqrt(2r)).
+  double scale(LinearKind kind) const {
+    return kind == LinearKind::kExpertsGateUp ? gate_up_scale_ : scale_;
+  }
   bool targets(LinearKind kind) const { return weights_.count(kind) > 0; }
   // lm_head has one (A, B) pair for the whole model: layer 0. Undefined tensors for a layer
   // without that linear (Qwen3.5: q_proj in a DeltaNet layer, in_proj_qkv in an attention one).
@@ -74,8 +90,19 @@ class Adapter {
   // (Aᵀ [in, r] and Bᵀ [r, out] dense, seen as [r, in] and [out, r] views), which is how the
   // CPU LoRA kernels read them for a few rows; with plain A and B they would transpose both
   // on every call. Cached, and rebuilt when a weight changed (its version counter moved,
-  // as optim_step and set_adapter_state do) or was replaced.
+  // as optim_step and set_adapter_state do) or was replaced. Expert kinds (3-D, read per
+  // expert by the decoder) come as they are, detached.
   std::pair<at::Tensor, at::Tensor> InferenceWeights(int64_t layer, LinearKind kind) const;
+
+  // The targets as PEFT's adapter_config.json states them for this adapter on this model:
+  // target_modules; Qwen3-MoE: target_parameters ("gate_up_proj", "down_proj", "gate.weight")
+  // and, with gate_up_proj, rank_pattern {".*\\.gate_up_proj": 2r} and alpha_pattern {…: 2α}.
+  struct PeftTargets {
+    std::vector<std::string> target_modules, target_parameters;
+    std::map<std::string, int64_t> rank_pattern;
+    std::map<std::string, double> alpha_pattern;
+  };
+  PeftTargets peft_targets() const;
 
   // Every parameter with its PEFT key ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
   // "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" for
@@ -102,6 +129,7 @@ class Adapter {
 
   AdapterConfig config_;
   double scale_ = 1.0;
+  double gate_up_scale_ = 1.0;
   std::map<LinearKind, std::vector<std::pair<at::Tensor, at::Tensor>>> weights_;
   std::vector<std::pair<std::string, at::Tensor>> named_;
   std::unique_ptr<Optimizer> optimizer_;

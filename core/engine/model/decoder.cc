@@ -351,6 +351,10 @@ const char* LinearKindName(LinearKind kind) {
     case LinearKind::kInProjB: return "in_proj_b";
     case LinearKind::kInProjA: return "in_proj_a";
     case LinearKind::kOutProj: return "out_proj";
+    case LinearKind::kRouter: return "gate";
+    case LinearKind::kExpertsGateUp: return "gate_up_proj";
+    case LinearKind::kExpertsDown: return "down_proj";
+    case LinearKind::kSharedExpertGate: return "shared_expert_gate";
   }
   return "?";
 }
@@ -370,14 +374,21 @@ const char* LinearKindModule(LinearKind kind) {
     case LinearKind::kInProjB:
     case LinearKind::kInProjA:
     case LinearKind::kOutProj: return "linear_attn";
+    case LinearKind::kRouter:
+    case LinearKind::kExpertsGateUp:
+    case LinearKind::kExpertsDown:
+    case LinearKind::kSharedExpertGate: return "mlp";
   }
   return "?";
 }
 
 std::string LinearModulePath(const ModelConfig& config, int64_t layer, LinearKind kind) {
   if (kind == LinearKind::kLmHead) return "lm_head";
-  return absl::StrCat(config.text_prefix, "layers.", layer, ".", LinearKindModule(kind), ".",
-                      LinearKindName(kind));
+  const std::string base = absl::StrCat(config.text_prefix, "layers.", layer, ".");
+  if (IsExpertKind(kind)) return base + "mlp.experts";
+  const bool shared_expert = config.is_moe_layer(layer) && config.shared_expert_intermediate_size > 0 &&
+                             (kind == LinearKind::kGate || kind == LinearKind::kUp || kind == LinearKind::kDown);
+  return absl::StrCat(base, LinearKindModule(kind), shared_expert ? ".shared_expert." : ".", LinearKindName(kind));
 }
 
 at::Tensor RopeInverseFrequencies(const ModelConfig& c) {
@@ -430,10 +441,10 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
       layer.experts_gate_up = w.at(p + "mlp.experts.gate_up_proj");
       layer.experts_down = w.at(p + "mlp.experts.down_proj");
       if (config_.shared_expert_intermediate_size > 0) {
-        layer.shared_gate = w.at(p + "mlp.shared_expert.gate_proj.weight");
-        layer.shared_up = w.at(p + "mlp.shared_expert.up_proj.weight");
-        layer.shared_down = w.at(p + "mlp.shared_expert.down_proj.weight");
-        layer.shared_expert_gate = w.at(p + "mlp.shared_expert_gate.weight");
+        layer.weight[LinearKind::kGate] = w.at(p + "mlp.shared_expert.gate_proj.weight");
+        layer.weight[LinearKind::kUp] = w.at(p + "mlp.shared_expert.up_proj.weight");
+        layer.weight[LinearKind::kDown] = w.at(p + "mlp.shared_expert.down_proj.weight");
+        layer.weight[LinearKind::kSharedExpertGate] = w.at(p + "mlp.shared_expert_gate.weight");
       }
     }
     for (LinearKind kind : kAllLinearKinds) {
@@ -453,6 +464,12 @@ DecoderModel::DecoderModel(ModelConfig config, std::map<std::string, at::Tensor>
 std::pair<int64_t, int64_t> DecoderModel::LinearShape(LinearKind kind) const {
   if (kind == LinearKind::kLmHead) return {lm_head_.size(1), lm_head_.size(0)};
   for (const Layer& layer : layers_) {
+    if (!layer.moe) continue;
+    if (kind == LinearKind::kRouter) return {layer.router.size(1), layer.router.size(0)};
+    if (kind == LinearKind::kExpertsGateUp) return {layer.experts_gate_up.size(2), layer.experts_gate_up.size(1)};
+    if (kind == LinearKind::kExpertsDown) return {layer.experts_down.size(2), layer.experts_down.size(1)};
+  }
+  for (const Layer& layer : layers_) {
     auto it = layer.weight.find(kind);
     if (it != layer.weight.end()) return {it->second.size(1), it->second.size(0)};
   }
@@ -462,7 +479,9 @@ std::pair<int64_t, int64_t> DecoderModel::LinearShape(LinearKind kind) const {
 bool DecoderModel::HasLinear(int64_t layer, LinearKind kind) const {
   if (kind == LinearKind::kLmHead) return layer == 0;
   if (layer < 0 || layer >= static_cast<int64_t>(layers_.size())) return false;
-  return layers_[static_cast<size_t>(layer)].weight.count(kind) > 0;
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  if (kind == LinearKind::kRouter || IsExpertKind(kind)) return l.moe;
+  return l.weight.count(kind) > 0;
 }
 
 at::Tensor DecoderModel::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -484,61 +503,220 @@ at::Tensor DecoderModel::Mlp(const Layer& layer, int64_t index, const at::Tensor
   return Linear(layer, index, LinearKind::kDown, gated, lora);
 }
 
-at::Tensor DecoderModel::Moe(const Layer& layer, const at::Tensor& x,
-                             const std::vector<int64_t>& group_rows) const {
-  if (group_rows.size() == 1) return MoeRows(layer, x);
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(group_rows.size());
-  int64_t start = 0;
-  for (int64_t rows : group_rows) {
-    outputs.push_back(MoeRows(layer, x.narrow(0, start, rows)));
-    start += rows;
+namespace {
+
+// `segments` (over N rows) restricted to rows [start, start + rows), made relative to start.
+std::vector<kernels::LoraSegment> LocalSegments(const std::vector<kernels::LoraSegment>& segments,
+                                                int64_t start, int64_t rows) {
+  std::vector<kernels::LoraSegment> out;
+  for (const kernels::LoraSegment& s : segments) {
+    TORCH_CHECK(!s.x.defined(), "MoE LoRA segments with their own input (dropout)");
+    const int64_t b = std::max(s.row_begin, start), e = std::min(s.row_end, start + rows);
+    if (e <= b) continue;
+    out.push_back(s);
+    out.back().row_begin = b - start;
+    out.back().row_end = e - start;
   }
-  return at::cat(outputs, 0);
+  return out;
 }
 
-at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x) const {
+// One adapter's LoRA on a 3-D expert parameter, split per expert as PEFT's ParamWrapper
+// reads it: A [E·r, in] is experts-major (expert e: rows e·r..), B [out, r·E] rank-major
+// (expert e: columns e, e + E, ...). One unbind each, so autograd has one node that
+// gathers every expert's gradient back (not one full-size scatter per expert).
+struct ExpertPairs {
+  std::vector<at::Tensor> a, b;  // per expert: [r, in], [out, r]
+  double scale = 1;
+};
+
+ExpertPairs SplitExperts(const kernels::LoraSegment& s, int64_t experts) {
+  const int64_t r = s.a.size(0) / experts;
+  TORCH_CHECK(r * experts == s.a.size(0) && s.b.size(1) == s.a.size(0),
+              "expert LoRA: A ", s.a.sizes(), " and B ", s.b.sizes(), " do not fit ", experts, " experts");
+  return ExpertPairs{s.a.reshape({experts, r, s.a.size(1)}).unbind(0),
+                     s.b.reshape({s.b.size(0), r, experts}).permute({2, 0, 1}).unbind(0), s.scale};
+}
+
+}  // namespace
+
+at::Tensor DecoderModel::Moe(const Layer& layer, int64_t index, const at::Tensor& x,
+                             const std::vector<int64_t>& group_rows, const LoraSegmentsFn& lora) const {
+  MoeLora all;
+  if (lora) {
+    all.router = lora(index, LinearKind::kRouter, x);
+    all.gate_up = lora(index, LinearKind::kExpertsGateUp, x);
+    all.down = lora(index, LinearKind::kExpertsDown, x);
+  }
+  const bool shared = layer.weight.count(LinearKind::kSharedExpertGate) > 0;
+  // Every group through its own view of x, also when there is one: the gradient x gets is
+  // then summed the same way whether the group ran fused or alone.
+  std::vector<at::Tensor> routed, gate, up, shared_gate;
+  int64_t start = 0;
+  for (int64_t rows : group_rows) {
+    const at::Tensor xg = x.narrow(0, start, rows);
+    routed.push_back(MoeRows(layer, xg,
+                             MoeLora{LocalSegments(all.router, start, rows), LocalSegments(all.gate_up, start, rows),
+                                     LocalSegments(all.down, start, rows)}));
+    if (shared) {
+      gate.push_back(at::linear(xg, layer.weight.at(LinearKind::kGate)));
+      up.push_back(at::linear(xg, layer.weight.at(LinearKind::kUp)));
+      shared_gate.push_back(at::linear(xg, layer.weight.at(LinearKind::kSharedExpertGate)));
+    }
+    start += rows;
+  }
+  const auto join = [](const std::vector<at::Tensor>& parts) {
+    return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  };
+  at::Tensor out = join(routed);
+  if (!shared) return out;
+  // Qwen3_5MoeSparseMoeBlock: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+  // The shared expert's linears are ordinary LoRA targets (PEFT target_modules): their base
+  // products per group like the experts' (over [N, H] x [H, 1] BLAS rounds a row differently
+  // with N), their LoRA per segment over all rows like any linear's.
+  const auto add_lora = [&](LinearKind kind, const at::Tensor& in, at::Tensor y) {
+    if (lora) {
+      std::vector<kernels::LoraSegment> segments = lora(index, kind, in);
+      if (!segments.empty()) y = y + kernels::LoraDelta(in, y.size(-1), segments);
+    }
+    return y;
+  };
+  auto silu = [](const at::Tensor& t) { return at::silu(t); };
+  auto sigmoid = [](const at::Tensor& t) { return at::sigmoid(t); };
+  const at::Tensor hidden = TailFree(add_lora(LinearKind::kGate, x, join(gate)), silu) *
+                            add_lora(LinearKind::kUp, x, join(up));
+  std::vector<at::Tensor> down;
+  start = 0;
+  for (int64_t rows : group_rows) {
+    down.push_back(at::linear(hidden.narrow(0, start, rows), layer.weight.at(LinearKind::kDown)));
+    start += rows;
+  }
+  const at::Tensor shared_out = add_lora(LinearKind::kDown, hidden, join(down));
+  return out + TailFree(add_lora(LinearKind::kSharedExpertGate, x, join(shared_gate)), sigmoid) * shared_out;
+}
+
+at::Tensor DecoderModel::MoeRows(const Layer& layer, const at::Tensor& x, const MoeLora& lora) const {
   const int64_t k = config_.experts_per_token, width = config_.moe_intermediate_size;
+  const int64_t experts = config_.num_experts, n = x.size(0);
   // Qwen3MoeTopKRouter: softmax in float32, top-k, optionally renormalised, cast back. The
   // routing weights stay differentiable (gradients reach x through them, as in
-  // transformers); the router's own weight is frozen like every base weight.
-  const at::Tensor logits = at::linear(x, layer.router);
+  // transformers); the router's own weight is frozen like every base weight, its LoRA (PEFT
+  // target parameter gate.weight) is added per segment like any linear's.
+  at::Tensor logits = at::linear(x, layer.router);
+  if (!lora.router.empty()) logits = logits + kernels::LoraDelta(x, logits.size(-1), lora.router);
   const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
   auto [top_w, top_i] = probs.topk(k, -1);
   if (config_.norm_topk_prob) top_w = top_w / top_w.sum(-1, /*keepdim=*/true);
   top_w = top_w.to(logits.scalar_type());
-  // The (row, k) pairs grouped by expert (stable: row order within an expert), so each
-  // expert is one matrix product over its rows: no per-token loop.
-  const at::Tensor flat = top_i.reshape({-1});
-  const at::Tensor order = at::argsort(flat, /*stable=*/true);
-  const at::Tensor counts = at::bincount(flat, {}, config_.num_experts).to(at::kCPU);
+
+  // Expert LoRA: the rows' adapters as slots (0 = none; one slot per distinct pair of
+  // gate_up / down LoRA, so rows of one adapter share a slot wherever they are). The (row, k)
+  // pairs are then grouped by expert and, within an expert, by slot: each expert is one
+  // matrix product over its rows, each (expert, slot) one LoRA product pair. Without expert
+  // LoRA there is one slot and this is the plain grouping by expert.
+  struct Slot {
+    const kernels::LoraSegment* gate_up = nullptr;
+    const kernels::LoraSegment* down = nullptr;
+  };
+  std::vector<Slot> slots(1);
+  at::Tensor key = top_i.reshape({-1});
+  if (!lora.gate_up.empty() || !lora.down.empty()) {
+    std::vector<const kernels::LoraSegment*> row_gate_up(static_cast<size_t>(n), nullptr);
+    std::vector<const kernels::LoraSegment*> row_down(static_cast<size_t>(n), nullptr);
+    for (const kernels::LoraSegment& s : lora.gate_up) {
+      std::fill(row_gate_up.begin() + s.row_begin, row_gate_up.begin() + s.row_end, &s);
+    }
+    for (const kernels::LoraSegment& s : lora.down) {
+      std::fill(row_down.begin() + s.row_begin, row_down.begin() + s.row_end, &s);
+    }
+    const auto same = [](const kernels::LoraSegment* p, const kernels::LoraSegment* q) {
+      if (p == nullptr || q == nullptr) return p == q;
+      // By memory, not by tensor object: the sampler hands each row a view of its own.
+      return p->a.const_data_ptr() == q->a.const_data_ptr() && p->b.const_data_ptr() == q->b.const_data_ptr() &&
+             p->a.sizes().equals(q->a.sizes()) && p->scale == q->scale;
+    };
+    std::vector<int64_t> row_slot(static_cast<size_t>(n), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      const kernels::LoraSegment* gu = row_gate_up[static_cast<size_t>(r)];
+      const kernels::LoraSegment* dn = row_down[static_cast<size_t>(r)];
+      if (gu == nullptr && dn == nullptr) continue;
+      size_t slot = 1;
+      while (slot < slots.size() && !(same(slots[slot].gate_up, gu) && same(slots[slot].down, dn))) ++slot;
+      if (slot == slots.size()) slots.push_back({gu, dn});
+      row_slot[static_cast<size_t>(r)] = static_cast<int64_t>(slot);
+    }
+    const at::Tensor slot_of_row =
+        at::from_blob(row_slot.data(), {n}, at::kLong).to(x.device(), /*non_blocking=*/false, /*copy=*/true);
+    key = key * static_cast<int64_t>(slots.size()) + slot_of_row.repeat_interleave(k);
+  }
+  const int64_t num_slots = static_cast<int64_t>(slots.size());
+  std::vector<ExpertPairs> gate_up_pairs(slots.size()), down_pairs(slots.size());
+  for (size_t s = 1; s < slots.size(); ++s) {
+    if (slots[s].gate_up != nullptr) gate_up_pairs[s] = SplitExperts(*slots[s].gate_up, experts);
+    if (slots[s].down != nullptr) down_pairs[s] = SplitExperts(*slots[s].down, experts);
+  }
+
+  // The (row, k) pairs grouped by key (stable: row order within a group), so each expert is
+  // one matrix product over its rows: no per-token loop.
+  const at::Tensor order = at::argsort(key, /*stable=*/true);
+  const at::Tensor counts = at::bincount(key, {}, experts * num_slots).to(at::kCPU);
   const at::Tensor rows = at::div(order, k, "trunc");
   const at::Tensor xs = x.index_select(0, rows);
   const at::Tensor ws = top_w.reshape({-1}).index_select(0, order);
   at::Tensor out = at::zeros_like(x);
   const int64_t* count = counts.const_data_ptr<int64_t>();
+  // The LoRA term of expert e over its rows `in` (laid out slot by slot, `slot_rows` each):
+  // per slot with a pair, scale · (in_s · A_eᵀ) · B_eᵀ in the weights' dtype; undefined when
+  // no slot has one.
+  const auto expert_delta = [&](const std::vector<ExpertPairs>& pairs, int64_t e, const at::Tensor& in,
+                                const std::vector<int64_t>& slot_rows, int64_t out_features) {
+    std::vector<at::Tensor> pieces;
+    bool any = false;
+    int64_t at_row = 0;
+    for (int64_t s = 0; s < num_slots; ++s) {
+      const int64_t c = slot_rows[static_cast<size_t>(s)];
+      if (c == 0) continue;
+      const ExpertPairs& p = pairs[static_cast<size_t>(s)];
+      if (p.a.empty()) {
+        pieces.push_back(at::zeros({c, out_features}, in.options()));
+      } else {
+        const at::Tensor& a = p.a[static_cast<size_t>(e)];
+        const at::Tensor part = in.narrow(0, at_row, c).to(a.scalar_type());
+        pieces.push_back((at::linear(at::linear(part, a), p.b[static_cast<size_t>(e)]) * p.scale)
+                             .to(in.scalar_type()));
+        any = true;
+      }
+      at_row += c;
+    }
+    if (!any) return at::Tensor();
+    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, 0);
+  };
   int64_t offset = 0;
+  std::vector<int64_t> slot_rows(slots.size());
   // Ascending expert order: each row sums its experts' outputs in the order transformers does.
-  for (int64_t e = 0; e < config_.num_experts; ++e) {
-    const int64_t c = count[e];
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < num_slots; ++s) {
+      slot_rows[static_cast<size_t>(s)] = count[e * num_slots + s];
+      c += slot_rows[static_cast<size_t>(s)];
+    }
     if (c == 0) continue;
-    const at::Tensor gate_up = at::linear(xs.narrow(0, offset, c), layer.experts_gate_up[e]);
+    const at::Tensor xe = xs.narrow(0, offset, c);
+    at::Tensor gate_up = at::linear(xe, layer.experts_gate_up[e]);
+    if (num_slots > 1) {
+      const at::Tensor delta = expert_delta(gate_up_pairs, e, xe, slot_rows, 2 * width);
+      if (delta.defined()) gate_up = gate_up + delta;
+    }
     const at::Tensor hidden =
         TailFree(gate_up.narrow(1, 0, width), [](const at::Tensor& t) { return at::silu(t); }) *
         gate_up.narrow(1, width, width);
-    const at::Tensor y =
-        at::linear(hidden, layer.experts_down[e]) * ws.narrow(0, offset, c).unsqueeze(1);
+    at::Tensor y = at::linear(hidden, layer.experts_down[e]);
+    if (num_slots > 1) {
+      const at::Tensor delta = expert_delta(down_pairs, e, hidden, slot_rows, y.size(1));
+      if (delta.defined()) y = y + delta;
+    }
+    y = y * ws.narrow(0, offset, c).unsqueeze(1);
     out.index_add_(0, rows.narrow(0, offset, c), y.to(out.scalar_type()));
     offset += c;
-  }
-  if (layer.shared_expert_gate.defined()) {
-    // Qwen3_5MoeSparseMoeBlock: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x).
-    auto silu = [](const at::Tensor& t) { return at::silu(t); };
-    auto sigmoid = [](const at::Tensor& t) { return at::sigmoid(t); };
-    const at::Tensor shared = at::linear(
-        TailFree(at::linear(x, layer.shared_gate), silu) * at::linear(x, layer.shared_up),
-        layer.shared_down);
-    out = out + TailFree(at::linear(x, layer.shared_expert_gate), sigmoid) * shared;
   }
   return out;
 }
@@ -850,7 +1028,7 @@ at::Tensor DecoderModel::RunLayer(int64_t index, const at::Tensor& x,
                ? LinearAttention(layer, index, normed, seq_lens, seq_groups, lora, {})
                : Attention(layer, index, normed, seq_lens, seq_groups, cos, sin, lora));
   const at::Tensor h = RmsNorm(mid, layer.post_norm);
-  return mid + (layer.moe ? Moe(layer, h, group_rows) : Mlp(layer, index, h, lora));
+  return mid + (layer.moe ? Moe(layer, index, h, group_rows, lora) : Mlp(layer, index, h, lora));
 }
 
 at::Tensor DecoderModel::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets,
@@ -991,7 +1169,7 @@ at::Tensor DecoderModel::ForwardPaged(const at::Tensor& tokens,
                  : PagedAttention(layer, index, normed, seqs, kv, slot, cos, sin, lora));
     const at::Tensor h = RmsNorm(x, layer.post_norm);
     // Generation routes all rows together (last-bit BLAS differences only, sampler.h).
-    x = x + (layer.moe ? MoeRows(layer, h) : Mlp(layer, index, h, lora));
+    x = x + (layer.moe ? Moe(layer, index, h, {h.size(0)}, lora) : Mlp(layer, index, h, lora));
   }
   // Only the rows whose logits are wanted go through the final norm and lm_head; the
   // lm_head LoRA segments (over the N packed rows) are mapped onto the kept rows.

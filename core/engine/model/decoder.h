@@ -24,10 +24,26 @@ namespace twinkle::engine {
 // (logits), one for the whole model rather than one per layer. The Gated DeltaNet linears
 // (Qwen3.5's linear_attn.*) come last so the earlier values (which seed dropout masks)
 // never move.
+// The MoE kinds come after them, for the same reason:
+// - kRouter: Qwen3-MoE's router `mlp.gate` [E, H] (PEFT: target parameter `gate.weight`).
+// - kExpertsGateUp, kExpertsDown: the routed experts' fused parameters `mlp.experts.gate_up_proj`
+//   [E, 2I, H] and `mlp.experts.down_proj` [E, H, I] (PEFT's ParamWrapper, 3-D LoRA: A [E·r, in]
+//   and B [out, E·r], expert e's pair A[e·r:(e+1)·r] and B[:, e::E]). Never named by a tenant:
+//   the adapter maps gate_proj/up_proj/down_proj onto them where PEFT does (Qwen3-MoE).
+// - kSharedExpertGate: Qwen3.5-MoE's `mlp.shared_expert_gate` [1, H]. (Its shared expert's
+//   gate/up/down projections are kGate/kUp/kDown of that MoE layer.)
 enum class LinearKind {
   kQ, kK, kV, kO, kGate, kUp, kDown, kLmHead,
   kInProjQkv, kInProjZ, kInProjB, kInProjA, kOutProj,
+  kRouter, kExpertsGateUp, kExpertsDown, kSharedExpertGate,
 };
+// The per-layer MoE kinds above, in PEFT's parameter order within a layer.
+inline constexpr LinearKind kMoeKinds[] = {LinearKind::kExpertsGateUp, LinearKind::kExpertsDown,
+                                           LinearKind::kRouter, LinearKind::kSharedExpertGate};
+// Whether `kind` is LoRA on a routed expert parameter (3-D, per expert).
+inline bool IsExpertKind(LinearKind kind) {
+  return kind == LinearKind::kExpertsGateUp || kind == LinearKind::kExpertsDown;
+}
 // PEFT's "all-linear": every linear of every decoder layer, but not lm_head (PEFT leaves the
 // output layer out of all-linear; a tenant names lm_head explicitly to train it). A model
 // has only some of them (DecoderModel::HasLinear).
@@ -35,12 +51,16 @@ inline constexpr LinearKind kAllLinearKinds[] = {
     LinearKind::kQ,         LinearKind::kK,        LinearKind::kV,        LinearKind::kO,
     LinearKind::kGate,      LinearKind::kUp,       LinearKind::kDown,     LinearKind::kInProjQkv,
     LinearKind::kInProjZ,   LinearKind::kInProjB,  LinearKind::kInProjA,  LinearKind::kOutProj};
-const char* LinearKindName(LinearKind kind);  // "q_proj", ..., "lm_head", "in_proj_qkv", ...
+// "q_proj", ..., "lm_head", "in_proj_qkv", ..., "gate" (router), "gate_up_proj",
+// "down_proj" (experts' parameters), "shared_expert_gate".
+const char* LinearKindName(LinearKind kind);
 // The module a linear belongs to, as the checkpoint names it: "self_attn", "mlp",
 // "linear_attn" (lm_head: "").
 const char* LinearKindModule(LinearKind kind);
 // The linear's module path in the checkpoint, config.text_prefix included:
-// "model.layers.3.linear_attn.in_proj_qkv", "lm_head".
+// "model.layers.3.linear_attn.in_proj_qkv", "lm_head"; in a Qwen3.5-MoE layer gate_proj is
+// "model.layers.3.mlp.shared_expert.gate_proj"; the experts' kinds are the experts module
+// "model.layers.3.mlp.experts" (PEFT's nesting, `.base_layer`, is the adapter's business).
 std::string LinearModulePath(const ModelConfig& config, int64_t layer, LinearKind kind);
 
 // Returns the LoRA segments to add to layer `layer`'s linear `kind`, whose input is `x`.
@@ -119,8 +139,8 @@ class DecoderModel {
                           PagedKv& kv, const std::vector<int64_t>* logit_rows,
                           const LoraSegmentsFn& lora) const;
 
-  // Input and output width of a targetable linear (lm_head: hidden size, vocab size);
-  // {0, 0} when no layer has it.
+  // Input and output width of a targetable linear (lm_head: hidden size, vocab size; an
+  // expert parameter: one expert's, e.g. gate_up {H, 2I}); {0, 0} when no layer has it.
   std::pair<int64_t, int64_t> LinearShape(LinearKind kind) const;
   // Whether layer `layer` has linear `kind` (lm_head: layer 0). A Qwen3.5 model has q/k/v/o
   // only in its full-attention layers and in_proj_* / out_proj only in its DeltaNet layers.
@@ -131,9 +151,9 @@ class DecoderModel {
     bool linear_attention = false;  // Gated DeltaNet (Qwen3.5) instead of full attention
     bool moe = false;               // sparse MoE block (Qwen3-MoE) instead of the dense MLP
     // MoE: router [E, H] (frozen), experts' gate|up [E, 2I, H] and down [E, H, I].
+    // Qwen3.5-MoE's shared expert (SwiGLU) is weight[kGate/kUp/kDown] and its gate [1, H]
+    // weight[kSharedExpertGate].
     at::Tensor router, experts_gate_up, experts_down;
-    // Qwen3.5-MoE's shared expert (SwiGLU) and its gate [1, H]; undefined without one.
-    at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
     at::Tensor input_norm, post_norm, q_norm, k_norm;
     // Gated DeltaNet: conv1d.weight [C, 1, K], dt_bias, A_log, the gated norm's weight.
     at::Tensor conv_weight, dt_bias, a_log, gated_norm;
@@ -167,10 +187,18 @@ class DecoderModel {
                  const LoraSegmentsFn& lora) const;
   // A sparse MoE block over row groups (`group_rows`, summing to N): each group is routed
   // and its experts computed on its own (one matrix product per expert hit), so a tenant's
-  // numbers do not depend on the rows of other groups.
-  at::Tensor Moe(const Layer& layer, const at::Tensor& x,
-                 const std::vector<int64_t>& group_rows) const;
-  at::Tensor MoeRows(const Layer& layer, const at::Tensor& x) const;
+  // numbers do not depend on the rows of other groups. LoRA on the router and the experts
+  // per segment (the segments of a group never reach outside it). The shared expert's base
+  // products run per group too, its LoRA per segment over all rows like any linear's.
+  at::Tensor Moe(const Layer& layer, int64_t index, const at::Tensor& x,
+                 const std::vector<int64_t>& group_rows, const LoraSegmentsFn& lora) const;
+  // The LoRA segments of one MoE block, rows relative to the rows MoeRows is given.
+  struct MoeLora {
+    std::vector<kernels::LoraSegment> router, gate_up, down;
+  };
+  // The routed part over rows `x`: router (+ LoRA), top-k, and per expert one matrix product
+  // over its rows, plus per adapter among them one LoRA product pair with that expert's A, B.
+  at::Tensor MoeRows(const Layer& layer, const at::Tensor& x, const MoeLora& lora) const;
   at::Tensor Attention(const Layer& layer, int64_t index, const at::Tensor& h,
                        const std::vector<int64_t>& seq_lens,
                        const std::vector<int64_t>& seq_groups, const at::Tensor& cos,

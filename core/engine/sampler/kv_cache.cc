@@ -8,11 +8,10 @@
 namespace twinkle::engine {
 
 absl::StatusOr<std::unique_ptr<KvBlockPool>> KvBlockPool::Create(const ModelConfig& config,
-                                                                 int64_t num_blocks,
-                                                                 int64_t block_size,
+                                                                 KvCacheSize size,
                                                                  at::ScalarType dtype,
-                                                                 c10::Device device,
-                                                                 int64_t state_slots) {
+                                                                 c10::Device device) {
+  int64_t num_blocks = size.num_blocks, block_size = size.block_size, state_slots = size.state_slots;
   if (state_slots < 0 || state_slots > (int64_t{1} << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("recurrent state slots (", state_slots, ") must be in [0, 2^20] (0 = default)"));

@@ -29,16 +29,20 @@ inline constexpr int64_t kDefaultKvBlockSize = 16;
 // Qwen3.5-4B holds ~50 MB of float32 state, so this is far below the block count.
 inline constexpr int64_t kDefaultStateSlots = 64;
 
+// The sampler cache's sizes, as load_model asks for them; 0 = the defaults above (state
+// slots only for hybrid models: a dense model gets none).
+struct KvCacheSize {
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t state_slots = 0;
+};
+
 class KvBlockPool {
  public:
-  // num_blocks / block_size / state_slots 0 = the defaults above (state slots only for
-  // hybrid models). InvalidArgument for negative or absurd sizes; the allocation itself may
-  // throw (out of memory), which the caller reports.
-  static absl::StatusOr<std::unique_ptr<KvBlockPool>> Create(const ModelConfig& config,
-                                                             int64_t num_blocks, int64_t block_size,
-                                                             at::ScalarType dtype,
-                                                             c10::Device device,
-                                                             int64_t state_slots = 0);
+  // InvalidArgument for negative or absurd sizes; the allocation itself may throw (out of
+  // memory), which the caller reports.
+  static absl::StatusOr<std::unique_ptr<KvBlockPool>> Create(const ModelConfig& config, KvCacheSize size,
+                                                             at::ScalarType dtype, c10::Device device);
 
   int64_t total() const { return static_cast<int64_t>(refs_.size()); }
   int64_t free() const { return static_cast<int64_t>(free_.size()); }

@@ -217,7 +217,7 @@ absl::StatusOr<RequestPtr> Prepare(uint64_t id, const ipc::SampleRowMsg& row,
   if (pool.states_total() > 0 && row.num_samples > pool.states_total()) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_samples (", row.num_samples, ") exceeds the ", pool.states_total(),
-                     " recurrent state slots (sequences that can run at once)"));
+                     " recurrent state slots (sequences that can run at once: sampler.state_slots)"));
   }
   const int64_t capacity = pool.total() * pool.block_size();
   if (row.max_tokens > capacity) {  // also keeps P + max_tokens far from overflowing
@@ -389,7 +389,7 @@ class GenerationBatch {
                                                 begins[i] + admitted[i]->prompt_len(),
                                                 a->a(layer, kind),
                                                 a->b(layer, kind),
-                                                a->scale(),
+                                                a->scale(kind),
                                                 {}});
       }
       return segments;
@@ -500,10 +500,10 @@ class GenerationBatch {
         if (cpu) {
           auto [wa, wb] = a->InferenceWeights(layer, kind);
           segments.push_back(
-              kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(), {}});
+              kernels::LoraSegment{row, row + 1, std::move(wa), std::move(wb), a->scale(kind), {}});
         } else {
           segments.push_back(kernels::LoraSegment{
-              row, row + 1, a->a(layer, kind), a->b(layer, kind), a->scale(), {}});
+              row, row + 1, a->a(layer, kind), a->b(layer, kind), a->scale(kind), {}});
         }
       }
       return segments;
@@ -720,11 +720,10 @@ std::string ErrorText(const std::exception& e) {
 
 absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(const DecoderModel& model,
                                                          c10::Device device, at::ScalarType dtype,
-                                                         int64_t kv_cache_blocks,
-                                                         int64_t kv_block_size,
+                                                         KvCacheSize cache_size,
                                                          AdapterLookup find_adapter) {
   absl::StatusOr<std::unique_ptr<KvBlockPool>> pool =
-      KvBlockPool::Create(model.config(), kv_cache_blocks, kv_block_size, dtype, device);
+      KvBlockPool::Create(model.config(), cache_size, dtype, device);
   if (!pool.ok()) return pool.status();
   return std::unique_ptr<Sampler>(
       new Sampler(model, device, *std::move(pool), std::move(find_adapter)));
@@ -880,6 +879,8 @@ absl::StatusOr<MethodReply> Sampler::SampleStep(const ipc::Message& request) {
   body.blocks_in_use = pool_->in_use();
   body.blocks_total = pool_->total();
   body.block_size = pool_->block_size();
+  body.states_in_use = pool_->states_total() - pool_->states_free();
+  body.states_total = pool_->states_total();
   reply.envelope.body = ipc::Pack(body);
   return reply;
 }

@@ -88,11 +88,9 @@ class GenerationBatch;
 
 class Sampler {
  public:
-  // kv_cache_blocks / kv_block_size: 0 = defaults (kv_cache.h).
   static absl::StatusOr<std::unique_ptr<Sampler>> Create(const DecoderModel& model,
                                                          c10::Device device, at::ScalarType dtype,
-                                                         int64_t kv_cache_blocks,
-                                                         int64_t kv_block_size,
+                                                         KvCacheSize cache_size,
                                                          AdapterLookup find_adapter);
   ~Sampler();
 
@@ -108,6 +106,7 @@ class Sampler {
 
   int64_t blocks_total() const { return pool_->total(); }
   int64_t block_size() const { return pool_->block_size(); }
+  int64_t states_total() const { return pool_->states_total(); }
 
  private:
   Sampler(const DecoderModel& model, c10::Device device, std::unique_ptr<KvBlockPool> pool,

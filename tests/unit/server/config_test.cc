@@ -113,6 +113,15 @@ TEST(ConfigTest, TrainingMemoryKeysAreReadAndChecked) {
               HasSubstr("engine.logit_chunk_rows: -1 is out of range [0, 1e+07]"));
 }
 
+TEST(ConfigTest, SamplerStateSlotsAreReadAndBounded) {
+  EXPECT_EQ(Parse("model:\n  path: m\n")->sampler.state_slots, 64);
+  EXPECT_EQ(Parse("model:\n  path: m\nsampler:\n  state_slots: 65536\n")->sampler.state_slots, 65536);
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  state_slots: 0\n"),
+              HasSubstr("sampler.state_slots: 0 is out of range [1, 65536]"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  state_slots: 65537\n"),
+              HasSubstr("sampler.state_slots: 65537 is out of range"));
+}
+
 TEST(ConfigTest, EnumValueIsChecked) {
   EXPECT_THAT(ErrorOf("model:\n  path: m\n  dtype: float8\n"),
               HasSubstr("test.yaml:3: model.dtype: 'float8' is not one of: float32, bfloat16, float16"));

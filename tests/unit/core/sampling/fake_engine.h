@@ -24,6 +24,8 @@ class FakeEngine final : public training::EngineLink {
   }
   uint64_t generation() const override { return 1; }
   int64_t vocab_size() const override { return 100; }
+  int64_t state_slots() const override { return state_slots_; }
+  int64_t state_slots_ = 0;  // a hybrid model's recurrent state slots (0: a dense model)
   std::vector<std::string> supported_losses() const override { return {"cross_entropy"}; }
 };
 

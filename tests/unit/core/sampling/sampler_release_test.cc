@@ -2,6 +2,7 @@
 // EngineLink (no engine, no sleeps): live snapshots LRU-evicted at the per-tenant cap, with a
 // clear error for a later use; sessions closed when their owning training session finishes or
 // is gone; one implicit session per (tenant, model path); other tenants untouched.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -149,6 +150,25 @@ TEST_F(SamplerReleaseTest, RequestsWithoutASessionShareOneImplicitSessionPerTena
   absl::StatusOr<std::string> again = sampler_.ImplicitSession(alice, "");
   ASSERT_TRUE(again.ok());
   EXPECT_NE(*again, *first);
+}
+
+TEST_F(SamplerReleaseTest, AHybridModelsSamplesMustFitItsStateSlotsAtLimitPlusOne) {
+  engine_.state_slots_ = 4;
+  const training::TenantContext alice = Tenant("alice");
+  absl::StatusOr<std::string> session = sampler_.CreateSession(alice, "");
+  ASSERT_TRUE(session.ok()) << session.status();
+  SamplingParams params;
+  params.max_tokens = 2;
+  params.num_samples = 5;
+  absl::StatusOr<uint64_t> refused = sampler_.SubmitSample(alice, *session, {{1, 2, 3}}, params, {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), ::testing::HasSubstr("num_samples: 5 exceeds the 4 recurrent state slots"));
+  EXPECT_EQ(sampler_.stats().waiting, 0);  // refused before anything was queued
+  params.num_samples = 4;
+  EXPECT_TRUE(sampler_.SubmitSample(alice, *session, {{1, 2, 3}}, params, {}).ok());
+  engine_.state_slots_ = 0;  // a dense model: only max_num_samples bounds it
+  params.num_samples = 100;
+  EXPECT_TRUE(sampler_.SubmitSample(alice, *session, {{1, 2, 3}}, params, {}).ok());
 }
 
 }  // namespace
