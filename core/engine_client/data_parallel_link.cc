@@ -211,27 +211,10 @@ absl::StatusOr<ipc::Message> MergeForward(const ForwardSplit& split, std::vector
 }
 
 DataParallelLink::DataParallelLink(Supervisor& supervisor, int32_t world_size)
-    : supervisor_(supervisor),
+    : SupervisorModelLink(supervisor),
       world_size_(std::max(1, world_size)),
       rank_tokens_(new std::atomic<int64_t>[static_cast<size_t>(std::max(1, world_size))]) {
   for (int32_t r = 0; r < world_size_; ++r) rank_tokens_[r] = 0;
-}
-
-int64_t DataParallelLink::vocab_size() const {
-  std::optional<ModelInfo> info = supervisor_.model_info();
-  return info ? info->vocab_size : 0;
-}
-int64_t DataParallelLink::max_position_embeddings() const {
-  std::optional<ModelInfo> info = supervisor_.model_info();
-  return info ? info->max_position_embeddings : 0;
-}
-int64_t DataParallelLink::state_slots() const {
-  std::optional<ModelInfo> info = supervisor_.model_info();
-  return info ? info->state_slots : 0;
-}
-std::vector<std::string> DataParallelLink::supported_losses() const {
-  std::optional<ModelInfo> info = supervisor_.model_info();
-  return info ? info->supported_losses : std::vector<std::string>{};
 }
 
 std::vector<int64_t> DataParallelLink::rank_tokens() const {

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/engine_client/supervisor.h"
+#include "core/engine_client/supervisor_engine_link.h"
 #include "core/ipc/envelope.h"
 #include "core/training/engine_link.h"
 
@@ -59,7 +60,7 @@ absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t w
 // ":min" keys take the extreme, other keys (":mean") the token-weighted mean over ranks.
 absl::StatusOr<ipc::Message> MergeForward(const ForwardSplit& split, std::vector<ipc::Message> replies);
 
-class DataParallelLink final : public training::EngineLink {
+class DataParallelLink final : public SupervisorModelLink {
  public:
   // Ranks 0 .. world_size-1 of `supervisor` (which runs them as one data-parallel group).
   DataParallelLink(Supervisor& supervisor, int32_t world_size);
@@ -67,10 +68,6 @@ class DataParallelLink final : public training::EngineLink {
   absl::StatusOr<ipc::Message> Call(ipc::Message request) override;
   // The group restarts as a whole, so rank 0's generation is the group's.
   uint64_t generation() const override { return supervisor_.engine_generation(0); }
-  int64_t vocab_size() const override;
-  int64_t max_position_embeddings() const override;
-  int64_t state_slots() const override;
-  std::vector<std::string> supported_losses() const override;
 
   int32_t world_size() const { return world_size_; }
   // Tokens each rank has run in forward and forward_backward calls through this link.
@@ -81,7 +78,6 @@ class DataParallelLink final : public training::EngineLink {
   std::vector<absl::StatusOr<ipc::Message>> CallRanks(std::vector<ipc::Message> requests,
                                                       const std::vector<bool>& send);
 
-  Supervisor& supervisor_;
   const int32_t world_size_;
   std::unique_ptr<std::atomic<int64_t>[]> rank_tokens_;
 };

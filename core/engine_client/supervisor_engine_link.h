@@ -16,32 +16,33 @@
 
 namespace twinkle {
 
-class SupervisorEngineLink final : public training::EngineLink {
+// What every link over a Supervisor answers from the model the workers loaded (the
+// supervisor's ModelInfo, taken from rank 0's load reply); 0 / empty before the first load.
+class SupervisorModelLink : public training::EngineLink {
  public:
-  explicit SupervisorEngineLink(Supervisor& supervisor, int32_t rank = 0) : supervisor_(supervisor), rank_(rank) {}
+  int64_t vocab_size() const override { return Info().vocab_size; }
+  int64_t max_position_embeddings() const override { return Info().max_position_embeddings; }
+  int64_t state_slots() const override { return Info().state_slots; }
+  std::vector<std::string> supported_losses() const override { return Info().supported_losses; }
+
+ protected:
+  explicit SupervisorModelLink(Supervisor& supervisor) : supervisor_(supervisor) {}
+  Supervisor& supervisor_;
+
+ private:
+  ModelInfo Info() const { return supervisor_.model_info().value_or(ModelInfo{}); }
+};
+
+class SupervisorEngineLink final : public SupervisorModelLink {
+ public:
+  explicit SupervisorEngineLink(Supervisor& supervisor, int32_t rank = 0)
+      : SupervisorModelLink(supervisor), rank_(rank) {}
   absl::StatusOr<ipc::Message> Call(ipc::Message request) override {
     return supervisor_.CallAndWait(rank_, std::move(request));
   }
   uint64_t generation() const override { return supervisor_.engine_generation(rank_); }
-  int64_t vocab_size() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->vocab_size : 0;
-  }
-  int64_t max_position_embeddings() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->max_position_embeddings : 0;
-  }
-  int64_t state_slots() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->state_slots : 0;
-  }
-  std::vector<std::string> supported_losses() const override {
-    std::optional<ModelInfo> info = supervisor_.model_info();
-    return info ? info->supported_losses : std::vector<std::string>{};
-  }
 
  private:
-  Supervisor& supervisor_;
   const int32_t rank_;
 };
 

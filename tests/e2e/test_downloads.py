@@ -32,7 +32,7 @@ from tinker import types  # noqa: E402
 
 from e2e_support import paths  # noqa: E402
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
-from e2e_support.training import KEYS, auth_overrides  # noqa: E402
+from e2e_support.training import KEYS, auth_overrides, resolved  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 SEQ = [11, 42, 7, 99, 123, 5, 64, 300, 17, 250]
@@ -93,7 +93,7 @@ def big(launch_server: LaunchServer, tmp_path: Path) -> dict[str, Any]:
     assert Path(f"/proc/{server.pid}/comm").read_text().strip().startswith("twinkle-server")
     svc = tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=KEYS["alice"])
     training = svc.create_lora_training_client(base_model=MODEL_NAME, rank=RANK)
-    training = training.result() if hasattr(training, "result") else training
+    training = resolved(training)
     datum = types.Datum(model_input=types.ModelInput.from_ints(SEQ[:-1]),
                         loss_fn_inputs={"target_tokens": SEQ[1:], "weights": [1.0] * (len(SEQ) - 1)})
     training.forward_backward([datum], "cross_entropy").result()

@@ -33,7 +33,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "1")
 
 from e2e_support import configs, paths  # noqa: E402
 from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
-from e2e_support.training import KEYS, auth_overrides  # noqa: E402
+from e2e_support.training import KEYS, auth_overrides, resolved  # noqa: E402
 from e2e_support.waiting import scaled, wait_until  # noqa: E402
 
 sys.path.insert(0, str(paths.REPO_ROOT / "scripts"))
@@ -137,7 +137,7 @@ def test_tinker_quickstart_runs_on_each_family(families: FamilyServers, variant:
     models = [m.model_name for m in service_client.get_server_capabilities().supported_models]
     assert name in models, models
     made = service_client.create_lora_training_client(base_model=name)
-    training_client = made.result() if hasattr(made, "result") else made
+    training_client = resolved(made)
     tokenizer = training_client.get_tokenizer()
     processed = [process_example(ex, tokenizer) for ex in PIG_LATIN]
 
@@ -153,7 +153,7 @@ def test_tinker_quickstart_runs_on_each_family(families: FamilyServers, variant:
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
     made = training_client.save_weights_and_get_sampling_client(name="pig-latin-model")
-    sampling_client = made.result() if hasattr(made, "result") else made
+    sampling_client = resolved(made)
     prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))
     params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
     result = sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=8).result()
@@ -296,7 +296,7 @@ def test_qwen3_5_adapters_round_trip_with_peft(families: FamilyServers, variant:
     assert r.status_code == 200, r.text
     service = tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=KEYS["alice"])
     made = service.create_training_client_from_state(r.json()["tinker_path"])
-    clone = made.result() if hasattr(made, "result") else made
+    clone = resolved(made)
     ours = forward_logprobs(clone, SEQ)
     print(f"{variant}: imported PEFT adapter, max |ours - PEFT| log-prob {np.max(np.abs(ours - theirs)):.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -319,7 +319,7 @@ def test_qwen3_5_adapters_round_trip_with_peft(families: FamilyServers, variant:
     np.testing.assert_allclose(trained, from_peft, atol=1e-4, rtol=0)
 
     made = service.create_training_client_from_state(path)
-    again = made.result() if hasattr(made, "result") else made
+    again = resolved(made)
     np.testing.assert_array_equal(forward_logprobs(again, SEQ), trained)
 
 
@@ -360,7 +360,7 @@ def test_qwen3_5_state_slots_are_counted_in_capacity(families: FamilyServers, se
 
         service = tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=KEYS["alice"])
         made = service.create_sampling_client(base_model=FAMILIES["qwen3_5"])
-        sampler = made.result() if hasattr(made, "result") else made
+        sampler = resolved(made)
         prompt = types.ModelInput.from_ints(SEQ[:6])
         params = types.SamplingParams(max_tokens=24, temperature=1.0, seed=3)
         sampler.sample(prompt, num_samples=1, sampling_params=params).result()  # the lane has answered once

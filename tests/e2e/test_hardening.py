@@ -32,7 +32,7 @@ from tinker import types  # noqa: E402
 
 from e2e_support import prom  # noqa: E402
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
-from e2e_support.training import KEYS, Client, auth_overrides, batch, state_dict  # noqa: E402
+from e2e_support.training import Client, KEYS, auth_overrides, batch, resolved, state_dict  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import training_pb2_grpc as tgrpc  # noqa: E402
 from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb  # noqa: E402
@@ -47,7 +47,7 @@ def service(server: ServerProcess, key: str) -> tinker.ServiceClient:
 
 def training_client(server: ServerProcess, key: str) -> Any:
     made = service(server, key).create_lora_training_client(base_model=MODEL_NAME, rank=4)
-    return made.result() if hasattr(made, "result") else made
+    return resolved(made)
 
 
 def worker_restarts(server: ServerProcess) -> list[int]:
@@ -167,7 +167,7 @@ def test_16_prompts_of_128_samples_come_back_without_restarting_the_engine(serve
     alice = training_client(server, KEYS["alice"])
     bob = training_client(server, KEYS["bob"])
     sampler = alice.save_weights_and_get_sampling_client()
-    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    sampler = resolved(sampler)
     params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=3)
     futures = [sampler.sample(types.ModelInput.from_ints([5 + p, 17, 42]), num_samples=128,
                               sampling_params=params) for p in range(16)]

@@ -36,7 +36,7 @@ from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb  # noqa: E402
 
 from e2e_support import prom  # noqa: E402
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
-from e2e_support.training import KEYS, Client, auth_overrides  # noqa: E402
+from e2e_support.training import Client, KEYS, auth_overrides, resolved  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 SEQ = [11, 42, 7, 99, 123, 5, 64, 300, 17, 250]
@@ -45,10 +45,6 @@ HOUR = 3600
 
 def service(server: ServerProcess, key: str) -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=f"http://{server.host}:{server.http_port}", api_key=key)
-
-
-def resolved(made: Any) -> Any:
-    return made.result() if hasattr(made, "result") else made
 
 
 def lora_client(svc: tinker.ServiceClient, rank: int = 4) -> Any:

@@ -21,7 +21,7 @@ from twinkle_client._proto.twinkle.v1 import utility_pb2 as upb
 
 from e2e_support import prom
 from e2e_support.server import LaunchServer, ServerProcess
-from e2e_support.training import KEYS, Client, auth_overrides, batch
+from e2e_support.training import Client, KEYS, auth_overrides, batch, resolved
 from e2e_support.waiting import scaled, wait_until
 from test_tinker_http import MODEL_NAME, Api, fwdbwd_body
 
@@ -173,14 +173,14 @@ def test_an_rl_loop_that_never_closes_anything_runs_in_a_bounded_footprint(launc
     base = f"http://{server.host}:{server.http_port}"
     svc = tinker.ServiceClient(base_url=base, api_key=KEYS["alice"])
     made = svc.create_lora_training_client(base_model=MODEL_NAME, rank=4)
-    training = made.result() if hasattr(made, "result") else made
+    training = resolved(made)
     prompt = types.ModelInput.from_ints([11, 42, 7])
     params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=3)
     first_sampler = None
     most_sessions = most_snapshots = 0
     for step in range(RL_STEPS):
         made = training.save_weights_and_get_sampling_client()
-        sampler = made.result() if hasattr(made, "result") else made
+        sampler = resolved(made)
         first_sampler = first_sampler or sampler
         out = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
         tokens = [11, 42, 7] + list(out.sequences[0].tokens)

@@ -29,7 +29,7 @@ from tinker import types  # noqa: E402
 
 from e2e_support import configs, prom  # noqa: E402
 from e2e_support.server import LaunchServer, ServerProcess, launch, stop_all  # noqa: E402
-from e2e_support.training import KEYS, auth_overrides  # noqa: E402
+from e2e_support.training import KEYS, auth_overrides, resolved  # noqa: E402
 from e2e_support.waiting import scaled  # noqa: E402
 
 MODEL = "tiny-qwen3"
@@ -68,7 +68,7 @@ def token_ids(choice: Any) -> list[int]:
 
 def tinker_greedy(server: ServerProcess, prompt: list[int], max_tokens: int) -> Any:
     sampler = tinker_service(server).create_sampling_client(base_model=MODEL)
-    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    sampler = resolved(sampler)
     params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result()
     return out.sequences[0]
@@ -280,7 +280,7 @@ def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None
     alice = client(oa_server)
     assert MODEL in [m.id for m in alice.models.list()]
     training = tinker_service(oa_server).create_lora_training_client(base_model=MODEL, rank=4)
-    training = training.result() if hasattr(training, "result") else training
+    training = resolved(training)
     path = training.save_weights_for_sampler("oa1").result().path
     assert path.startswith("tinker://") and "/sampler_weights/" in path
     assert path in [m.id for m in alice.models.list()]
@@ -301,7 +301,7 @@ def test_models_list_and_checkpoints_by_tenant(oa_server: ServerProcess) -> None
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     trained = training.save_weights_for_sampler("oa2").result().path
     sampler = tinker_service(oa_server).create_sampling_client(model_path=trained)
-    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    sampler = resolved(sampler)
     reference = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,
                                sampling_params=types.SamplingParams(max_tokens=12, temperature=0.0)).result()
     out = alice.completions.create(model=trained, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1)
@@ -716,7 +716,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_tinker(oa_server: ServerProce
     prompt log-probs, then the generated token."""
     ids = hf_tokenizer.encode(TEXT, add_special_tokens=False).ids
     sampler = tinker_service(oa_server).create_sampling_client(base_model=MODEL)
-    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    sampler = resolved(sampler)
     reference = sampler.sample(types.ModelInput.from_ints(ids), num_samples=1, include_prompt_logprobs=True,
                                sampling_params=types.SamplingParams(max_tokens=1, temperature=0.0)).result()
     out = client(oa_server).completions.create(model=MODEL, prompt=TEXT, max_tokens=1, temperature=0, echo=True,

@@ -15,7 +15,6 @@ import datetime as dt
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,7 +25,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
-from e2e_support.training import KEYS, sha256_hex  # noqa: E402
+from e2e_support.training import KEYS, resolved, sha256_hex  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 ADMIN_KEY = "tml-ops-admin-feedfacecafebeef0123456789abcdef"
@@ -35,10 +34,6 @@ SEQ = [11, 42, 7, 99, 123, 5, 64, 300, 17, 250]
 
 def base_url(server: ServerProcess) -> str:
     return f"http://{server.host}:{server.http_port}"
-
-
-def resolved(made: Any) -> Any:
-    return made.result() if hasattr(made, "result") else made
 
 
 @pytest.fixture

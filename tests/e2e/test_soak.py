@@ -28,7 +28,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from e2e_support.server import LaunchServer  # noqa: E402
-from e2e_support.training import sha256_hex  # noqa: E402
+from e2e_support.training import resolved, sha256_hex  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 SOAK_S = float(os.environ.get("TWINKLE_SOAK_S", "120"))
@@ -49,11 +49,6 @@ def rss_of_tree(pid: int) -> int:
     """Resident memory of the server and its engine workers."""
     proc = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-
-
-def resolved(made: Any) -> Any:
-    """A client from a create_* call, awaited (0.38 returns a future that proxies the client)."""
-    return made.result() if hasattr(made, "result") else made
 
 
 class Stats:

@@ -24,7 +24,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from e2e_support.server import LaunchServer, ServerProcess  # noqa: E402
-from e2e_support.training import KEYS, auth_overrides  # noqa: E402
+from e2e_support.training import KEYS, auth_overrides, resolved  # noqa: E402
 
 MODEL_NAME = "tiny-qwen3"
 SEQ = [11, 42, 7, 99, 123, 5, 64, 300, 17, 250]
@@ -47,12 +47,6 @@ def rl_datum(seq: list[int], logprobs: list[float], advantages: list[float]) -> 
         model_input=types.ModelInput.from_ints(seq[:-1]),
         loss_fn_inputs={"target_tokens": seq[1:], "logprobs": logprobs, "advantages": advantages},
     )
-
-
-def resolved(made: Any) -> Any:
-    """A training or sampling client from a create_* call, awaited: 0.38 returns a future
-    that still proxies the client's methods, with a deprecation warning."""
-    return made.result() if hasattr(made, "result") else made  # the clients have no result()
 
 
 def lora_client(svc: tinker.ServiceClient, rank: int = 8) -> Any:

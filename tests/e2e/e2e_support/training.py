@@ -26,6 +26,13 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def resolved(made: Any) -> Any:
+    """A tinker training or sampling client from a create_* call, awaited: since 0.38 those
+    return a future that still proxies the client's methods (with a deprecation warning);
+    older SDKs return the client itself, which has no result()."""
+    return made.result() if hasattr(made, "result") else made
+
+
 def auth_overrides(**extra: Any) -> dict[str, Any]:
     """Config overrides: auth on, tenants alice and bob (digests only, never the keys)."""
     tenants = [{"id": t, "key_sha256": [sha256_hex(k)]} for t, k in KEYS.items()]
