@@ -36,7 +36,7 @@ case "$what" in
       [ -x "$bin/$b" ] || { echo "$bin/$b is not built: run ./scripts/setup.sh" >&2; exit 1; }
     done
     exec .venv/bin/python tests/bench/bench_openai.py "$@" ;;
-  *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N] [--family qwen3|qwen3_5] [--ranks N]" >&2
+  *) echo "usage: scripts/bench.sh engine [--layers N] [--repeats N] [--family qwen3|qwen3_5|qwen3_moe|qwen3_5_moe] [--ranks N]" >&2
      echo "       scripts/bench.sh memory [--lengths 1024,...] [--settings plain,checkpointed,whole] [--vocab N] [--hidden N] [--layers N] [--engine-bin PATH]" >&2
      echo "       scripts/bench.sh sampler [--layers N] [--steps N] [--max-tokens N] [--repeats N] [--seconds S] [--load X] [--threads N]" >&2
      echo "       scripts/bench.sh scheduler [--seconds S] [--rounds N] [--tenants N] [--tokens N] [--noop-calls N]" >&2

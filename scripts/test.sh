@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: setup (idempotent, quick when nothing changed), the Python SDK's
 # clean-venv install (scripts/check_client_install.sh, offline from setup's wheelhouse), then
-# ctest (GoogleTest units and the link-isolation check), a short run of every fuzz target
+# ctest (GoogleTest units and the link-isolation check), the CUDA build of the engine side
+# (scripts/cuda_build.sh; skipped with a message where there is no nvcc), a short run of every fuzz target
 # (scripts/fuzz.sh; TWINKLE_FUZZ_SECONDS each, default 20), then pytest (end-to-end against
 # the real binaries, and tests/deploy: manifests, Prometheus rules and dashboard, logs).
 # Exits non-zero on any failure.
@@ -22,6 +23,16 @@ t=$(date +%s)
 echo "== test: ctest"
 ctest --test-dir build --output-on-failure -j 2
 echo "== test: ctest took $(( $(date +%s) - t )) s"
+
+t=$(date +%s)
+echo "== test: CUDA build (build-cuda/: the engine and kernels with nvcc; kernel CPU tests; the CUDA-built engine's numerics on CPU)"
+cuda_rc=0; "$ROOT/scripts/cuda_build.sh" || cuda_rc=$?
+if [ "$cuda_rc" = 3 ]; then
+  echo "== test: CUDA build SKIPPED: no nvcc on this machine (scripts/cuda_build.sh said why)"
+elif [ "$cuda_rc" != 0 ]; then
+  exit "$cuda_rc"
+fi
+echo "== test: CUDA build took $(( $(date +%s) - t )) s"
 
 t=$(date +%s)
 echo "== test: fuzz (each libFuzzer target ${TWINKLE_FUZZ_SECONDS:-20} s on its seed corpus, ASan+UBSan; long runs: scripts/fuzz.sh)"

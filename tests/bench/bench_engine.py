@@ -4,7 +4,8 @@
 Figures (all on this machine, in one run, same thread count):
   gemm_gflops           measured fp32 matmul rate (LibTorch via torch, 2048^3)
   train_tokens_per_s    single-tenant LoRA training (forward_backward + optim_step), ~50M model
-  mfu                   train_tokens_per_s * 4*P / gemm rate (frozen-base LoRA: ~4 P FLOPs/token)
+  mfu                   train_tokens_per_s * 4*P / gemm rate (frozen-base LoRA: ~4 P FLOPs/token;
+                        P = the parameters one token uses: k of E routed experts on MoE)
   fused_vs_sequential   8 tenants x 1 seq x 128 tokens: one fused step vs one tenant at a time
   vs_peft               our single-tenant tokens/s / transformers+PEFT's, same model and batch
   ranks_speedup         with --ranks N (N > 1): one training step of 8 tenants x 2 x 128 tokens
@@ -35,32 +36,48 @@ from engine_harness import Engine  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 HYPER = {"learning_rate": 1e-4, "weight_decay": 0.0}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# --family qwen3_5: Qwen3.5's DeltaNet linears too (all-linear, as the engine's default).
+ATTENTION = TARGETS[:4]
+# Qwen3.5's DeltaNet linears (all-linear includes them, as the engine's default does).
 DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+# LoRA targets per family, the same on both sides. The MoE families adapt attention (and the
+# DeltaNet linears): PEFT adapts fused experts through target_parameters, a different code
+# path from its LoRA Linear, so the comparison would no longer be like for like; the frozen
+# experts' GEMMs still run forward and backward on both sides.
+FAMILY_TARGETS = {"qwen3": TARGETS, "qwen3_5": TARGETS + DELTANET, "qwen3_moe": ATTENTION,
+                  "qwen3_5_moe": ATTENTION + DELTANET}
+DENSE = dict(vocab_size=8192, hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+             max_position_embeddings=1024, tie_word_embeddings=True)
+# Three Gated DeltaNet layers to one gated full-attention layer, as published.
+DELTANET_SHAPE = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                      linear_value_head_dim=64)
+# 16 experts, 2 routed per token: each token's routed MLP has half the dense one's width.
+MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=384)
 
 
-def make_model(out: Path, layers: int, family: str = "qwen3") -> tuple[Path, int]:
+def make_model(out: Path, layers: int, family: str = "qwen3") -> tuple[Path, int, int]:
+    """The model, its parameter count and the parameters one token uses (routed experts: k of E)."""
     torch.manual_seed(0)
     if family == "qwen3_5":
-        # Three Gated DeltaNet layers to one gated full-attention layer, as published.
-        config = Qwen3_5TextConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
-                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                   head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
-                                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-                                   linear_value_head_dim=64)
-        model = Qwen3_5ForCausalLM(config)
-        model.save_pretrained(out, safe_serialization=True)
-        return out, sum(p.numel() for p in model.parameters())
-    config = Qwen3Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                         max_position_embeddings=1024, tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**DENSE, **DELTANET_SHAPE, intermediate_size=1536,
+                                                     num_hidden_layers=layers))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**DENSE, **MOE, num_hidden_layers=layers, norm_topk_prob=True))
+    elif family == "qwen3_5_moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**DENSE, **DELTANET_SHAPE, **MOE, num_hidden_layers=layers,
+                                                           shared_expert_intermediate_size=512))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**DENSE, intermediate_size=1536, num_hidden_layers=layers))
     model.save_pretrained(out, safe_serialization=True)
-    return out, sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = params - routed + routed * MOE["num_experts_per_tok"] // MOE["num_experts"]
+    return out, params, active
 
 
 def timed(fn: Callable[[], None], warmup: int, repeats: int) -> float:
@@ -100,7 +117,8 @@ def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, object]
     return {"adapter_id": adapter, "datums": datums, "loss": {"name": "cross_entropy"}}
 
 
-def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int) -> tuple[float, float]:
+def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int,
+                  targets: list[str]) -> tuple[float, float]:
     """Seconds of one 8-tenant training step on one engine, and on `ranks` engines of one
     process group (datum d of every op on rank d % ranks), each with threads // ranks threads."""
     tenants = [op(f"t{i}", batch(2 * ranks, 128, seed=20 + i)) for i in range(8)]
@@ -114,7 +132,8 @@ def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int) -> tu
             e.result(i)
         for i, a in enumerate(adapters):
             for e in engines:
-                e.call("create_adapter", {"adapter_id": a, "rank": RANK, "alpha": ALPHA, "seed": i})
+                e.call("create_adapter", {"adapter_id": a, "rank": RANK, "alpha": ALPHA, "seed": i,
+                                          "targets": targets})
 
     def step(engines: list[Engine]) -> None:
         parts = [{"ops": [{**o, "datums": o["datums"][r::ranks]} for o in tenants], "allreduce_adapters": adapters}
@@ -161,7 +180,7 @@ def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int, tar
     targets = torch.stack([d["target_tokens"] for d in data])
 
     def step() -> None:
-        logits = model(input_ids=inputs).logits
+        logits = model(input_ids=inputs, use_cache=False).logits
         lp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         (-lp.sum()).backward()
         opt.step()
@@ -176,22 +195,24 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=1,
                         help="N > 1: also time a training step on N data-parallel CPU engines")
-    parser.add_argument("--family", choices=["qwen3", "qwen3_5"], default="qwen3",
-                        help="qwen3_5: the hybrid Gated DeltaNet model (transformers' torch fallbacks "
-                             "on the PEFT side, as on a machine without fla/causal_conv1d)")
+    parser.add_argument("--family", choices=sorted(FAMILY_TARGETS), default="qwen3",
+                        help="qwen3_5(_moe): the hybrid Gated DeltaNet models (transformers' torch "
+                             "fallbacks on the PEFT side, as on a machine without fla/causal_conv1d); "
+                             "*_moe: routed experts (LoRA on attention, see FAMILY_TARGETS)")
     args = parser.parse_args()
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
-    targets = TARGETS + (DELTANET if args.family == "qwen3_5" else [])
+    targets = FAMILY_TARGETS[args.family]
     threads = torch.get_num_threads()
 
     with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:
-        model_dir, params = make_model(Path(tmp) / "model", args.layers, args.family)
+        model_dir, params, active = make_model(Path(tmp) / "model", args.layers, args.family)
         gflops = gemm_gflops()
         with Engine() as engine:
             engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
             for i in range(8):
-                engine.call("create_adapter", {"adapter_id": f"t{i}", "rank": RANK, "alpha": ALPHA, "seed": i})
+                engine.call("create_adapter", {"adapter_id": f"t{i}", "rank": RANK, "alpha": ALPHA, "seed": i,
+                                               "targets": targets})
             # Single tenant: 4 sequences x 128 tokens per step.
             single = [op("t0", batch(4, 128, seed=1))]
             t_single = timed(lambda: engine_train_step(engine, single), 1, args.repeats)
@@ -203,9 +224,9 @@ def main() -> int:
         peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats, targets)
         t_one = t_many = 0.0
         if args.ranks > 1:
-            t_one, t_many = ranks_speedup(model_dir, args.ranks, threads, args.repeats)
+            t_one, t_many = ranks_speedup(model_dir, args.ranks, threads, args.repeats, targets)
 
-    mfu = train_tps * 4 * params / (gflops * 1e9)
+    mfu = train_tps * 4 * active / (gflops * 1e9)
     result = {
         "gemm_gflops": round(gflops, 2),
         "train_tokens_per_s": round(train_tps, 1),
@@ -214,6 +235,7 @@ def main() -> int:
         "vs_peft": round(train_tps / peft_tps, 3),
         "peft_tokens_per_s": round(peft_tps, 1),
         "params": params,
+        "active_params": active,
         "threads": threads,
         "family": args.family,
     }
@@ -221,7 +243,8 @@ def main() -> int:
         result["ranks"] = args.ranks
         result["ranks_speedup"] = round(t_one / t_many, 3)
     rows = [
-        ("model parameters", f"{params / 1e6:.1f} M ({args.family}, {args.layers} layers, LoRA r={RANK} all-linear)"),
+        ("model parameters", f"{params / 1e6:.1f} M, {active / 1e6:.1f} M per token ({args.family}, "
+                             f"{args.layers} layers, LoRA r={RANK} on {len(targets)} kinds of linear)"),
         ("threads", str(threads)),
         ("fp32 GEMM (2048^3)", f"{gflops:.1f} GFLOP/s"),
         ("train tokens/s, 1 tenant 4x128", f"{train_tps:.1f}  (goal: 1.3x PEFT)"),

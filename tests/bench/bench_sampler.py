@@ -173,7 +173,7 @@ def main() -> int:
     ps = prompts(ROWS, seed=1, lo=16, hi=48)
 
     with tempfile.TemporaryDirectory(prefix="twinkle-bench-") as tmp:
-        model_dir, params = make_model(Path(tmp) / "model", args.layers)
+        model_dir, params, _ = make_model(Path(tmp) / "model", args.layers)
         weights = []
         with Engine(timeout_s=600) as engine:
             info = engine.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
