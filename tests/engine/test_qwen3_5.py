@@ -15,6 +15,7 @@ import pytest
 import torch
 from engine_harness import Engine, EngineError
 from numerics import assert_close
+from sampling_checks import assert_samples_match_training_forward
 from test_fused import HYPER
 from test_model import engine_forward, hf_logits, peft_model, random_lora_state, sequences
 from test_sampler_pool import GAP, drain, engine, load, make_adapter, one_thread, row, step  # noqa: F401 (fixtures)
@@ -268,18 +269,7 @@ def test_sampler_logprobs_match_training_forward(engine: Engine, reference_model
                 want_prompt_logprobs=True) for i, (a, p) in enumerate(zip(adapters, prompts))]
     results: dict[int, Any] = {}
     drain(engine, step(engine, list(enumerate(rows)), steps=3), results)
-    worst = 0.0
-    for i, (a, p) in enumerate(zip(adapters, prompts)):
-        result = results[i]
-        for s, got in enumerate(result["samples"]):
-            assert got["stop_reason"] == "length" and len(got["tokens"]) == 10
-            seq = torch.cat([p, got["tokens"]])
-            datum = {"input_tokens": seq[:-1], "target_tokens": seq[1:]}
-            fwd = engine.call("forward", {"ops": [{"adapter_id": a, "datums": [datum]}]})["ops"][0]["logprobs"][0]
-            worst = max(worst, assert_close(f"row{i} sample{s} token logprobs", got["logprobs"],
-                                            fwd[len(p) - 1:], 1e-5, absolute=True))
-            worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
-                                            fwd[:len(p) - 1], 1e-5, absolute=True))
+    worst = assert_samples_match_training_forward(engine, results, adapters, prompts, max_tokens=10)
     print(f"block size {block_size}: largest logprob difference {worst:.3e}")
 
 

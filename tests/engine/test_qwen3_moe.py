@@ -31,6 +31,7 @@ import pytest
 import torch
 from engine_harness import Engine, EngineError
 from numerics import assert_close
+from sampling_checks import assert_samples_match_training_forward
 from safetensors.torch import load_file, save_file
 from test_fused import HYPER
 from test_model import check_lora_against_peft, engine_forward, hf_logits, sequences
@@ -401,18 +402,7 @@ def test_sampled_logprobs_with_expert_lora_match_training_forward(engine: Engine
     rows = [row(a, p, temperature=1.0, top_k=40, top_p=0.9, seed=7 + i, num_samples=2, max_tokens=10,
                 want_prompt_logprobs=True) for i, (a, p) in enumerate(zip(adapters, prompts))]
     reply = engine.call("sample", {"rows": rows})
-    worst = 0.0
-    for i, (a, p) in enumerate(zip(adapters, prompts)):
-        result = reply["rows"][i]
-        for s, got in enumerate(result["samples"]):
-            assert got["stop_reason"] == "length" and len(got["tokens"]) == 10
-            seq = torch.cat([p, got["tokens"]])
-            datum = {"input_tokens": seq[:-1], "target_tokens": seq[1:]}
-            fwd = engine.call("forward", {"ops": [{"adapter_id": a, "datums": [datum]}]})["ops"][0]["logprobs"][0]
-            worst = max(worst, assert_close(f"row{i} sample{s} token logprobs", got["logprobs"],
-                                            fwd[len(p) - 1:], 1e-5, absolute=True))
-            worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
-                                            fwd[:len(p) - 1], 1e-5, absolute=True))
+    worst = assert_samples_match_training_forward(engine, reply["rows"], adapters, prompts, max_tokens=10)
     print(f"{variant}: largest logprob difference {worst:.3e}")
 
 

@@ -10,6 +10,7 @@ import torch
 from conftest import load
 from engine_harness import Engine
 from numerics import assert_close
+from sampling_checks import assert_samples_match_training_forward
 from test_model import ALL_LINEAR, peft_model, random_lora_state, sequences
 from transformers import AutoModelForCausalLM
 
@@ -83,20 +84,11 @@ def test_logprobs_match_training_forward(engine: Engine, reference_models: Path,
     rows = [row(a, p, temperature=1.0, top_k=40, top_p=0.9, seed=7 + i, num_samples=2, max_tokens=10,
                 want_prompt_logprobs=True) for i, (a, p) in enumerate(zip(adapters, prompts))]
     reply = engine.call("sample", {"rows": rows})
-    worst = 0.0
-    for i, (a, p) in enumerate(zip(adapters, prompts)):
+    for i, p in enumerate(prompts):
         result = reply["rows"][i]
         assert len(result["samples"]) == 2
         assert result["prompt_logprobs"].shape == (len(p) - 1,)
-        for s, got in enumerate(result["samples"]):
-            assert got["stop_reason"] == "length" and len(got["tokens"]) == 10
-            seq = torch.cat([p, got["tokens"]])
-            datum = {"input_tokens": seq[:-1], "target_tokens": seq[1:]}
-            fwd = engine.call("forward", {"ops": [{"adapter_id": a, "datums": [datum]}]})["ops"][0]["logprobs"][0]
-            worst = max(worst, assert_close(f"row{i} sample{s} token logprobs", got["logprobs"],
-                                            fwd[len(p) - 1:], 1e-5, absolute=True))
-            worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
-                                            fwd[:len(p) - 1], 1e-5, absolute=True))
+    worst = assert_samples_match_training_forward(engine, reply["rows"], adapters, prompts, max_tokens=10)
     print(f"{variant}: largest logprob difference {worst:.3e}")
 
 

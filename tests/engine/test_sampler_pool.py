@@ -14,6 +14,7 @@ import pytest
 import torch
 from engine_harness import Engine, EngineError
 from numerics import assert_close
+from sampling_checks import assert_samples_match_training_forward
 from test_model import ALL_LINEAR, peft_model, random_lora_state, sequences
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
@@ -175,19 +176,10 @@ def test_logprobs_match_training_forward(engine: Engine, reference_models: Path,
                 want_prompt_logprobs=True) for i, (a, p) in enumerate(zip(adapters, prompts))]
     results: dict[int, Any] = {}
     drain(engine, step(engine, list(enumerate(rows)), steps=3), results)
-    worst = 0.0
-    for i, (a, p) in enumerate(zip(adapters, prompts)):
+    for i, p in enumerate(prompts):
         result = results[i]
         assert len(result["samples"]) == 3 and result["prompt_logprobs"].shape == (len(p) - 1,)
-        for s, got in enumerate(result["samples"]):
-            assert got["stop_reason"] == "length" and len(got["tokens"]) == 10
-            seq = torch.cat([p, got["tokens"]])
-            datum = {"input_tokens": seq[:-1], "target_tokens": seq[1:]}
-            fwd = engine.call("forward", {"ops": [{"adapter_id": a, "datums": [datum]}]})["ops"][0]["logprobs"][0]
-            worst = max(worst, assert_close(f"row{i} sample{s} token logprobs", got["logprobs"],
-                                            fwd[len(p) - 1:], 1e-5, absolute=True))
-            worst = max(worst, assert_close(f"row{i} prompt logprobs", result["prompt_logprobs"],
-                                            fwd[:len(p) - 1], 1e-5, absolute=True))
+    worst = assert_samples_match_training_forward(engine, results, adapters, prompts, max_tokens=10)
     print(f"block size {block_size}: largest logprob difference {worst:.3e}")
 
 
