@@ -133,6 +133,8 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   reply.activation_fixed_bytes = cost.fixed_bytes;
   reply.activation_token_bytes = cost.token_bytes;
   reply.activation_seq_sq_bytes = cost.seq_sq_bytes;
+  reply.activation_chunk_rows = cost.chunk_rows;
+  reply.activation_chunk_row_bytes = cost.chunk_row_bytes;
   std::unique_ptr<ProcessGroup> group;
   if (distributed_.world_size > 1) {
     if (trainer_ != nullptr) {

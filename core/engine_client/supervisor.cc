@@ -492,7 +492,9 @@ void Supervisor::HandleMessages(absl::Time now) {
                                 reply->max_position_embeddings, reply->state_slots,
                                 ActivationCost{reply->activation_fixed_bytes,
                                                reply->activation_token_bytes,
-                                               reply->activation_seq_sq_bytes}};
+                                               reply->activation_seq_sq_bytes,
+                                               reply->activation_chunk_rows,
+                                               reply->activation_chunk_row_bytes}};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
         w.loaded_generation = ++engine_generation_;

@@ -1,9 +1,10 @@
 """The engine's activation-memory estimate (issue 17 item 5) against the memory a step really
 takes: the coefficients its load_model reply carries (activation_fixed_bytes,
-activation_token_bytes, activation_seq_sq_bytes; the coordinator's admission evaluates them,
+activation_token_bytes, activation_seq_sq_bytes, activation_chunk_rows,
+activation_chunk_row_bytes; the coordinator's admission evaluates them the same way,
 core/common/activation_memory.h) give, for one sequence of L tokens,
 
-    estimate = fixed + token · L + seq_sq · L²
+    estimate = fixed + chunk_row · min(chunk_rows, L) + token · L + seq_sq · L²
 
 and a fresh worker's peak RSS over its loaded RSS for one forward_backward of that sequence
 (VmHWM - VmRSS, test_memory.step_peak_mib, as tests/bench/bench_memory.py) must stay at or
@@ -24,7 +25,9 @@ MIB = 2**20
 
 
 def estimate_bytes(info: dict[str, object], lengths: list[int]) -> int:
-    return (int(info["activation_fixed_bytes"]) + int(info["activation_token_bytes"]) * sum(lengths)
+    chunk = min(int(info["activation_chunk_rows"]), sum(lengths))
+    return (int(info["activation_fixed_bytes"]) + int(info["activation_chunk_row_bytes"]) * chunk
+            + int(info["activation_token_bytes"]) * sum(lengths)
             + int(info["activation_seq_sq_bytes"]) * sum(n * n for n in lengths))
 
 
@@ -42,7 +45,8 @@ def test_estimate_bounds_the_measured_peak_within_3x(tmp_path: Path, checkpointi
         rows.append((length, measured_mib, estimate_mib))
         print(f"{'checkpointed' if checkpointing else 'plain'} {length} tokens: measured peak "
               f"{measured_mib:.1f} MiB, estimate {estimate_mib:.1f} MiB, ratio {estimate_mib / measured_mib:.2f} "
-              f"(fixed {int(info['activation_fixed_bytes']) / MIB:.1f} MiB, "
+              f"(fixed {int(info['activation_fixed_bytes']) / MIB:.0f} MiB, chunk "
+              f"{int(info['activation_chunk_rows'])} x {int(info['activation_chunk_row_bytes'])} B, "
               f"{int(info['activation_token_bytes'])} B/token)")
     for length, measured_mib, estimate_mib in rows:
         assert measured_mib <= estimate_mib, f"{length} tokens: measured {measured_mib:.1f} > estimate {estimate_mib:.1f} MiB"
