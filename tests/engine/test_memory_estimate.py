@@ -51,3 +51,19 @@ def test_estimate_bounds_the_measured_peak_within_3x(tmp_path: Path, checkpointi
     for length, measured_mib, estimate_mib in rows:
         assert measured_mib <= estimate_mib, f"{length} tokens: measured {measured_mib:.1f} > estimate {estimate_mib:.1f} MiB"
         assert estimate_mib <= 3 * measured_mib, f"{length} tokens: estimate {estimate_mib:.1f} > 3x measured {measured_mib:.1f} MiB"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="measures host RSS: CPU workers only")
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+def test_estimate_bounds_moe_and_hybrid_models(reference_models: Path, variant: str) -> None:
+    """The MoE and Gated DeltaNet terms (not calibrated separately): the same bounds on the
+    tiny reference models (hidden 64, vocabulary 256, so the 64 MiB fixed term weighs most),
+    one 4096-token sequence, plain and checkpointed."""
+    for checkpointing in (False, True):
+        measured_mib, info = step_peak_mib(reference_models / variant, 4096, ["all-linear"], max_lora_rank=8,
+                                           activation_checkpointing=checkpointing)
+        estimate_mib = estimate_bytes(info, [4096]) / MIB
+        print(f"{variant} {'checkpointed' if checkpointing else 'plain'} 4096 tokens: measured peak "
+              f"{measured_mib:.1f} MiB, estimate {estimate_mib:.1f} MiB, ratio {estimate_mib / measured_mib:.2f}")
+        assert measured_mib <= estimate_mib
+        assert estimate_mib <= 3 * measured_mib
