@@ -196,6 +196,7 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
   op.kind = mode == ForwardMode::kForwardBackward ? sched::OpKind::kForwardBackward : sched::OpKind::kForward;
   op.tokens = packed->tokens;
   op.activation_bytes = activation_bytes;
+  if (mode == ForwardMode::kForward) (*adapter)->last_forward_activation_bytes = activation_bytes;
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
@@ -218,6 +219,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitBackward(const TenantContext
   op.usage = {tenant.key_id, (*adapter)->run_id, (*adapter)->session_id};
   op.kind = sched::OpKind::kForwardBackward;
   op.tokens = 1;
+  // It reruns the adapter's last forward with backward: that forward's estimate.
+  op.activation_bytes = (*adapter)->last_forward_activation_bytes;
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;

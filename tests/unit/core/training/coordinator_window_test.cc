@@ -329,6 +329,18 @@ TEST_F(CoordinatorWindowTest, MemoryAdmissionRefusesAnOverBudgetRequestAndBounds
     Wait(b);
     EXPECT_EQ(engine_.forward_calls().size() - before, steps) << tokens << " tokens each";
   }
+  // A backward reruns its adapter's last forward: it counts that forward's estimate.
+  ForwardArgs forward;
+  forward.inputs = {Seq(600, 2)};
+  Wait(coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForward, forward, false, {}));
+  const size_t before = engine_.forward_calls().size();
+  coordinator_->scheduler().Pause();
+  absl::StatusOr<uint64_t> backward = coordinator_->SubmitBackward(tenant_, "a", {});
+  absl::StatusOr<uint64_t> other = coordinator_->SubmitForward(tenant_, "b", ForwardMode::kForwardBackward, forward, false, {});
+  coordinator_->scheduler().Resume();
+  Wait(backward);
+  Wait(other);
+  EXPECT_EQ(engine_.forward_calls().size() - before, 2u);  // 600 + 600 KiB: not fused
   engine_.cost = {};
 }
 
