@@ -175,6 +175,7 @@ training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
   o.max_lora_rank = c.limits.max_lora_rank;
   o.max_tokens_per_request = c.limits.max_tokens_per_request;
   o.max_context_tokens = c.model.max_context_tokens;
+  o.activation_memory_bytes = c.engine.activation_memory_mib * (int64_t{1} << 20);
   o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
   o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
   o.base_model = c.model.name;

@@ -10,6 +10,8 @@
 #include "absl/time/clock.h"
 #include "core/engine/loss/loss_probe.h"
 #include "core/engine/loss/loss.h"
+#include "core/engine/model/activation_memory.h"
+#include "core/engine/model/decoder.h"
 #include "core/engine/model/loader.h"
 #include "core/engine/optim/optim_probe.h"
 #include "core/engine/trainer.h"
@@ -119,6 +121,20 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   reply.hidden_size = config.hidden_size;
   reply.supported_losses = SupportedLossNames();
   reply.max_position_embeddings = config.max_position_embeddings;
+  // What a forward_backward will take of the device, for the coordinator's admission
+  // (engine.activation_memory_mib). The CPU path always runs the flash kernel; on CUDA,
+  // SDPA's flash kernel needs half precision, so float32 is estimated as math attention.
+  const ActivationCost cost = ActivationCostOf(
+      config, {.itemsize = static_cast<int64_t>(c10::elementSize(*dtype)),
+               .checkpointing = req->activation_checkpointing,
+               .logit_chunk_rows = LogitChunkRows(config.vocab_size, req->logit_chunk_rows),
+               .flash_attention = device->is_cpu() || *dtype != c10::kFloat,
+               .max_lora_rank = req->max_lora_rank});
+  reply.activation_fixed_bytes = cost.fixed_bytes;
+  reply.activation_token_bytes = cost.token_bytes;
+  reply.activation_seq_sq_bytes = cost.seq_sq_bytes;
+  reply.activation_chunk_rows = cost.chunk_rows;
+  reply.activation_chunk_row_bytes = cost.chunk_row_bytes;
   std::unique_ptr<ProcessGroup> group;
   if (distributed_.world_size > 1) {
     if (trainer_ != nullptr) {

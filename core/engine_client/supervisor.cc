@@ -489,7 +489,12 @@ void Supervisor::HandleMessages(absl::Time now) {
                                 reply->dtype, reply->num_layers, reply->vocab_size,
                                 reply->hidden_size, reply->supported_losses,
                                 reply->kv_cache_blocks, reply->kv_block_size,
-                                reply->max_position_embeddings, reply->state_slots};
+                                reply->max_position_embeddings, reply->state_slots,
+                                ActivationCost{reply->activation_fixed_bytes,
+                                               reply->activation_token_bytes,
+                                               reply->activation_seq_sq_bytes,
+                                               reply->activation_chunk_rows,
+                                               reply->activation_chunk_row_bytes}};
         w.state = State::kReady;
         w.backoff = options_.backoff_initial;
         w.loaded_generation = ++engine_generation_;

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/common/activation_memory.h"
 #include "core/common/clock.h"
 #include "core/ipc/envelope.h"
 
@@ -86,6 +87,7 @@ struct ModelInfo {
   int64_t kv_block_size = 0;
   int64_t max_position_embeddings = 0;
   int64_t state_slots = 0;  // the sampler's recurrent state slots per worker (0: dense model)
+  ActivationCost activation_cost;  // a forward_backward's activation memory (unknown: zeros)
 };
 
 class Supervisor {

@@ -23,6 +23,7 @@ class SupervisorModelLink : public training::EngineLink {
   int64_t vocab_size() const override { return Info().vocab_size; }
   int64_t max_position_embeddings() const override { return Info().max_position_embeddings; }
   int64_t state_slots() const override { return Info().state_slots; }
+  ActivationCost activation_cost() const override { return Info().activation_cost; }
   std::vector<std::string> supported_losses() const override { return Info().supported_losses; }
 
  protected:

@@ -66,9 +66,19 @@ struct LoadModelReply {
   int64_t max_position_embeddings = 0;
   int32_t world_size = 1;  // the data-parallel process group this rank joined (1 = none)
   int64_t state_slots = 0;  // the sampler's recurrent state slots, as allocated (0: dense model)
+  // A forward_backward's activation memory: fixed + chunk_row · min(chunk_rows, Σ L) +
+  // token · Σ L + seq_sq · Σ L² bytes over its sequences (core/common/activation_memory.h);
+  // all 0 from an engine that does not say.
+  int64_t activation_fixed_bytes = 0;
+  int64_t activation_token_bytes = 0;
+  int64_t activation_seq_sq_bytes = 0;
+  int64_t activation_chunk_rows = 0;
+  int64_t activation_chunk_row_bytes = 0;
   MSGPACK_DEFINE_MAP(architecture, model_type, parameter_count, dtype, device, num_layers,
                      vocab_size, hidden_size, supported_losses, load_seconds, kv_cache_blocks,
-                     kv_block_size, max_position_embeddings, world_size, state_slots);
+                     kv_block_size, max_position_embeddings, world_size, state_slots,
+                     activation_fixed_bytes, activation_token_bytes, activation_seq_sq_bytes,
+                     activation_chunk_rows, activation_chunk_row_bytes);
 };
 
 // Describes a tensor travelling as a raw frame: frame index into Message::buffers.

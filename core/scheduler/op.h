@@ -26,6 +26,9 @@ struct Op {
   std::string adapter;          // queue key: unique across tenants (the caller qualifies it)
   OpKind kind = OpKind::kOther;
   int64_t tokens = 0;           // what fairness charges for it (kOther: 0, counted as 1)
+  // Estimated activation bytes of its engine pass (core/common/activation_memory.h); a fused
+  // step's sum stays within SchedulerOptions::max_activation_bytes_per_step. 0 = unknown.
+  int64_t activation_bytes = 0;
   absl::Time deadline = absl::InfiniteFuture();  // never starts after this
   int64_t seq_id = -1;          // >= 0: ordered by it within the adapter's queue (Tinker)
   // Idempotency, per adapter queue (so per tenant: a queue is one tenant's). Non-empty: a

@@ -23,6 +23,9 @@ bool Fusable(OpKind kind) { return kind == OpKind::kForward || kind == OpKind::k
 int64_t Charge(const Op& op) { return std::max<int64_t>(op.tokens, 1); }
 // What an op takes of a step's token budget.
 int64_t BudgetTokens(const Op& op) { return std::max<int64_t>(op.tokens, 0); }
+// What an op takes of a step's memory budget (both are bounded, so the sum cannot overflow:
+// each op counts at most 2^61 bytes, and one is added only while the sum stays in budget).
+int64_t BudgetBytes(const Op& op) { return std::clamp<int64_t>(op.activation_bytes, 0, int64_t{1} << 61); }
 
 }  // namespace
 
@@ -318,6 +321,8 @@ std::vector<Scheduler::Queued> Scheduler::PickLocked() {
 
   // Fuse: further heads of the same kind, in fairness order, one per adapter, under budget.
   int64_t tokens = BudgetTokens(*batch.front().op);
+  int64_t bytes = BudgetBytes(*batch.front().op);
+  const int64_t max_bytes = options_.max_activation_bytes_per_step;
   absl::flat_hash_set<const Queue*> used = {first};
   while (static_cast<int64_t>(batch.size()) < options_.max_ops_per_step) {
     tenant = min_tenant(full);
@@ -327,6 +332,7 @@ std::vector<Scheduler::Queued> Scheduler::PickLocked() {
       if (used.contains(queue)) continue;
       const Op& head = *queue->ops.front().op;
       if (head.kind != kind || tokens + BudgetTokens(head) > options_.max_tokens_per_step) continue;
+      if (max_bytes > 0 && bytes + BudgetBytes(head) > max_bytes) continue;
       pick = queue;
       break;
     }
@@ -335,6 +341,7 @@ std::vector<Scheduler::Queued> Scheduler::PickLocked() {
       continue;
     }
     tokens += BudgetTokens(*pick->ops.front().op);
+    bytes += BudgetBytes(*pick->ops.front().op);
     used.insert(pick);
     take_head(tenant, pick);
   }

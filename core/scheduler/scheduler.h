@@ -14,8 +14,10 @@
 // Fusion: a step starts with the fairest head op. A kForward / kForwardBackward head (with
 // options.fuse) is joined by the heads of the same kind of other adapters, picked on in the
 // same fairness order (re-evaluated after each op is charged), at most one op per adapter,
-// while the step's tokens stay within max_tokens_per_step and its ops within
-// max_ops_per_step; the first op runs even if it alone exceeds the budget. Heads of another
+// while the step's tokens stay within max_tokens_per_step, its estimated activation bytes
+// within max_activation_bytes_per_step (when set) and its ops within max_ops_per_step; the
+// first op runs even if it alone exceeds a budget (the coordinator refuses a request over the
+// memory budget when it is submitted). Heads of another
 // kind wait at their queue's head for a later step. A kOther op runs alone.
 //
 // Ordering: only the head of an adapter's queue can run, so an adapter's ops run strictly in
@@ -59,6 +61,9 @@ class Executor {
 
 struct SchedulerOptions {
   int64_t max_tokens_per_step = 8192;  // token budget of one fused step
+  // Memory budget of one fused step: the sum of its ops' activation_bytes
+  // (engine.activation_memory_mib); 0 = none.
+  int64_t max_activation_bytes_per_step = 0;
   int32_t max_ops_per_step = 64;       // adapters fused into one step at most
   bool fuse = true;                    // false: every op runs alone (benchmarks compare)
   int32_t queue_cap = 64;              // queued ops per adapter; more → RESOURCE_EXHAUSTED

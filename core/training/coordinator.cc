@@ -59,6 +59,7 @@ TrainingCoordinator::TrainingCoordinator(CoordinatorOptions options, EngineLink&
   sched::SchedulerOptions so = options_.scheduler;
   // A fused step's adapters must all be resident at once.
   so.max_ops_per_step = std::max(1, std::min(so.max_ops_per_step, options_.max_loras));
+  so.max_activation_bytes_per_step = options_.activation_memory_bytes;
   scheduler_ = std::make_unique<sched::Scheduler>(so, *runner_, futures_, clock_);
 }
 

@@ -71,6 +71,11 @@ struct CoordinatorOptions {
   // Longest sequence a forward/forward_backward may hold (model.max_context_tokens); 0 = the
   // model's max_position_embeddings as the engine reports it (no limit when unknown).
   int64_t max_context_tokens = 0;
+  // Memory admission (engine.activation_memory_mib, in bytes): a forward/forward_backward
+  // whose estimated activation memory (the engine's ActivationCost) exceeds it is refused
+  // when submitted, and no fused step sums above it. 0 = none; also none while the engine
+  // reports no cost.
+  int64_t activation_memory_bytes = 0;
   absl::Duration adapter_timeout = absl::Seconds(1800);       // session silent this long
   absl::Duration adapter_max_lifetime = absl::Seconds(36000);
   std::string base_model;                             // recorded with runs

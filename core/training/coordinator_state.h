@@ -81,6 +81,9 @@ struct TrainingCoordinator::Adapter {
   int64_t lost_backwards = 0;
 
   std::optional<PackedOp> last_forward;
+  // The estimated activation bytes of the last forward (kForward) submitted, for the
+  // backward that recomputes it (set and read on submitting threads).
+  std::atomic<int64_t> last_forward_activation_bytes{0};
   std::optional<double> last_loss;
   // calculate_metric accumulators since the last call.
   double loss_sum = 0;

@@ -176,6 +176,18 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
           ")"));
     }
   }
+  // Memory admission, also before any engine memory is spent: the engine's estimate of this
+  // request's activations (as a forward_backward's, also for a forward: on the safe side).
+  const int64_t activation_bytes = EstimateActivationBytes(engine_.activation_cost(), packed->lengths);
+  const int64_t budget = options_.activation_memory_bytes;
+  if (budget > 0 && activation_bytes > budget) {
+    constexpr int64_t kMiB = int64_t{1} << 20;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs: ", packed->tokens, " tokens in ", packed->lengths.size(), " sequences need an estimated ",
+        activation_bytes / kMiB + (activation_bytes % kMiB != 0 ? 1 : 0), " MiB of activation memory, above the ",
+        budget / kMiB, " MiB a step may use (engine.activation_memory_mib); send fewer or shorter sequences per "
+        "request"));
+  }
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
   sched::Op op;
   op.tenant = tenant.id;
@@ -183,6 +195,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
   op.usage = {tenant.key_id, (*adapter)->run_id, (*adapter)->session_id};
   op.kind = mode == ForwardMode::kForwardBackward ? sched::OpKind::kForwardBackward : sched::OpKind::kForward;
   op.tokens = packed->tokens;
+  op.activation_bytes = activation_bytes;
+  if (mode == ForwardMode::kForward) (*adapter)->last_forward_activation_bytes = activation_bytes;
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;
@@ -205,6 +219,8 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitBackward(const TenantContext
   op.usage = {tenant.key_id, (*adapter)->run_id, (*adapter)->session_id};
   op.kind = sched::OpKind::kForwardBackward;
   op.tokens = 1;
+  // It reruns the adapter's last forward with backward: that forward's estimate.
+  op.activation_bytes = (*adapter)->last_forward_activation_bytes;
   op.deadline = options.deadline;
   op.seq_id = options.seq_id;
   op.idempotency_key = options.idempotency_key;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/common/activation_memory.h"
 #include "core/ipc/envelope.h"
 
 namespace twinkle::training {
@@ -26,6 +27,9 @@ class EngineLink {
   // A hybrid model's recurrent state slots per worker (0 = none or unknown): a request's
   // samples must fit, since each running sample holds one.
   virtual int64_t state_slots() const { return 0; }
+  // A forward_backward's activation memory as the engine estimates it for the loaded model
+  // (core/common/activation_memory.h); unknown (zeros) by default: no memory admission.
+  virtual ActivationCost activation_cost() const { return {}; }
   // Loss names the engine implements.
   virtual std::vector<std::string> supported_losses() const = 0;
 };

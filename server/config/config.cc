@@ -86,6 +86,7 @@ template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("collective_timeout_s", c.collective_timeout_s, Range(1, 86400));
   v.Field("activation_checkpointing", c.activation_checkpointing, Spec{});
   v.Field("logit_chunk_rows", c.logit_chunk_rows, Range(0, 1e7));
+  v.Field("activation_memory_mib", c.activation_memory_mib, Range(0, 1e7));
 }
 // Also the shape of a tenant's `quotas` (same keys, same ranges).
 template <typename V> void VisitFields(V& v, LimitsSection& c) {

@@ -74,6 +74,10 @@ struct EngineSection {
   // default, LogitChunkRows).
   bool activation_checkpointing = false;
   int64_t logit_chunk_rows = 0;
+  // Memory admission: a fused forward/forward_backward step's estimated activation memory
+  // stays within this many MiB, and a single request estimated above it is refused when
+  // submitted. 0 = no memory admission.
+  int64_t activation_memory_mib = 0;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

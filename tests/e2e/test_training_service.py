@@ -159,3 +159,26 @@ def test_token_rate_limit_answers_resource_exhausted_with_retry_after(launch_ser
     trailing = dict(info.value.trailing_metadata() or ())
     print(f"rate limited: {info.value.details()}; retry-after {trailing.get('retry-after')}")
     assert int(trailing["retry-after"]) >= 1
+
+
+def test_activation_memory_budget_refuses_a_request_estimated_above_it(launch_server: LaunchServer,
+                                                                       tiny_model: Path) -> None:
+    """engine.activation_memory_mib end to end: the engine's estimate reaches the coordinator
+    through the load reply. A budget of 64 MiB (the estimate's fixed term alone) refuses
+    every forward_backward and forward when submitted, naming both figures; a large budget
+    trains as usual."""
+    vocab = int(json.loads((tiny_model / "config.json").read_text())["vocab_size"])
+    server = launch_server({"engine": {"activation_memory_mib": 64}})
+    c = Client(server.grpc_address, None)
+    add(c, "tight")
+    for method in ("ForwardBackward", "Forward"):
+        with pytest.raises(grpc.RpcError) as info:
+            c.call(method, tpb.ForwardRequest(adapter_name="tight", inputs=batch(1, vocab)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "MiB of activation memory, above the 64 MiB a step may use (engine.activation_memory_mib)" \
+            in info.value.details()
+    server.stop()
+    roomy = launch_server({"engine": {"activation_memory_mib": 100000}})
+    c = Client(roomy.grpc_address, None)
+    add(c, "roomy")
+    assert c.call("ForwardBackward", tpb.ForwardRequest(adapter_name="roomy", inputs=batch(1, vocab))).result.loss > 0

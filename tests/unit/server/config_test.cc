@@ -113,6 +113,17 @@ TEST(ConfigTest, TrainingMemoryKeysAreReadAndChecked) {
               HasSubstr("engine.logit_chunk_rows: -1 is out of range [0, 1e+07]"));
 }
 
+TEST(ConfigTest, ActivationMemoryBudgetIsReadAndBounded) {
+  EXPECT_EQ(Parse("model:\n  path: m\n")->engine.activation_memory_mib, 0);  // no admission
+  absl::StatusOr<Config> at_limit = Parse("model:\n  path: m\nengine:\n  activation_memory_mib: 10000000\n");
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status();
+  EXPECT_EQ(at_limit->engine.activation_memory_mib, 10000000);
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  activation_memory_mib: 10000001\n"),
+              HasSubstr("engine.activation_memory_mib: 10000001 is out of range [0, 1e+07]"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  activation_memory_mib: -1\n"),
+              HasSubstr("engine.activation_memory_mib: -1 is out of range [0, 1e+07]"));
+}
+
 TEST(ConfigTest, SamplerStateSlotsAreReadAndBounded) {
   EXPECT_EQ(Parse("model:\n  path: m\n")->sampler.state_slots, 64);
   EXPECT_EQ(Parse("model:\n  path: m\nsampler:\n  state_slots: 65536\n")->sampler.state_slots, 65536);

@@ -453,6 +453,46 @@ TEST(SchedulerTest, AnOversizedFirstOpRunsAloneAndOtherOpsNeverFuse) {
   EXPECT_EQ(h.executor.order(), (std::vector<std::string>{"big", "small", "o1", "o2"}));
 }
 
+// max_activation_bytes_per_step: ops whose estimated bytes sum over it never share a step,
+// ops whose sum is at it do; the token budget is not what stops them here.
+TEST(SchedulerTest, FusionStaysWithinTheActivationMemoryBudget) {
+  SchedulerOptions options;
+  options.max_tokens_per_step = 1000000;
+  options.max_activation_bytes_per_step = 1000;
+  Harness h(options);
+  auto with_bytes = [](Op op, int64_t bytes) {
+    op.activation_bytes = bytes;
+    return op;
+  };
+  h.StartPaused();
+  h.Submit(with_bytes(MakeOp("t1", "a", OpKind::kForwardBackward, 10, "a1"), 600));
+  h.Submit(with_bytes(MakeOp("t2", "b", OpKind::kForwardBackward, 10, "b1"), 401));  // 1001: not with a1
+  h.Submit(with_bytes(MakeOp("t3", "c", OpKind::kForwardBackward, 10, "c1"), 400));  // 1000: with a1
+  h.Submit(with_bytes(MakeOp("t4", "d", OpKind::kForwardBackward, 10, "d1"), 2000));  // alone: over by itself
+  h.Submit(with_bytes(MakeOp("t5", "e", OpKind::kForwardBackward, 10, "e1"), 0));    // unknown: counts 0
+  h.sched->Resume();
+  ASSERT_TRUE(h.steps.WaitFor(3));
+  std::vector<std::vector<std::string>> steps;
+  for (const auto& batch : h.executor.batches()) {
+    steps.emplace_back();
+    for (const Seen& s : batch) steps.back().push_back(s.label);
+  }
+  ASSERT_EQ(steps.size(), 3u);
+  EXPECT_EQ(steps[0], (std::vector<std::string>{"a1", "c1", "e1"}));
+  EXPECT_EQ(steps[1], (std::vector<std::string>{"b1"}));  // d1 does not fit beside it
+  EXPECT_EQ(steps[2], (std::vector<std::string>{"d1"}));
+
+  // Without a budget (0) the same ops fuse into one step.
+  Harness unbounded;
+  unbounded.StartPaused();
+  unbounded.Submit(with_bytes(MakeOp("t1", "a", OpKind::kForwardBackward, 10, "a1"), 600));
+  unbounded.Submit(with_bytes(MakeOp("t2", "b", OpKind::kForwardBackward, 10, "b1"), 401));
+  unbounded.sched->Resume();
+  ASSERT_TRUE(unbounded.steps.WaitFor(1));
+  ASSERT_EQ(unbounded.executor.batches().size(), 1u);
+  EXPECT_EQ(unbounded.executor.batches()[0].size(), 2u);
+}
+
 TEST(SchedulerTest, WithoutFusionEveryOpRunsAlone) {
   SchedulerOptions options;
   options.fuse = false;

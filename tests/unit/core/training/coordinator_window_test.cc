@@ -82,6 +82,8 @@ class FakeEngine final : public EngineLink {
   int64_t vocab_size() const override { return kVocab; }
   int64_t max_position_embeddings() const override { return max_positions; }
   int64_t max_positions = 0;
+  ActivationCost activation_cost() const override { return cost; }
+  ActivationCost cost;
   std::vector<std::string> supported_losses() const override {
     return {"twinkle:cross_entropy", "twinkle:grpo", "cross_entropy"};
   }
@@ -275,6 +277,71 @@ TEST_F(CoordinatorWindowTest, ASequenceLongerThanTheContextIsRefusedBeforeItIsQu
     EXPECT_EQ(engine_.forward_calls().size(), calls);  // nothing reached the engine
   }
   engine_.max_positions = 0;
+}
+
+// engine.activation_memory_mib: a request whose estimate (the engine's coefficients over its
+// sequences) is above the budget is refused naming both figures before anything is queued;
+// at the budget it trains; two requests whose estimates sum above it run as two steps, under
+// it as one fused step.
+TEST_F(CoordinatorWindowTest, MemoryAdmissionRefusesAnOverBudgetRequestAndBoundsFusion) {
+  coordinator_->Stop();
+  CoordinatorOptions options;
+  options.activation_memory_bytes = int64_t{1} << 20;  // 1 MiB
+  // 16 KiB fixed, 1 KiB per token and 16 B per token²: sequences of 96 + 192 tokens are
+  // 16 KiB + 288 KiB + 16 · (96² + 192²) B = 1 MiB exactly.
+  engine_.cost = ActivationCost{16 << 10, 1 << 10, 16};
+  coordinator_ = std::make_unique<TrainingCoordinator>(options, engine_, futures_);
+  coordinator_->Start();
+  Add("a", 1);
+  Add("b", 1);
+  EXPECT_EQ(EstimateActivationBytes(engine_.cost, {96, 192}), int64_t{1} << 20);
+  EXPECT_EQ(ForwardBackward("a", {Seq(96, 2), Seq(192, 2)}).sequences.size(), 2u);  // at the budget
+  ForwardArgs args;
+  args.inputs = {Seq(96, 2), Seq(193, 2)};  // 1 KiB + 16 · 385 B over 1 MiB: "2 MiB" (rounded up)
+  const size_t calls = engine_.forward_calls().size();
+  for (ForwardMode mode : {ForwardMode::kForwardBackward, ForwardMode::kForward}) {
+    absl::StatusOr<uint64_t> id = coordinator_->SubmitForward(tenant_, "a", mode, args, false, {});
+    ASSERT_FALSE(id.ok());
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(id.status().message(),
+                ::testing::HasSubstr("inputs: 289 tokens in 2 sequences need an estimated 2 MiB of activation "
+                                     "memory, above the 1 MiB a step may use (engine.activation_memory_mib)"));
+  }
+  EXPECT_EQ(engine_.forward_calls().size(), calls);  // nothing reached the engine
+
+  // Fusion: two requests of 513 tokens (513 KiB each) sum over 1 MiB and run as two steps;
+  // two of 512 fit one fused step.
+  coordinator_->Stop();
+  engine_.cost = ActivationCost{0, 1 << 10, 0};  // 1 KiB per token: 1024 tokens = 1 MiB
+  coordinator_ = std::make_unique<TrainingCoordinator>(options, engine_, futures_);
+  coordinator_->Start();
+  Add("a", 1);
+  Add("b", 1);
+  for (const auto& [tokens, steps] : std::vector<std::pair<int64_t, size_t>>{{513, 2}, {512, 1}}) {
+    const size_t before = engine_.forward_calls().size();
+    ForwardArgs each;
+    each.inputs = {Seq(tokens, 2)};
+    coordinator_->scheduler().Pause();
+    absl::StatusOr<uint64_t> a = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, each, false, {});
+    absl::StatusOr<uint64_t> b = coordinator_->SubmitForward(tenant_, "b", ForwardMode::kForwardBackward, each, false, {});
+    coordinator_->scheduler().Resume();
+    Wait(a);
+    Wait(b);
+    EXPECT_EQ(engine_.forward_calls().size() - before, steps) << tokens << " tokens each";
+  }
+  // A backward reruns its adapter's last forward: it counts that forward's estimate.
+  ForwardArgs forward;
+  forward.inputs = {Seq(600, 2)};
+  Wait(coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForward, forward, false, {}));
+  const size_t before = engine_.forward_calls().size();
+  coordinator_->scheduler().Pause();
+  absl::StatusOr<uint64_t> backward = coordinator_->SubmitBackward(tenant_, "a", {});
+  absl::StatusOr<uint64_t> other = coordinator_->SubmitForward(tenant_, "b", ForwardMode::kForwardBackward, forward, false, {});
+  coordinator_->scheduler().Resume();
+  Wait(backward);
+  Wait(other);
+  EXPECT_EQ(engine_.forward_calls().size() - before, 2u);  // 600 + 600 KiB: not fused
+  engine_.cost = {};
 }
 
 TEST_F(CoordinatorWindowTest, SessionsAreBoundedPerTenant) {
