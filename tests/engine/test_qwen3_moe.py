@@ -31,7 +31,7 @@ import pytest
 import torch
 from engine_harness import Engine, EngineError
 from numerics import assert_close
-from sampling_checks import assert_samples_match_training_forward
+from sampling_checks import assert_greedy_matches_generate, assert_samples_match_training_forward
 from safetensors.torch import load_file, save_file
 from test_fused import HYPER
 from test_model import check_lora_against_peft, engine_forward, hf_logits, sequences
@@ -190,7 +190,7 @@ def test_fused_training_equals_solo_training(reference_models: Path) -> None:
 
 
 def test_greedy_matches_transformers_generate(engine: Engine, reference_models: Path) -> None:
-    """8 prompts x 4 adapters (+ base) x 24 greedy tokens in one batch vs transformers generate
+    """16 prompts x 4 adapters (+ base) x 32 greedy tokens in one batch vs transformers generate
     (PEFT merged): attention, lm_head, and expert + router LoRA, rows of different adapters
     routed to the same experts in one step."""
     model_dir = reference_models / "qwen3_moe"
@@ -200,30 +200,9 @@ def test_greedy_matches_transformers_generate(engine: Engine, reference_models: 
             "b": make_adapter(engine, model_dir, "b", 2, ["q_proj", "o_proj", "lm_head"], seed=12),
             "e": make_adapter(engine, model_dir, "e", 4, MLP + ["gate"], seed=13),
             "f": make_adapter(engine, model_dir, "f", 2, ["v_proj", "down_proj"], seed=14)}
-    prompts = sequences(256, [1 + (5 * i) % 23 for i in range(8)], seed=22)
+    prompts = sequences(256, [1 + (5 * i) % 23 for i in range(16)], seed=22)
     cases = [(a, p) for p in prompts for a in refs]
-    max_tokens = 24
-    reply = engine.call("sample", {"rows": [row(a, p, max_tokens=max_tokens) for a, p in cases]})
-    full = 0
-    for i, (a, p) in enumerate(cases):
-        got = reply["rows"][i]["samples"][0]["tokens"].tolist()
-        with torch.no_grad():
-            out = refs[a].generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                   eos_token_id=None, pad_token_id=0, output_logits=True,
-                                   return_dict_in_generate=True)
-        ref = out.sequences[0, len(p):].tolist()
-        compared = max_tokens
-        for t, logits in enumerate(out.logits):
-            top2 = logits[0].topk(2).values
-            if float(top2[0] - top2[1]) < GAP:
-                compared = t + 1
-                break
-        n_exact = compared if compared == max_tokens else compared - 1
-        assert got[:n_exact] == ref[:n_exact], (i, a, got, ref)
-        full += compared == max_tokens
-    print(f"qwen3_moe: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
-    assert full >= 0.9 * len(cases)
+    assert_greedy_matches_generate(engine, refs, cases, max_tokens=32, gap=GAP, label="qwen3_moe")
 
 
 # ---- Qwen3.5-MoE: the Qwen3.5 hybrid layers with experts + a gated shared expert everywhere ----
@@ -294,31 +273,12 @@ def test_qwen3_5_moe_greedy_matches_transformers_generate(engine: Engine, refere
     load(engine, model_dir)
     refs = {"": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
             "a": make_adapter(engine, model_dir, "a", 4, DELTANET + ATTENTION, seed=11),
-            "s": make_adapter(engine, model_dir, "s", 2, MLP + ["shared_expert_gate"], seed=12)}
-    prompts = sequences(256, [1 + (5 * i) % 23 for i in range(7)] + [70], seed=23)
+            "s": make_adapter(engine, model_dir, "s", 2, MLP + ["shared_expert_gate"], seed=12),
+            "t": make_adapter(engine, model_dir, "t", 4, ["q_proj", "o_proj", "lm_head"], seed=13),
+            "u": make_adapter(engine, model_dir, "u", 2, ["in_proj_qkv", "out_proj", "down_proj"], seed=14)}
+    prompts = sequences(256, [1 + (5 * i) % 23 for i in range(15)] + [70], seed=23)
     cases = [(a, p) for p in prompts for a in refs]
-    max_tokens = 24
-    reply = engine.call("sample", {"rows": [row(a, p, max_tokens=max_tokens) for a, p in cases]})
-    full = 0
-    for i, (a, p) in enumerate(cases):
-        got = reply["rows"][i]["samples"][0]["tokens"].tolist()
-        with torch.no_grad():
-            out = refs[a].generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                   eos_token_id=None, pad_token_id=0, output_logits=True,
-                                   return_dict_in_generate=True)
-        ref = out.sequences[0, len(p):].tolist()
-        compared = max_tokens
-        for t, logits in enumerate(out.logits):
-            top2 = logits[0].topk(2).values
-            if float(top2[0] - top2[1]) < GAP:
-                compared = t + 1
-                break
-        n_exact = compared if compared == max_tokens else compared - 1
-        assert got[:n_exact] == ref[:n_exact], (i, a, got, ref)
-        full += compared == max_tokens
-    print(f"qwen3_5_moe: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
-    assert full >= 0.9 * len(cases)
+    assert_greedy_matches_generate(engine, refs, cases, max_tokens=32, gap=GAP, label="qwen3_5_moe")
 
 
 PEFT_TARGETS = {"qwen3_moe": ATTENTION + MLP + ["gate"],
