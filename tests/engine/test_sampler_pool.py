@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_harness import Engine, EngineError
 from numerics import assert_close
-from sampling_checks import assert_samples_match_training_forward
+from sampling_checks import assert_greedy_matches_generate, assert_samples_match_training_forward
 from test_model import ALL_LINEAR, peft_model, random_lora_state, sequences
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
@@ -137,29 +137,7 @@ def test_greedy_16_prompts_x_4_adapters_match_transformers_generate(engine: Engi
     refs = setup_adapters(engine, model_dir)
     prompts = sequences(256, [1 + (7 * i) % 29 for i in range(16)], seed=21)
     cases = [(a, p) for p in prompts for a in ADAPTERS]
-    max_tokens = 16
-    reply = engine.call("sample", {"rows": [row(a, p, max_tokens=max_tokens) for a, p in cases]})
-    full = 0
-    for i, (a, p) in enumerate(cases):
-        got = reply["rows"][i]["samples"][0]
-        assert got["stop_reason"] == "length" and len(got["tokens"]) == max_tokens
-        with torch.no_grad():
-            out = refs[a].generate(p.unsqueeze(0), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                   eos_token_id=None, pad_token_id=0, output_logits=True,
-                                   return_dict_in_generate=True)
-        ref_tokens = out.sequences[0, len(p):].tolist()
-        compared = max_tokens
-        for t, logits in enumerate(out.logits):
-            top2 = logits[0].topk(2).values
-            if float(top2[0] - top2[1]) < GAP:
-                compared = t + 1  # the near-tie position itself may go either way
-                break
-        n_exact = compared if compared == max_tokens else compared - 1
-        assert got["tokens"][:n_exact].tolist() == ref_tokens[:n_exact], (i, a, got["tokens"], ref_tokens)
-        full += compared == max_tokens
-    print(f"{variant}: {full}/{len(cases)} sequences compared over all {max_tokens} tokens")
-    assert full >= 0.9 * len(cases)
+    assert_greedy_matches_generate(engine, refs, cases, max_tokens=16, gap=GAP, label=variant)
 
 
 @pytest.mark.parametrize("block_size", [16, 3])
