@@ -151,6 +151,7 @@ absl::StatusOr<MethodReply> RequestHandler::LoadModel(const ipc::Message& reques
   model->set_activation_checkpointing(req->activation_checkpointing);
   auto trainer = std::make_unique<Trainer>(std::move(model), *device, req->max_lora_rank,
                                            std::move(group));
+  trainer->set_activation_cost(cost);
   if (absl::Status s = trainer->InitSampler(
           *dtype, {req->kv_cache_blocks, req->kv_block_size, req->state_slots});
       !s.ok()) {

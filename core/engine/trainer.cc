@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/engine/loss/loss.h"
 #include "core/engine/sampler/sampler.h"
+#include "core/common/log.h"
 #include "core/engine/tensor_io.h"
 #include "core/ipc/training_messages.h"
 
@@ -189,34 +190,44 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
   absl::StatusOr<ipc::ForwardRequest> req = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, method);
   if (!req.ok()) return req.status();
-  if (req->allreduce_adapters.empty()) return ForwardPass(request, *req, backward, nullptr);
-  if (!backward || group_ == nullptr) {
+  const bool data_parallel = !req->allreduce_adapters.empty();
+  if (data_parallel && (!backward || group_ == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
         method, ": allreduce_adapters needs forward_backward on a rank of a process group"));
   }
-  // A data-parallel step: every rank runs its share of the rows, then the ranks sum the new
-  // gradients. A rank that fails (a bad input, an unknown adapter) still takes part in the
-  // collectives, so no peer is left waiting: first every rank says whether it failed; if
-  // any did, all drop this step's gradients (as one rank that failed would) and return an
-  // error; otherwise the gradients are summed.
-  std::vector<Adapter*> reduce;
+  absl::StatusOr<std::optional<ForwardSplit>> passes = PlanPasses(request, *req);
+  if (!passes.ok()) return passes.status();
+  if (!data_parallel && !passes->has_value()) return ForwardPass(request, *req, backward, {});
+
+  // The adapters this step trains: their gradients so far are set aside while the step's
+  // pass(es) fill fresh ones, so a step that fails (on any pass, or on another rank) leaves
+  // them exactly as they were.
+  std::vector<Adapter*> trained;
   absl::Status local;
-  for (const std::string& id : req->allreduce_adapters) {
-    absl::StatusOr<Adapter*> adapter = FindAdapter(id);
-    if (!adapter.ok()) {
-      local = adapter.status();
-      break;
+  if (data_parallel) {
+    for (const std::string& id : req->allreduce_adapters) {
+      absl::StatusOr<Adapter*> adapter = FindAdapter(id);
+      if (!adapter.ok()) {
+        local = adapter.status();
+        break;
+      }
+      if (std::find(trained.begin(), trained.end(), *adapter) != trained.end()) {
+        local = absl::InvalidArgumentError(absl::StrCat(method, ": adapter '", id, "' is listed twice in allreduce_adapters"));
+        break;
+      }
+      trained.push_back(*adapter);
     }
-    if (std::find(reduce.begin(), reduce.end(), *adapter) != reduce.end()) {
-      local = absl::InvalidArgumentError(absl::StrCat(method, ": adapter '", id, "' is listed twice in allreduce_adapters"));
-      break;
+  } else if (backward) {
+    for (const ipc::TrainOpMsg& op : req->ops) {
+      if (op.adapter_id.empty() || op.disable_adapter || op.loss.name.empty()) continue;
+      absl::StatusOr<Adapter*> adapter = FindAdapter(op.adapter_id);
+      if (!adapter.ok()) return adapter.status();
+      if (std::find(trained.begin(), trained.end(), *adapter) == trained.end()) trained.push_back(*adapter);
     }
-    reduce.push_back(*adapter);
   }
-  // This rank's backward adds to empty gradients; the earlier ones wait aside.
   std::vector<at::Tensor> earlier;
   if (local.ok()) {
-    for (Adapter* adapter : reduce) {
+    for (Adapter* adapter : trained) {
       for (const auto& [name, p] : adapter->named_parameters()) {
         earlier.push_back(p.grad());
         const_cast<at::Tensor&>(p).mutable_grad() = at::Tensor();
@@ -225,7 +236,7 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   }
   auto restore = [&] {
     size_t i = 0;
-    for (Adapter* adapter : reduce) {
+    for (Adapter* adapter : trained) {
       for (const auto& [name, p] : adapter->named_parameters()) {
         if (i < earlier.size()) const_cast<at::Tensor&>(p).mutable_grad() = earlier[i++];
       }
@@ -234,27 +245,92 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
   absl::StatusOr<MethodReply> reply =
       !local.ok() ? absl::StatusOr<MethodReply>(local)
       : req->ops.empty() ? Reply(ipc::ForwardReply{})  // no rows here: only the collectives
-                         : ForwardPass(request, *req, true, &reduce);
-  at::Tensor failed = at::full({1}, reply.ok() ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
-  if (absl::Status s = group_->AllReduceSum(failed); !s.ok()) {
-    restore();
-    return s;
+                         : RunPasses(request, *req, *passes, backward, data_parallel ? &trained : nullptr);
+  if (data_parallel) {
+    // A rank that failed (a bad input, an unknown adapter) still takes part in the
+    // collectives, so no peer is left waiting: first every rank says whether it failed; if
+    // any did, all drop this step's gradients (as one rank that failed would) and return an
+    // error; otherwise the new gradients are summed over the ranks.
+    at::Tensor failed =
+        at::full({1}, reply.ok() ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
+    if (absl::Status s = group_->AllReduceSum(failed); !s.ok()) {
+      restore();
+      return s;
+    }
+    const float failures = failed.to(at::kCPU).item<float>();
+    if (failures > 0) {
+      restore();
+      if (!reply.ok()) return reply.status();
+      return absl::AbortedError(absl::StrCat(method, ": ", static_cast<int>(failures),
+                                             " other rank(s) failed this data-parallel step; no gradient was kept"));
+    }
+    if (absl::Status s = ReduceGradients(trained, std::move(earlier)); !s.ok()) return s;
+  } else {
+    if (!reply.ok()) {
+      restore();
+      return reply.status();
+    }
+    size_t i = 0;
+    for (Adapter* adapter : trained) {
+      for (const auto& [name, p] : adapter->named_parameters()) {
+        const at::Tensor& before = earlier[i++];
+        at::Tensor& grad = const_cast<at::Tensor&>(p).mutable_grad();
+        if (before.defined()) grad = grad.defined() ? before + grad : before;
+      }
+    }
   }
-  const float failures = failed.to(at::kCPU).item<float>();
-  if (failures > 0) {
-    restore();
-    if (!reply.ok()) return reply.status();
-    return absl::AbortedError(absl::StrCat(method, ": ", static_cast<int>(failures),
-                                           " other rank(s) failed this data-parallel step; no gradient was kept"));
-  }
-  if (absl::Status s = ReduceGradients(reduce, std::move(earlier)); !s.ok()) return s;
-  // Every rank counts the micro-batch, rows here or not, so the counters stay equal.
-  for (Adapter* adapter : reduce) ++adapter->micro_batches_since_step;
+  // Every rank counts the micro-batch, rows here or not, so the counters stay equal; one
+  // count per request however many passes it took.
+  for (Adapter* adapter : trained) ++adapter->micro_batches_since_step;
   return reply;
 }
 
+absl::StatusOr<std::optional<ForwardSplit>> Trainer::PlanPasses(const ipc::Message& request,
+                                                                const ipc::ForwardRequest& req) const {
+  if (req.max_pass_bytes <= 0 || !activation_cost_.known() || req.ops.empty()) return std::nullopt;
+  std::vector<int64_t> lengths;
+  for (const ipc::TrainOpMsg& op : req.ops) {
+    for (const ipc::DatumMsg& d : op.datums) {
+      int64_t n = 1;
+      for (int64_t dim : d.input_tokens.shape) n *= dim;
+      lengths.push_back(n);
+    }
+  }
+  if (EstimateActivationBytes(activation_cost_, lengths) <= req.max_pass_bytes) return std::nullopt;
+  absl::StatusOr<ForwardSplit> split = SplitForwardIntoPasses(request, activation_cost_, req.max_pass_bytes);
+  if (!split.ok()) return split.status();
+  if (split->requests.size() < 2) return std::nullopt;
+  return std::optional<ForwardSplit>(*std::move(split));
+}
+
+absl::StatusOr<MethodReply> Trainer::RunPasses(const ipc::Message& request, const ipc::ForwardRequest& req,
+                                               const std::optional<ForwardSplit>& passes, bool backward,
+                                               const std::vector<Adapter*>* reduce) {
+  if (!passes.has_value()) return ForwardPass(request, req, backward, {reduce, false, 0});
+  const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
+  const size_t n = passes->requests.size();
+  std::vector<MethodReply> replies;
+  for (size_t p = 0; p < n; ++p) {
+    const ipc::Message& part = passes->requests[p];
+    absl::StatusOr<ipc::ForwardRequest> part_req = ipc::Unpack<ipc::ForwardRequest>(part.envelope.body, method);
+    if (!part_req.ok()) return part_req.status();
+    absl::StatusOr<MethodReply> reply = ForwardPass(part, *part_req, backward, {reduce, false, p});
+    if (!reply.ok()) {
+      return absl::Status(reply.status().code(),
+                          absl::StrCat("pass ", p + 1, " of ", n, ": ", reply.status().message()));
+    }
+    replies.push_back(*std::move(reply));
+  }
+  std::string line = absl::StrCat(method, " in ", n, " passes within ", req.max_pass_bytes >> 20,
+                                  " MiB (engine.activation_memory_mib): tokens");
+  for (int64_t t : passes->tokens) absl::StrAppend(&line, " ", t);
+  Log(LogLevel::kDebug, "trainer", line);
+  return MergeForward(*passes, std::move(replies));
+}
+
 absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, const ipc::ForwardRequest& fwd,
-                                                 bool backward, const std::vector<Adapter*>* reduce) {
+                                                 bool backward, PassOptions options) {
+  const std::vector<Adapter*>* reduce = options.reduce;
   const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
   const ipc::ForwardRequest* req = &fwd;
   if (req->ops.empty()) return absl::InvalidArgumentError(absl::StrCat(method, ": no ops"));
@@ -440,8 +516,8 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
   }
   if (backward && total.defined()) {
     total.backward();
-    // Data parallel: Forward counts the micro-batch once the ranks agree.
-    if (reduce == nullptr) {
+    // Otherwise Forward counts it, once per request (passes, data parallelism).
+    if (options.count_micro_batch) {
       for (const OpRows& r : rows) {
         if (r.adapter != nullptr) ++r.adapter->micro_batches_since_step;
       }

@@ -13,14 +13,18 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/common/activation_memory.h"
 #include "core/engine/distributed.h"
 #include "core/engine/lora/adapter.h"
 #include "core/engine/model/decoder.h"
 #include "core/engine/request_handler.h"
 #include "core/engine/sampler/sampler.h"
+#include "core/ipc/forward_split.h"
 #include "core/ipc/training_messages.h"
 
 namespace twinkle::engine {
@@ -33,6 +37,9 @@ class Trainer {
   Trainer(std::unique_ptr<DecoderModel> model, c10::Device device, int64_t max_lora_rank = 0,
           std::unique_ptr<ProcessGroup> group = nullptr);
 
+  // The engine's activation-memory coefficients (for passes under max_pass_bytes).
+  void set_activation_cost(const ActivationCost& cost) { activation_cost_ = cost; }
+
   // Allocates the sampler's KV cache (0 = defaults); before RegisterMethods.
   absl::Status InitSampler(at::ScalarType dtype, KvCacheSize cache_size);
   const Sampler& sampler() const { return *sampler_; }
@@ -43,11 +50,27 @@ class Trainer {
  private:
   absl::StatusOr<MethodReply> CreateAdapter(const ipc::Message& request);
   absl::StatusOr<MethodReply> RemoveAdapter(const ipc::Message& request);
+  // A forward / forward_backward request: one pass, or (over its max_pass_bytes) several
+  // passes whose gradients accumulate; on a rank of a process group, the all-reduce after.
   absl::StatusOr<MethodReply> Forward(const ipc::Message& request, bool backward);
-  // One forward (and backward) over this rank's ops. reduce (data parallel): the adapters
-  // the step sums over the ranks; the caller then counts the micro-batch.
+  // The request's passes when its activation estimate is above its max_pass_bytes; none
+  // (one pass) otherwise.
+  absl::StatusOr<std::optional<ForwardSplit>> PlanPasses(const ipc::Message& request,
+                                                         const ipc::ForwardRequest& req) const;
+  // Runs `passes` one after the other (or `req` as one pass) and merges their replies.
+  absl::StatusOr<MethodReply> RunPasses(const ipc::Message& request, const ipc::ForwardRequest& req,
+                                        const std::optional<ForwardSplit>& passes, bool backward,
+                                        const std::vector<Adapter*>* reduce);
+  struct PassOptions {
+    // Data parallel: the adapters the step sums over the ranks (an op may train no other).
+    const std::vector<Adapter*>* reduce = nullptr;
+    // Whether this pass counts the adapters' micro-batch (else Forward counts it once).
+    bool count_micro_batch = true;
+    uint64_t pass = 0;  // index of this pass within its request
+  };
+  // One forward (and backward) over `req`'s ops.
   absl::StatusOr<MethodReply> ForwardPass(const ipc::Message& request, const ipc::ForwardRequest& req,
-                                          bool backward, const std::vector<Adapter*>* reduce);
+                                          bool backward, PassOptions options);
   absl::StatusOr<MethodReply> OptimStep(const ipc::Message& request);
   absl::StatusOr<MethodReply> ZeroGrad(const ipc::Message& request);
   absl::StatusOr<MethodReply> SetOptimizer(const ipc::Message& request);
@@ -78,6 +101,7 @@ class Trainer {
   c10::Device device_;
   int64_t max_lora_rank_ = 0;
   std::unique_ptr<ProcessGroup> group_;
+  ActivationCost activation_cost_;
   std::map<std::string, std::unique_ptr<Adapter>> adapters_;
   // After adapters_: destroyed first, while the adapters its requests point to still exist.
   std::unique_ptr<Sampler> sampler_;

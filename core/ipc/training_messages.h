@@ -85,7 +85,11 @@ struct ForwardRequest {  // forward and forward_backward
   // ranks, so each holds the gradient of the whole batch. Empty: no collective; ops may
   // then not be empty.
   std::vector<std::string> allreduce_adapters;
-  MSGPACK_DEFINE_MAP(ops, return_logits, allreduce_adapters);
+  // The activation-memory budget of one pass (engine.activation_memory_mib, in bytes; 0 =
+  // none): a request the engine estimates above it runs as several passes, each within it,
+  // its gradients accumulating across them (core/ipc/forward_split.h).
+  int64_t max_pass_bytes = 0;
+  MSGPACK_DEFINE_MAP(ops, return_logits, allreduce_adapters, max_pass_bytes);
 };
 
 struct OpResultMsg {

@@ -326,6 +326,7 @@ std::vector<FutureResult> TrainingCoordinator::RunFused(const std::vector<const 
   if (included.empty()) return results;
   // One op's engine error must not fail the others: if a fused step fails, run each alone.
   request.envelope.method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
+  body.max_pass_bytes = options_.activation_memory_bytes;  // over it, the engine runs passes
   request.envelope.body = ipc::Pack(body);
   absl::StatusOr<ipc::Message> reply = engine_.Call(std::move(request));
   if (!reply.ok() && included.size() > 1) {

@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/ipc/forward_split.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/training_messages.h"
 #include "core/training/coordinator_state.h"
@@ -178,15 +179,36 @@ absl::StatusOr<uint64_t> TrainingCoordinator::SubmitForward(const TenantContext&
   }
   // Memory admission, also before any engine memory is spent: the engine's estimate of this
   // request's activations (as a forward_backward's, also for a forward: on the safe side).
+  // Above the budget, the engine runs a request in passes that each fit (their gradients
+  // accumulate), cutting between sequences where the loss is a sum over them (Tinker's
+  // losses, forward-only); so what must fit is one sequence, or the whole request when its
+  // loss (Twinkle's, the adapter's) is taken over all its sequences together.
   const int64_t activation_bytes = EstimateActivationBytes(engine_.activation_cost(), packed->lengths);
   const int64_t budget = options_.activation_memory_bytes;
   if (budget > 0 && activation_bytes > budget) {
     constexpr int64_t kMiB = int64_t{1} << 20;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "inputs: ", packed->tokens, " tokens in ", packed->lengths.size(), " sequences need an estimated ",
-        activation_bytes / kMiB + (activation_bytes % kMiB != 0 ? 1 : 0), " MiB of activation memory, above the ",
-        budget / kMiB, " MiB a step may use (engine.activation_memory_mib); send fewer or shorter sequences per "
-        "request"));
+    auto mib = [](int64_t bytes) { return bytes / kMiB + (bytes % kMiB != 0 ? 1 : 0); };
+    const std::string loss = args.loss ? args.loss->name : "";
+    const bool in_passes = mode == ForwardMode::kForwardOnly || (args.loss && LossSplitsOverDatums(loss));
+    if (!in_passes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs: ", packed->tokens, " tokens in ", packed->lengths.size(), " sequences need an estimated ",
+          mib(activation_bytes), " MiB of activation memory, above the ", budget / kMiB,
+          " MiB a step may use (engine.activation_memory_mib), and the loss ",
+          loss.empty() ? "set on the adapter" : absl::StrCat("'", loss, "'"),
+          " is taken over all of a request's sequences together, so the request cannot run in passes; send "
+          "fewer or shorter sequences per request"));
+    }
+    for (size_t i = 0; i < packed->lengths.size(); ++i) {
+      const int64_t alone = EstimateActivationBytes(engine_.activation_cost(), {packed->lengths[i]});
+      if (alone > budget) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "inputs: sequence ", i, " (", packed->lengths[i], " tokens) alone needs an estimated ", mib(alone),
+            " MiB of activation memory, above the ", budget / kMiB,
+            " MiB a step may use (engine.activation_memory_mib); send shorter sequences, or enable "
+            "engine.activation_checkpointing"));
+      }
+    }
   }
   if (absl::Status s = CheckPending(tenant); !s.ok()) return s;
   sched::Op op;

@@ -28,6 +28,7 @@ from conftest import load
 from engine_harness import Engine, EngineError
 from numerics import assert_close, relative_norm_error
 from test_fused import ADAPTERS, HYPER, create, data
+from test_memory_estimate import estimate_bytes
 
 ABORTED, INVALID_ARGUMENT = 10, 3
 
@@ -71,11 +72,13 @@ def on_all_errors(engines: list[Engine], method: str, bodies: list[dict[str, Any
 RANK_DEVICES = os.environ.get("TWINKLE_TEST_DEVICES", "cpu,cpu").split(",")
 
 
-def load_group(engines: list[Engine], model_dir: Path) -> None:
+def load_group(engines: list[Engine], model_dir: Path) -> dict[str, Any]:
+    """Loads the model on every rank; returns rank 0's load reply."""
     bodies = [{"model_dir": str(model_dir), "dtype": "float32", "device": RANK_DEVICES[r % len(RANK_DEVICES)]}
               for r in range(len(engines))]
     replies = on_all(engines, "load_model", bodies)
     assert [r["world_size"] for r in replies] == [len(engines)] * len(engines)
+    return replies[0]
 
 
 def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -209,3 +212,32 @@ def test_single_worker_refuses_allreduce(reference_models: Path) -> None:
         with pytest.raises(EngineError) as e:
             engine.call("forward_backward", {"ops": [op("a", data("a", 0))], "allreduce_adapters": ["a"]})
         assert e.value.code == INVALID_ARGUMENT and "process group" in e.value.message
+
+
+def test_a_rank_runs_its_share_in_passes(reference_models: Path) -> None:
+    """Data parallelism and the memory budget together: rank 0 gets two rounds' datums of
+    every adapter with a max_pass_bytes that holds about one sequence (several passes), rank
+    1 one round's in one pass; after the all-reduce both hold the one-rank gradient of all
+    the rows (1e-6 relative), bit-identical to each other."""
+    model_dir = reference_models / "qwen3"
+    with Engine() as solo:
+        load(solo, model_dir)
+        for a in ADAPTERS:
+            create(solo, a)
+        solo.call("forward_backward", {"ops": [op(a, data(a, 0) + data(a, 1) + data(a, 2)) for a in ADAPTERS]})
+        want = states(solo)
+    with group(2) as ranks:
+        info = load_group(ranks, model_dir)
+        for a in ADAPTERS:
+            on_all(ranks, "create_adapter", {"adapter_id": a, "rank": ADAPTERS[a], "alpha": 16.0, "seed": ord(a)})
+        budget = estimate_bytes(info, [12])
+        on_all(ranks, "forward_backward", [
+            {"ops": [op(a, data(a, 0) + data(a, 1)) for a in ADAPTERS], "allreduce_adapters": list(ADAPTERS),
+             "max_pass_bytes": budget},
+            {"ops": [op(a, data(a, 2)) for a in ADAPTERS], "allreduce_adapters": list(ADAPTERS)}])
+        got = [states(e) for e in ranks]
+    for a in ADAPTERS:
+        assert max_abs_diff(got[0][a]["grads"], got[1][a]["grads"]) == 0.0
+        assert got[0][a]["micro_batches_since_step"] == 1
+        for name, g in want[a]["grads"].items():
+            relative_norm_error(f"{a} grad {name}", got[0][a]["grads"][name], g, 1e-6)

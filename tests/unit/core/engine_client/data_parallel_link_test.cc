@@ -1,5 +1,6 @@
-// The data-parallel link's split of a fused forward_backward over ranks and the merge of the
-// ranks' replies (docs/device_pool.md). The engines' side (the all-reduce, the numbers) is
+// The split of a fused forward_backward over ranks (data parallelism, docs/device_pool.md)
+// or into passes under an activation-memory budget (docs/architecture.md, "Training
+// memory"), and the merge of the parts' replies (core/ipc/forward_split.h). The engines' side (the all-reduce, the numbers) is
 // tested in tests/engine/test_data_parallel.py and tests/e2e/test_data_parallel.py.
 
 #include "core/engine_client/data_parallel_link.h"
@@ -176,6 +177,73 @@ TEST(DataParallelMerge, PutsEveryDatumBackInPlaceAndMergesMetrics) {
   EXPECT_DOUBLE_EQ(m.at("ratio:mean"), 2.0);  // both ranks 2 datums: the weighted mean is 2
   // Op "b" ran whole on one rank: its metrics as that rank gave them.
   EXPECT_EQ(body->ops[1].metrics.at("loss:sum"), 14.0);
+}
+
+// Passes: 1 KiB per token, no fixed or quadratic term, so a 30-token budget is 30 KiB.
+constexpr ActivationCost kKiBPerToken{0, 1 << 10, 0};
+
+std::vector<std::vector<std::vector<int64_t>>> PartTags(const ForwardSplit& split) {
+  std::vector<std::vector<std::vector<int64_t>>> tags;  // part -> op -> datum tags
+  for (const ipc::Message& m : split.requests) {
+    absl::StatusOr<ipc::ForwardRequest> part = ipc::Unpack<ipc::ForwardRequest>(m.envelope.body, "part");
+    EXPECT_TRUE(part.ok());
+    EXPECT_TRUE(part->allreduce_adapters.empty());
+    EXPECT_EQ(part->max_pass_bytes, 0);
+    tags.emplace_back();
+    for (const ipc::TrainOpMsg& op : part->ops) {
+      tags.back().emplace_back();
+      for (const ipc::DatumMsg& d : op.datums) tags.back().back().push_back(Tag(d.input_tokens, m.buffers));
+    }
+  }
+  return tags;
+}
+
+TEST(ForwardPasses, FillsEachPassInOrderUpToTheBudgetKeepingNonSumLossesWhole) {
+  // a: 10, 11, 12, 13 tokens (by datum); b: 2 x 7 = 14 (whole); base: 5. Budget 30 KiB:
+  // pass 1 a0+a1 (21; +12 = 33 > 30), pass 2 a2+a3 (25; +14 = 39), pass 3 b+base (19).
+  absl::StatusOr<ForwardSplit> split = SplitForwardIntoPasses(FusedRequest(), kKiBPerToken, 30 << 10);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(split->tokens, (std::vector<int64_t>{21, 25, 19}));
+  EXPECT_EQ(split->has_request, (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(PartTags(*split), (std::vector<std::vector<std::vector<int64_t>>>{
+                                  {{100, 101}}, {{102, 103}}, {{200, 201}, {300}}}));
+  // The merge puts the passes' replies back as one reply: op a's loss:sum adds over passes.
+  std::vector<ipc::Message> replies;
+  for (const ipc::Message& m : split->requests) replies.push_back(FakeReply(m));
+  absl::StatusOr<ipc::Message> merged = MergeForward(*split, std::move(replies));
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::StatusOr<ipc::ForwardReply> body = ipc::Unpack<ipc::ForwardReply>(merged->envelope.body, "merged");
+  ASSERT_TRUE(body.ok());
+  ASSERT_EQ(body->ops.size(), 3u);
+  EXPECT_EQ(body->ops[0].logprobs.size(), 4u);
+  EXPECT_EQ(body->ops[0].metrics.at("loss:sum"), 46.0);
+  EXPECT_EQ(body->ops[1].metrics.at("loss:sum"), 14.0);
+}
+
+TEST(ForwardPasses, AUnitAboveTheBudgetGetsAPassOfItsOwn) {
+  // Budget 12 KiB: a0 (10), a1 (11), a2 (12) each alone, a3 (13) over it alone, b (14)
+  // over it alone, base (5) alone as well (14 + 5 > 12).
+  absl::StatusOr<ForwardSplit> split = SplitForwardIntoPasses(FusedRequest(), kKiBPerToken, 12 << 10);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(split->tokens, (std::vector<int64_t>{10, 11, 12, 13, 14, 5}));
+  // A budget the whole request fits: one pass, the request as it was.
+  split = SplitForwardIntoPasses(FusedRequest(), kKiBPerToken, 65 << 10);
+  ASSERT_TRUE(split.ok());
+  EXPECT_EQ(split->tokens, (std::vector<int64_t>{65}));
+  EXPECT_FALSE(SplitForwardIntoPasses(ipc::MakeRequest(ipc::kMethodOptimStep, ""), kKiBPerToken, 1).ok());
+}
+
+TEST(DataParallelSplit, EachRankKeepsThePassBudget) {
+  ipc::Message request = FusedRequest();
+  absl::StatusOr<ipc::ForwardRequest> req = ipc::Unpack<ipc::ForwardRequest>(request.envelope.body, "req");
+  ASSERT_TRUE(req.ok());
+  req->max_pass_bytes = 123;
+  request.envelope.body = ipc::Pack(*req);
+  absl::StatusOr<ForwardSplit> split = SplitForward(request, 2);
+  ASSERT_TRUE(split.ok());
+  for (const ipc::Message& m : split->requests) {
+    EXPECT_EQ(ipc::Unpack<ipc::ForwardRequest>(m.envelope.body, "part")->max_pass_bytes, 123);
+  }
 }
 
 TEST(DataParallelSplit, SumLossesAreTheTinkerOnes) {

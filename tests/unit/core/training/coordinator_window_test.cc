@@ -43,6 +43,7 @@ class FakeEngine final : public EngineLink {
       std::vector<std::string> adapters;
       for (const ipc::TrainOpMsg& op : fwd->ops) adapters.push_back(op.adapter_id);
       forward_calls_.push_back(adapters);
+      max_pass_bytes_.push_back(fwd->max_pass_bytes);
       for (const ipc::TrainOpMsg& op : fwd->ops) {
         window_tokens_.push_back(op.window_tokens);
         ipc::OpResultMsg r;
@@ -101,12 +102,18 @@ class FakeEngine final : public EngineLink {
     absl::MutexLock lock(&mu_);
     return forward_calls_;
   }
+  // Each forward / forward_backward call's max_pass_bytes.
+  std::vector<int64_t> max_pass_bytes() {
+    absl::MutexLock lock(&mu_);
+    return max_pass_bytes_;
+  }
 
  private:
   absl::Mutex mu_;
   std::vector<int64_t> window_tokens_;
   std::vector<double> grad_scales_;
   std::vector<std::vector<std::string>> forward_calls_;
+  std::vector<int64_t> max_pass_bytes_;
 };
 
 // A sequence of n tokens whose last `trained` are trained (HF labels: -100 elsewhere).
@@ -341,6 +348,44 @@ TEST_F(CoordinatorWindowTest, MemoryAdmissionRefusesAnOverBudgetRequestAndBounds
   Wait(backward);
   Wait(other);
   EXPECT_EQ(engine_.forward_calls().size() - before, 2u);  // 600 + 600 KiB: not fused
+  engine_.cost = {};
+}
+
+// Above the budget, a request whose loss is a sum over its sequences (here forward-only) is
+// queued all the same and reaches the engine with the budget as its max_pass_bytes (the
+// engine runs it in passes); what must fit is each sequence alone. A Twinkle loss over all
+// the sequences together is refused, saying why.
+TEST_F(CoordinatorWindowTest, MemoryAdmissionLetsTheEngineRunSumLossesInPasses) {
+  coordinator_->Stop();
+  CoordinatorOptions options;
+  options.activation_memory_bytes = int64_t{1} << 20;
+  engine_.cost = ActivationCost{0, 1 << 10, 0};  // 1 KiB per token: 1024 tokens = 1 MiB
+  coordinator_ = std::make_unique<TrainingCoordinator>(options, engine_, futures_);
+  coordinator_->Start();
+  Add("a", 1);
+  ForwardArgs two;
+  two.inputs = {Seq(600, 2), Seq(600, 2)};  // 1200 KiB: over, each sequence under
+  EXPECT_EQ(Wait(coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardOnly, two, false, {}))
+                .sequences.size(), 2u);
+  EXPECT_EQ(engine_.max_pass_bytes().back(), int64_t{1} << 20);
+  absl::StatusOr<uint64_t> whole = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardBackward, two, false, {});
+  ASSERT_FALSE(whole.ok());
+  EXPECT_THAT(whole.status().message(),
+              ::testing::HasSubstr("1200 tokens in 2 sequences need an estimated 2 MiB of activation memory, above "
+                                   "the 1 MiB a step may use (engine.activation_memory_mib), and the loss set on the "
+                                   "adapter is taken over all of a request's sequences together, so the request "
+                                   "cannot run in passes"));
+  ForwardArgs one;
+  one.inputs = {Seq(10, 2), Seq(1025, 2)};  // limit + 1 token
+  absl::StatusOr<uint64_t> long_one = coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardOnly, one, false, {});
+  ASSERT_FALSE(long_one.ok());
+  EXPECT_EQ(long_one.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(long_one.status().message(),
+              ::testing::HasSubstr("inputs: sequence 1 (1025 tokens) alone needs an estimated 2 MiB of activation "
+                                   "memory, above the 1 MiB a step may use (engine.activation_memory_mib)"));
+  one.inputs = {Seq(10, 2), Seq(1024, 2)};  // at the limit
+  EXPECT_EQ(Wait(coordinator_->SubmitForward(tenant_, "a", ForwardMode::kForwardOnly, one, false, {}))
+                .sequences.size(), 2u);
   engine_.cost = {};
 }
 
