@@ -26,6 +26,7 @@
 #include "core/engine_client/one_shot.h"
 #include "core/engine_client/data_parallel_link.h"
 #include "core/engine_client/supervisor.h"
+#include "core/ipc/socket.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
 #include "core/storage/filesystem.h"
@@ -80,11 +81,15 @@ std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
+}  // namespace
+
 std::string DefaultEngineBinary() {
   std::error_code ec;
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
   return (self.parent_path() / "twinkle-engine").string();
 }
+
+namespace {
 
 std::string HostPort(const std::string& host, int port) {
   return host.find(':') != std::string::npos && host.front() != '['
@@ -312,8 +317,10 @@ bool DedicatedSampler(const Config& c) { return !c.sampler.devices.empty(); }
 // The training workers. With a dedicated sampler pool they never sample, so their KV cache is
 // a single block (the engine allocates one at load; on a GPU 2048 unused blocks would take
 // memory from training).
-SupervisorOptions MakeSupervisorOptions(const Config& c) {
+SupervisorOptions MakeSupervisorOptions(const Config& c, const std::string& node_secret = "") {
   SupervisorOptions o;
+  o.node_listen = c.nodes.listen;  // engines on other nodes (docs/device_pool.md)
+  o.node_secret = node_secret;
   o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
   o.devices = c.engine.devices;
   o.model_dir = c.model.path;
@@ -343,6 +350,7 @@ SupervisorOptions MakeSupervisorOptions(const Config& c) {
 // and restart policy as the training workers, with the sampler's KV cache.
 SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
   SupervisorOptions o = MakeSupervisorOptions(c);
+  o.node_listen.clear();  // sampler workers run on this node
   o.pool = "sampler";
   o.devices = c.sampler.devices;
   o.kv_cache_blocks = c.sampler.kv_cache_blocks;
@@ -428,7 +436,13 @@ int RunServer(const Config& config, const LaunchOptions& options) {
 
   const std::string where = config.source_file.string();
   Metrics metrics(/*tenant_labels=*/!config.auth.enabled || config.server.metrics_tenant_labels);
-  Supervisor supervisor(MakeSupervisorOptions(config));
+  std::string node_secret;
+  if (!config.nodes.secret_file.empty()) {
+    absl::StatusOr<std::string> secret = ipc::ReadNodeSecret(config.nodes.secret_file);
+    if (!secret.ok()) return fail(absl::StrCat(where, ": nodes.secret_file: ", secret.status().message()));
+    node_secret = *std::move(secret);
+  }
+  Supervisor supervisor(MakeSupervisorOptions(config, node_secret));
   // Dedicated sampler workers: a second pool with its own supervisor (sampler.devices).
   std::unique_ptr<Supervisor> sampler_supervisor;
   if (DedicatedSampler(config)) sampler_supervisor = std::make_unique<Supervisor>(MakeSamplerSupervisorOptions(config));

@@ -12,6 +12,9 @@ struct LaunchOptions {
   std::string port_file;  // when set, {"grpc_port":..,"http_port":..,"pid":..} is written here
 };
 
+// twinkle-engine next to this binary.
+std::string DefaultEngineBinary();
+
 // Blocks SIGTERM and SIGINT in the calling thread; call before any thread starts so that
 // only the signal thread of RunServer receives them.
 void BlockShutdownSignals();

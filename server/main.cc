@@ -4,12 +4,20 @@
 //   print-config -c FILE [--format yaml|json]   the effective config, secrets masked
 //   admin --address HOST:PORT <command> ...      runtime tenants and API keys (AdminService;
 //                                                the admin key comes from TWINKLE_API_KEY)
+//   worker --join HOST:PORT --node NAME --secret-file FILE   a node agent: start this node's
+//                                                engines for the coordinator (docs/device_pool.md)
+//   node-secret -o FILE                          write a new node secret (mode 0600)
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 
 #include "core/common/log.h"
+#include "core/engine_client/node_agent.h"
+#include "core/ipc/socket.h"
 #include "server/admin_cli.h"
 #include "server/app.h"
 #include "server/config/config.h"
@@ -69,7 +77,44 @@ int main(int argc, char** argv) {
   set_role->add_option("role", admin_options.role, "admin, member or read-only")
       ->check(CLI::IsMember({"admin", "member", "read-only"}))
       ->required();
+  twinkle::NodeAgentOptions agent_options;
+  std::string agent_log_level = "info";
+  CLI::App* worker = app.add_subcommand("worker", "a node agent: start this node's engines for a coordinator");
+  worker->add_option("--join", agent_options.join, "the coordinator's nodes.listen, HOST:PORT")->required();
+  worker->add_option("--node", agent_options.node, "this node's name, as the coordinator's engine.devices use it (DEVICE@NODE)")
+      ->required();
+  worker->add_option("--secret-file", agent_options.secret_file, "the node secret (the coordinator's nodes.secret_file)")
+      ->required();
+  worker->add_option("--engine-binary", agent_options.engine_binary, "twinkle-engine (default: next to this binary)");
+  worker->add_option("--log-level", agent_log_level, "debug|info|warning|error");
+  std::string secret_out;
+  CLI::App* node_secret = app.add_subcommand("node-secret", "write a new node secret for nodes.secret_file (mode 0600)");
+  node_secret->add_option("-o,--output", secret_out, "file to create (must not exist)")->required();
   CLI11_PARSE(app, argc, argv);
+
+  if (worker->parsed()) {
+    if (agent_options.engine_binary.empty()) agent_options.engine_binary = twinkle::DefaultEngineBinary();
+    twinkle::LogLevel level;
+    if (twinkle::ParseLogLevel(agent_log_level, &level)) twinkle::SetLogLevel(level);
+    absl::Status s = twinkle::RunNodeAgent(agent_options);
+    if (!s.ok()) std::cerr << "twinkle-server worker: " << s.message() << std::endl;
+    return s.ok() ? 0 : 1;
+  }
+  if (node_secret->parsed()) {
+    absl::StatusOr<std::string> secret = twinkle::ipc::NewNodeSecret();
+    const int fd = secret.ok() ? open(secret_out.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600) : -1;
+    const std::string line = secret.ok() ? *secret + "\n" : "";
+    if (!secret.ok() || fd < 0 || write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+      std::cerr << "twinkle-server node-secret: "
+                << (secret.ok() ? "cannot create " + secret_out + " (it must not exist yet)"
+                                : std::string(secret.status().message()))
+                << std::endl;
+      if (fd >= 0) close(fd);
+      return 1;
+    }
+    close(fd);
+    return 0;
+  }
 
   if (admin->parsed()) {
     for (CLI::App* sub : admin->get_subcommands()) admin_options.command = sub->get_name();

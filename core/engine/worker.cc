@@ -124,6 +124,11 @@ absl::Status RunWorker(const WorkerOptions& options) {
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::routing_id, options.identity);
   dealer.set(zmq::sockopt::linger, 1000);
+  if (!options.node_secret_file.empty()) {
+    absl::StatusOr<std::string> secret = ipc::ReadNodeSecret(options.node_secret_file);
+    if (!secret.ok()) return secret.status();
+    if (absl::Status s = ipc::SetCurveClient(dealer, *secret); !s.ok()) return s;
+  }
   try {
     dealer.connect(options.endpoint);
   } catch (const zmq::error_t& e) {

@@ -15,6 +15,9 @@ namespace twinkle::engine {
 struct WorkerOptions {
   int32_t rank = 0;
   std::string endpoint;   // the coordinator's ROUTER, e.g. ipc:///tmp/twinkle-x/engine.sock
+  // A worker started by a node agent on another node: the node secret's file; the worker
+  // connects to the coordinator's node endpoint (tcp://) as a CURVE client with it.
+  std::string node_secret_file;
   std::string identity;   // routing id; the supervisor tells each spawn its own
   std::string device = "cpu";
   int heartbeat_interval_ms = 200;

@@ -87,6 +87,8 @@ int main(int argc, char** argv) {
   app.add_option("--rank", options.rank, "rank of this worker in the device pool")->required();
   app.add_option("--endpoint", options.endpoint, "the coordinator's ZeroMQ endpoint")->required();
   app.add_option("--identity", options.identity, "routing id given by the supervisor")->required();
+  app.add_option("--node-secret-file", options.node_secret_file,
+                 "started by a node agent: connect to the coordinator as a CURVE client with this node secret");
   app.add_option("--device", options.device, "cpu or cuda:N")->default_val("cpu");
   app.add_option("--heartbeat-ms", options.heartbeat_interval_ms, "heartbeat interval")
       ->check(CLI::Range(10, 60000))

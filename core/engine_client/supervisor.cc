@@ -9,10 +9,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "core/common/log.h"
@@ -51,7 +54,12 @@ enum class State { kStarting, kLoading, kReady, kBackoff, kStopped };
 
 struct Supervisor::Worker {
   int32_t rank = 0;
-  std::string device;
+  std::string device;          // as configured: "cuda:0", or "cuda:0@NODE" on another node
+  std::string engine_device;   // the device the engine opens ("cuda:0")
+  std::string node;            // "" = this node; else the node agent that runs it
+  std::vector<std::string> spawn_args;  // a remote spawn's engine arguments
+  bool spawn_pending = false;  // remote: waiting for its node agent to connect
+  int64_t remote_pid = 0;      // remote: the pid its hello reported (on its node)
   State state = State::kStopped;
   WorkerProcess process;
   std::string identity;        // routing id of the current spawn; older ones are ignored
@@ -64,12 +72,32 @@ struct Supervisor::Worker {
   uint64_t load_request_id = 0;
   int64_t restarts = 0;
   bool acknowledged = false;   // the hello was accepted: it can be sent a shutdown
+  int64_t pid() const { return node.empty() ? static_cast<int64_t>(process.pid()) : remote_pid; }
+};
+
+struct Supervisor::NodeAgent {
+  std::string identity;  // its routing id on the node socket: "node:NAME"
+  bool connected = false;
+  absl::Time last_seen;
 };
 
 struct Supervisor::ZmqState {
   zmq::context_t context{1};
   zmq::socket_t router{context, zmq::socket_type::router};
+  // Engines on other nodes: their agents' and engines' TCP socket, and the ZAP handler that
+  // authenticates its peers (ZeroMQ asks it on inproc://zeromq.zap.01 for every handshake).
+  zmq::socket_t nodes{context, zmq::socket_type::router};
+  zmq::socket_t zap{context, zmq::socket_type::rep};
+  // The node socket's failed handshakes (a peer with another secret fails CURVE before ZAP).
+  zmq::socket_t monitor{context, zmq::socket_type::pair};
+  bool nodes_bound = false;
+  absl::Time last_refusal_log = absl::InfinitePast();
+  int64_t refusals_unlogged = 0;
 };
+
+zmq::socket_t& Supervisor::SocketOf(const Worker& w) { return w.node.empty() ? zmq_->router : zmq_->nodes; }
+
+constexpr char kNodePrefix[] = "node:";
 
 Supervisor::Supervisor(SupervisorOptions options, const Clock& clock)
     : options_(std::move(options)), clock_(clock) {
@@ -140,7 +168,7 @@ void Supervisor::SendQueuedCalls(absl::Time now) {
     }
     call.request.envelope.type = ipc::MessageType::kRequest;
     const uint64_t id = call.request.envelope.request_id = next_request_id_++;
-    if (absl::Status s = ipc::SendMessage(zmq_->router, call.request, w->identity); !s.ok()) {
+    if (absl::Status s = ipc::SendMessage(SocketOf(*w), call.request, w->identity); !s.ok()) {
       if (absl::IsResourceExhausted(s)) {  // over the link's limits: nothing was sent
         completions_.push_back([done = std::move(call.done), s, method = call.request.envelope.method] {
           done(absl::InvalidArgumentError(absl::StrCat(
@@ -183,7 +211,7 @@ void Supervisor::CheckDeadlinesLocked(absl::Time now) {
         "request ", id, " (", call.method, ") ran for ",
         absl::FormatDuration(absl::Trunc(now - *call.started_at, absl::Milliseconds(1))),
         ", past its deadline of ", absl::FormatDuration(absl::Trunc(call.budget, absl::Milliseconds(1))),
-        " (pid ", w.process.pid(), " killed)");
+        " (pid ", w.pid(), w.node.empty() ? "" : absl::StrCat(" on node ", w.node), " killed)");
     WorkerDownLocked(w, now, why);
     return;  // the map changed; the next tick checks the rest
   }
@@ -224,6 +252,16 @@ absl::Status Supervisor::Launch(Listener listener) {
   } catch (const zmq::error_t& e) {
     return absl::UnavailableError(absl::StrCat("cannot bind ", endpoint_, ": ", e.what()));
   }
+  const bool remote = std::any_of(options_.devices.begin(), options_.devices.end(),
+                                  [](const std::string& d) { return d.find('@') != std::string::npos; });
+  if (remote) {
+    if (data_parallel() && options_.devices[0].find('@') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine.devices[0] '", options_.devices[0],
+          "' is on another node; rank 0 serves the ranks' rendezvous and must run on this node"));
+    }
+    if (absl::Status s = BindNodeSocket(); !s.ok()) return s;
+  }
 
   {
     absl::MutexLock lock(&mu_);
@@ -238,6 +276,12 @@ absl::Status Supervisor::Launch(Listener listener) {
       auto w = std::make_unique<Worker>();
       w->rank = static_cast<int32_t>(i);
       w->device = options_.devices[i];
+      const size_t at = w->device.find('@');
+      w->engine_device = w->device.substr(0, at);
+      if (at != std::string::npos) {
+        w->node = w->device.substr(at + 1);
+        if (!nodes_.count(w->node)) nodes_[w->node] = std::make_unique<NodeAgent>();
+      }
       w->backoff = options_.backoff_initial;
       SpawnLocked(*w, now);
       workers_.push_back(std::move(w));
@@ -266,27 +310,39 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
   w.identity = absl::StrCat(options_.pool.empty() ? "" : options_.pool + "-", "rank-", w.rank, "-gen-",
                             w.generation);
   w.acknowledged = false;
-  std::vector<std::string> argv = {
-      options_.engine_binary, "--rank", absl::StrCat(w.rank), "--endpoint", endpoint_,
-      "--identity", w.identity, "--device", w.device, "--heartbeat-ms",
+  std::vector<std::string> args = {
+      "--rank", absl::StrCat(w.rank), "--identity", w.identity, "--device", w.engine_device, "--heartbeat-ms",
       absl::StrCat(absl::ToInt64Milliseconds(options_.heartbeat_interval)), "--log-level",
       options_.log_level, "--log-format", options_.log_format};
   if (!options_.pool.empty()) {
-    argv.push_back("--pool");
-    argv.push_back(options_.pool);
+    args.push_back("--pool");
+    args.push_back(options_.pool);
   }
-  if (options_.test_hooks) argv.push_back("--test-hooks");
+  if (options_.test_hooks) args.push_back("--test-hooks");
   if (data_parallel()) {
     for (std::string arg : {std::string("--world-size"), absl::StrCat(options_.devices.size()),
                             std::string("--dist-port"), absl::StrCat(dist_port_),
                             std::string("--dist-timeout-s"),
                             absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(options_.collective_timeout)))}) {
-      argv.push_back(std::move(arg));
+      args.push_back(std::move(arg));
+    }
+    if (zmq_->nodes_bound) {  // ranks on other nodes: rendezvous at this node's listen address
+      args.push_back("--dist-host");
+      args.push_back(options_.node_listen.substr(0, options_.node_listen.rfind(':')));
     }
   }
-  absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   w.spawned_at = now;
   w.last_seen = now;
+  if (!w.node.empty()) {
+    w.spawn_args = std::move(args);
+    w.remote_pid = 0;
+    w.state = State::kStarting;
+    SpawnRemoteLocked(w);
+    return;
+  }
+  std::vector<std::string> argv = {options_.engine_binary, "--endpoint", endpoint_};
+  argv.insert(argv.end(), args.begin(), args.end());
+  absl::StatusOr<WorkerProcess> process = WorkerProcess::Spawn(argv);
   if (!process.ok()) {
     WorkerDownLocked(w, now, std::string(process.status().message()));
     return;
@@ -297,9 +353,200 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
                              w.process.pid(), ")"));
 }
 
+void Supervisor::SpawnRemoteLocked(Worker& w) {
+  NodeAgent& agent = *nodes_.at(w.node);
+  w.spawn_pending = true;
+  if (!agent.connected) {
+    LogInfo(kLog, absl::StrCat(WorkerName(w.rank), " on ", w.device, " waits for node agent '", w.node,
+                               "' to connect (twinkle-server worker --join ", options_.node_listen, " --node ",
+                               w.node, ")"));
+    return;
+  }
+  ipc::Message spawn;
+  spawn.envelope.type = ipc::MessageType::kSpawnWorker;
+  spawn.envelope.body = ipc::Pack(ipc::SpawnWorkerBody{w.identity, w.spawn_args});
+  if (absl::Status s = ipc::SendMessage(zmq_->nodes, spawn, agent.identity); !s.ok()) {
+    LogWarning(kLog, absl::StrCat("cannot reach node agent '", w.node, "': ", s.message()));
+    return;
+  }
+  w.spawn_pending = false;
+  LogInfo(kLog, absl::StrCat("asked node agent '", w.node, "' to start ", WorkerName(w.rank), " on ",
+                             w.engine_device));
+}
+
+void Supervisor::KillLocked(Worker& w) {
+  if (w.node.empty()) {
+    if (w.process.running()) w.process.Kill(SIGKILL);
+    return;
+  }
+  NodeAgent& agent = *nodes_.at(w.node);
+  if (!w.spawn_pending && agent.connected) {
+    ipc::Message kill;
+    kill.envelope.type = ipc::MessageType::kKillWorker;
+    kill.envelope.body = ipc::Pack(ipc::KillWorkerBody{w.identity});
+    (void)ipc::SendMessage(zmq_->nodes, kill, agent.identity);
+  }
+  w.spawn_pending = false;
+  w.remote_pid = 0;
+}
+
+absl::Status Supervisor::BindNodeSocket() {
+  if (options_.node_listen.empty() || options_.node_secret.empty()) {
+    return absl::FailedPreconditionError(
+        "devices on other nodes (DEVICE@NODE in engine.devices) need nodes.listen and nodes.secret_file");
+  }
+  absl::StatusOr<std::string> public_key = ipc::NodePublicKey(options_.node_secret);
+  if (!public_key.ok()) return public_key.status();
+  node_public_key_.assign(32, '\0');
+  zmq_z85_decode(reinterpret_cast<uint8_t*>(node_public_key_.data()), public_key->c_str());
+  try {
+    zmq_->zap.set(zmq::sockopt::linger, 0);
+    zmq_->zap.bind("inproc://zeromq.zap.01");
+    zmq_->nodes.set(zmq::sockopt::linger, 0);
+    zmq_->nodes.set(zmq::sockopt::router_mandatory, 1);
+    zmq_->nodes.set(zmq::sockopt::router_handover, 1);  // a restarted agent takes its name back
+    if (absl::Status s = ipc::SetCurveServer(zmq_->nodes, options_.node_secret); !s.ok()) return s;
+    constexpr char kMonitor[] = "inproc://twinkle-node-monitor";
+    if (zmq_socket_monitor(zmq_->nodes.handle(), kMonitor,
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0) {
+      return absl::InternalError(absl::StrCat("cannot monitor the node socket: ", zmq_strerror(zmq_errno())));
+    }
+    zmq_->monitor.connect(kMonitor);
+    zmq_->nodes.bind(absl::StrCat("tcp://", options_.node_listen));
+  } catch (const zmq::error_t& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen for node agents on ", options_.node_listen, " (nodes.listen): ", e.what()));
+  }
+  zmq_->nodes_bound = true;
+  LogInfo(kLog, absl::StrCat("listening for node agents on ", options_.node_listen));
+  return absl::OkStatus();
+}
+
+void Supervisor::HandleZapRequest() {
+  // ZAP 1.0 (rfc.zeromq.org/spec/27): version, request id, domain, address, routing id,
+  // mechanism, credentials. CURVE peers must hold the node secret: their public key is its.
+  std::vector<zmq::message_t> parts;
+  try {
+    if (!zmq::recv_multipart(zmq_->zap, std::back_inserter(parts), zmq::recv_flags::dontwait)) return;
+  } catch (const zmq::error_t&) {
+    return;
+  }
+  const auto part = [&](size_t i) { return i < parts.size() ? parts[i].to_string() : std::string(); };
+  const std::string mechanism = part(5);
+  const bool ok = mechanism == "NULL" || (mechanism == "CURVE" && part(6) == node_public_key_);
+  if (!ok) {
+    LogWarning(kLog, absl::StrCat("refused a node connection from ", part(3), " (", mechanism,
+                                  "): it does not hold the node secret (nodes.secret_file)"));
+  }
+  const std::array<std::string, 6> reply = {"1.0", part(1), ok ? "200" : "400",
+                                            ok ? "OK" : "not a holder of the node secret", "", ""};
+  try {
+    for (size_t i = 0; i < reply.size(); ++i) {
+      zmq_->zap.send(zmq::buffer(reply[i]), i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  } catch (const zmq::error_t& e) {
+    LogError(kLog, absl::StrCat("ZAP reply failed: ", e.what()));
+  }
+}
+
+void Supervisor::HandleNodeMonitorEvent() {
+  // Two frames: the event (uint16 id, uint32 value) and the endpoint.
+  std::vector<zmq::message_t> parts;
+  try {
+    if (!zmq::recv_multipart(zmq_->monitor, std::back_inserter(parts), zmq::recv_flags::dontwait)) return;
+  } catch (const zmq::error_t&) {
+    return;
+  }
+  // A peer with another secret retries every few hundred ms: one line per 10 s at most.
+  const absl::Time now = absl::Now();
+  ++zmq_->refusals_unlogged;
+  if (now - zmq_->last_refusal_log < absl::Seconds(10)) return;
+  LogWarning(kLog, absl::StrCat("refused ", zmq_->refusals_unlogged, " node connection(s) on ", options_.node_listen,
+                                ": the CURVE handshake failed (the peer does not hold this node secret, "
+                                "nodes.secret_file)"));
+  zmq_->last_refusal_log = now;
+  zmq_->refusals_unlogged = 0;
+}
+
+void Supervisor::NodeConnectedLocked(const std::string& node, absl::Time now) {
+  NodeAgent& agent = *nodes_.at(node);
+  agent.identity = absl::StrCat(kNodePrefix, node);
+  agent.last_seen = now;
+  ipc::Message ack;
+  ack.envelope.type = ipc::MessageType::kHelloAck;
+  if (absl::Status s = ipc::SendMessage(zmq_->nodes, ack, agent.identity); !s.ok()) return;
+  agent.connected = true;
+  LogInfo(kLog, absl::StrCat("node agent '", node, "' connected"));
+  for (auto& w : workers_) {
+    if (w->node == node && w->spawn_pending && w->state == State::kStarting) SpawnRemoteLocked(*w);
+  }
+}
+
+void Supervisor::HandleNodeMessageLocked(const std::string& node, const ipc::Message& m, absl::Time now) {
+  auto it = nodes_.find(node);
+  if (it == nodes_.end()) {
+    LogWarning(kLog, absl::StrCat("node agent '", node, "' has no device in engine.devices; told to stop"));
+    ipc::Message bye;
+    bye.envelope.type = ipc::MessageType::kShutdown;
+    (void)ipc::SendMessage(zmq_->nodes, bye, absl::StrCat(kNodePrefix, node));
+    return;
+  }
+  NodeAgent& agent = *it->second;
+  agent.last_seen = now;
+  switch (m.envelope.type) {
+    case ipc::MessageType::kNodeHello: {
+      absl::StatusOr<ipc::NodeHelloBody> hello = ipc::Unpack<ipc::NodeHelloBody>(m.envelope.body, "node hello");
+      if (!hello.ok() || hello->protocol_version != ipc::kProtocolVersion) {
+        LogError(kLog, absl::StrCat("node agent '", node, "' refused: ",
+                                    hello.ok() ? absl::StrCat("it speaks protocol ", hello->protocol_version,
+                                                              ", we speak ", ipc::kProtocolVersion)
+                                               : std::string(hello.status().message())));
+        ipc::Message bye;
+        bye.envelope.type = ipc::MessageType::kShutdown;
+        (void)ipc::SendMessage(zmq_->nodes, bye, absl::StrCat(kNodePrefix, node));
+        return;
+      }
+      if (agent.connected) {
+        // A new agent process under this name: the engines the old one started died with it.
+        for (auto& w : workers_) {
+          if (w->node == node && !w->spawn_pending &&
+              (w->state == State::kStarting || w->state == State::kLoading || w->state == State::kReady)) {
+            WorkerDownLocked(*w, now, absl::StrCat("its node agent '", node, "' restarted"));
+          }
+        }
+      }
+      agent.connected = false;
+      NodeConnectedLocked(node, now);
+      break;
+    }
+    case ipc::MessageType::kHeartbeat:
+      // An agent that outlived a silence or a coordinator restart: take it back.
+      if (!agent.connected) NodeConnectedLocked(node, now);
+      break;
+    case ipc::MessageType::kWorkerExited: {
+      absl::StatusOr<ipc::WorkerExitedBody> exited =
+          ipc::Unpack<ipc::WorkerExitedBody>(m.envelope.body, "worker exited");
+      if (!exited.ok()) break;
+      for (auto& w : workers_) {
+        if (w->identity != exited->identity || w->node != node) continue;
+        if (w->state == State::kStarting || w->state == State::kLoading || w->state == State::kReady) {
+          w->remote_pid = 0;
+          w->spawn_pending = false;  // nothing left to kill
+          WorkerDownLocked(*w, now, absl::StrCat("process exited (", exited->how, ") on node ", node));
+        }
+      }
+      break;
+    }
+    default:
+      LogWarning(kLog, absl::StrCat("node agent '", node, "' sent an unexpected ",
+                                    ipc::MessageTypeName(m.envelope.type), " message"));
+  }
+}
+
 void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& why) {
   const bool was_ready = w.state == State::kReady;
-  if (w.process.running()) w.process.Kill(SIGKILL);
+  KillLocked(w);
   FailCallsLocked(w.rank, why);
   if (!started_) {
     if (startup_error_.ok()) {
@@ -336,8 +583,7 @@ void Supervisor::NotifyLocked() {
   if (!listener_) return;
   std::vector<WorkerSnapshot> snapshot;
   for (const auto& w : workers_) {
-    snapshot.push_back({w->rank, w->device, w->state == State::kReady, w->restarts,
-                        static_cast<int64_t>(w->process.pid())});
+    snapshot.push_back({w->rank, w->device, w->state == State::kReady, w->restarts, w->pid()});
   }
   // The listener only flips health flags and gauges; calling it under the lock keeps the
   // order of notifications the order of events.
@@ -346,7 +592,11 @@ void Supervisor::NotifyLocked() {
 
 void Supervisor::Loop() {
   zmq::pollitem_t items[] = {{zmq_->router.handle(), 0, ZMQ_POLLIN, 0},
-                             {nullptr, wake_fd_, ZMQ_POLLIN, 0}};
+                             {nullptr, wake_fd_, ZMQ_POLLIN, 0},
+                             {zmq_->nodes.handle(), 0, ZMQ_POLLIN, 0},
+                             {zmq_->zap.handle(), 0, ZMQ_POLLIN, 0},
+                             {zmq_->monitor.handle(), 0, ZMQ_POLLIN, 0}};
+  const int polled = zmq_->nodes_bound ? 5 : 2;
   auto run_completions = [this] {
     std::vector<std::function<void()>> ready;
     {
@@ -361,7 +611,7 @@ void Supervisor::Loop() {
       if (stopping_ || !startup_error_.ok()) break;
     }
     try {
-      zmq::poll(items, 2, kPollInterval);
+      zmq::poll(items, polled, kPollInterval);
     } catch (const zmq::error_t& e) {
       if (e.num() != EINTR) LogError(kLog, absl::StrCat("poll failed: ", e.what()));
     }
@@ -370,8 +620,11 @@ void Supervisor::Loop() {
       (void)!read(wake_fd_, &count, sizeof(count));
     }
     const absl::Time now = clock_.Now();
+    if (polled > 3 && (items[3].revents & ZMQ_POLLIN)) HandleZapRequest();
+    if (polled > 4 && (items[4].revents & ZMQ_POLLIN)) HandleNodeMonitorEvent();
     SendQueuedCalls(now);
-    if (items[0].revents & ZMQ_POLLIN) HandleMessages(now);
+    if (items[0].revents & ZMQ_POLLIN) HandleMessages(now, zmq_->router);
+    if (polled > 2 && (items[2].revents & ZMQ_POLLIN)) HandleMessages(now, zmq_->nodes);
     Housekeep(now);
     run_completions();
   }
@@ -394,11 +647,17 @@ void Supervisor::Loop() {
   ShutdownWorkers();
 }
 
-void Supervisor::HandleMessages(absl::Time now) {
+void Supervisor::HandleMessages(absl::Time now, zmq::socket_t& socket) {
   absl::MutexLock lock(&mu_);
   while (true) {
-    absl::StatusOr<ipc::Received> received = ipc::ReceiveMessage(zmq_->router, true);
+    absl::StatusOr<ipc::Received> received = ipc::ReceiveMessage(socket, true);
     if (!received.ok()) return;  // NotFound: drained
+    if (&socket == &zmq_->nodes && absl::StartsWith(received->routing_id, kNodePrefix)) {
+      if (received->message.ok()) {
+        HandleNodeMessageLocked(received->routing_id.substr(sizeof(kNodePrefix) - 1), *received->message, now);
+      }
+      continue;
+    }
     auto it = std::find_if(workers_.begin(), workers_.end(),
                            [&](const auto& w) { return w->identity == received->routing_id; });
     if (it == workers_.end()) continue;  // a previous spawn's last words
@@ -436,6 +695,7 @@ void Supervisor::HandleMessages(absl::Time now) {
                                               : std::string(hello.status().message()));
           break;
         }
+        if (!w.node.empty()) w.remote_pid = hello->pid;
         ipc::Message ack;
         ack.envelope.type = ipc::MessageType::kHelloAck;
         ipc::Message load;
@@ -443,13 +703,13 @@ void Supervisor::HandleMessages(absl::Time now) {
         load.envelope.request_id = w.load_request_id = next_request_id_++;
         load.envelope.method = ipc::kMethodLoadModel;
         load.envelope.body =
-            ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.device,
+            ipc::Pack(ipc::LoadModelRequest{options_.model_dir, options_.dtype, w.engine_device,
                                                 options_.max_lora_rank, options_.kv_cache_blocks,
                                                 options_.kv_block_size, options_.state_slots,
                                                 options_.activation_checkpointing,
                                                 options_.logit_chunk_rows});
-        absl::Status s = ipc::SendMessage(zmq_->router, ack, w.identity);
-        if (s.ok()) s = ipc::SendMessage(zmq_->router, load, w.identity);
+        absl::Status s = ipc::SendMessage(socket, ack, w.identity);
+        if (s.ok()) s = ipc::SendMessage(socket, load, w.identity);
         if (!s.ok()) {
           WorkerDownLocked(w, now, std::string(s.message()));
           break;
@@ -514,14 +774,35 @@ void Supervisor::HandleMessages(absl::Time now) {
 void Supervisor::Housekeep(absl::Time now) {
   absl::MutexLock lock(&mu_);
   CheckDeadlinesLocked(now);
+  for (auto& [name, agent] : nodes_) {
+    if (!agent->connected || now - agent->last_seen <= options_.heartbeat_timeout) continue;
+    agent->connected = false;
+    const std::string why = absl::StrCat("its node agent '", name, "' went silent for ",
+                                         absl::FormatDuration(absl::Trunc(now - agent->last_seen, absl::Milliseconds(1))));
+    LogError(kLog, absl::StrCat("node agent '", name, "' is gone (silent for ",
+                                absl::FormatDuration(absl::Trunc(now - agent->last_seen, absl::Milliseconds(1))), ")"));
+    for (auto& w : workers_) {
+      if (w->node == name && (w->state == State::kStarting || w->state == State::kLoading || w->state == State::kReady)) {
+        w->spawn_pending = false;  // its engines are gone with it: nothing to kill
+        WorkerDownLocked(*w, now, why);
+      }
+    }
+  }
   for (auto& wp : workers_) {
     Worker& w = *wp;
     switch (w.state) {
       case State::kStarting:
       case State::kLoading:
       case State::kReady: {
-        if (std::optional<std::string> how = w.process.PollExit()) {
+        if (std::optional<std::string> how = w.node.empty() ? w.process.PollExit() : std::nullopt) {
           WorkerDownLocked(w, now, absl::StrCat("process exited (", *how, ")"));
+          break;
+        }
+        if (w.spawn_pending) {  // on another node whose agent has not connected
+          if (now - w.spawned_at > options_.startup_timeout) {
+            WorkerDownLocked(w, now, absl::StrCat("node agent '", w.node, "' did not connect within ",
+                                                  absl::FormatDuration(options_.startup_timeout)));
+          }
           break;
         }
         // Before the hello, a fresh process may still be loading LibTorch: give it the
@@ -530,7 +811,8 @@ void Supervisor::Housekeep(absl::Time now) {
             w.state == State::kStarting ? options_.startup_timeout : options_.heartbeat_timeout;
         if (now - w.last_seen > limit) {
           WorkerDownLocked(w, now, absl::StrCat("silent for ", absl::FormatDuration(now - w.last_seen),
-                                                " (pid ", w.process.pid(), " killed)"));
+                                                " (pid ", w.pid(), w.node.empty() ? "" : absl::StrCat(" on node ", w.node),
+                                                " killed)"));
         } else if (w.state == State::kLoading && now - w.spawned_at > options_.startup_timeout) {
           WorkerDownLocked(w, now, absl::StrCat("did not load the model within ",
                                                 absl::FormatDuration(options_.startup_timeout)));
@@ -558,8 +840,8 @@ void Supervisor::ShutdownWorkers() {
     ipc::Message bye;
     bye.envelope.type = ipc::MessageType::kShutdown;
     for (auto& w : workers_) {
-      if (w->process.running() && w->acknowledged) {
-        (void)ipc::SendMessage(zmq_->router, bye, w->identity);
+      if ((w->process.running() || (!w->node.empty() && w->state != State::kStopped)) && w->acknowledged) {
+        (void)ipc::SendMessage(SocketOf(*w), bye, w->identity);
       }
     }
   }
@@ -612,8 +894,7 @@ std::vector<WorkerSnapshot> Supervisor::Snapshot() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerSnapshot> out;
   for (const auto& w : workers_) {
-    out.push_back({w->rank, w->device, w->state == State::kReady, w->restarts,
-                   static_cast<int64_t>(w->process.pid())});
+    out.push_back({w->rank, w->device, w->state == State::kReady, w->restarts, w->pid()});
   }
   return out;
 }

@@ -24,6 +24,10 @@
 #include "core/common/clock.h"
 #include "core/ipc/envelope.h"
 
+namespace zmq {
+class socket_t;
+}
+
 namespace twinkle {
 
 struct SupervisorOptions {
@@ -63,6 +67,14 @@ struct SupervisorOptions {
   bool data_parallel = false;
   // How long a rendezvous or a collective waits for the other ranks.
   absl::Duration collective_timeout = absl::Minutes(5);
+  // Engines on other nodes (docs/device_pool.md "Engines on other nodes"): a device
+  // "DEVICE@NODE" is a worker that node agent NODE (`twinkle-server worker --join`) starts
+  // on its node. Agents and their engines connect to `node_listen` (host:port; a second
+  // ROUTER socket, CURVE-encrypted, accepting only peers that hold `node_secret`, the Z85
+  // node secret). With data parallelism rank 0 must be local, and the ranks rendezvous at
+  // node_listen's host.
+  std::string node_listen;
+  std::string node_secret;
 };
 
 struct WorkerSnapshot {
@@ -151,12 +163,24 @@ class Supervisor {
   struct Worker;
   void Loop();
   void Housekeep(absl::Time now);
-  void HandleMessages(absl::Time now);
+  void HandleMessages(absl::Time now, zmq::socket_t& socket);
   void SpawnLocked(Worker& w, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerDownLocked(Worker& w, absl::Time now, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ShutdownWorkers();
+  // Engines on other nodes: the socket a worker talks through, its kill and exit, and the
+  // node agents' own messages (hello, heartbeats, exits of the engines they started).
+  struct NodeAgent;
+  zmq::socket_t& SocketOf(const Worker& w);
+  void KillLocked(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SpawnRemoteLocked(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleNodeMessageLocked(const std::string& node, const ipc::Message& m, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NodeConnectedLocked(const std::string& node, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleZapRequest();
+  void HandleNodeMonitorEvent();
+  absl::Status BindNodeSocket();
   void SendQueuedCalls(absl::Time now);
   // Fails every call in flight to `rank` (its worker went down).
   void FailCallsLocked(int32_t rank, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -186,6 +210,8 @@ class Supervisor {
   // after the group went down), and whether WorkerDownLocked is taking the group down.
   int32_t dist_port_ ABSL_GUARDED_BY(mu_) = 0;
   bool group_going_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::unique_ptr<NodeAgent>> nodes_ ABSL_GUARDED_BY(mu_);  // by node name
+  std::string node_public_key_;  // binary, 32 bytes: the one key the ZAP handler accepts
   bool data_parallel() const { return options_.data_parallel && options_.devices.size() > 1; }
 
   // Calls from other threads wait here until the loop sends them; the eventfd wakes the

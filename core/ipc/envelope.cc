@@ -22,7 +22,7 @@ constexpr std::string_view kBody = "b";
 
 bool KnownType(uint64_t t) {
   return t >= static_cast<uint64_t>(MessageType::kHello) &&
-         t <= static_cast<uint64_t>(MessageType::kShutdown);
+         t <= static_cast<uint64_t>(MessageType::kWorkerExited);
 }
 
 }  // namespace
@@ -177,6 +177,10 @@ absl::string_view MessageTypeName(MessageType type) {
     case MessageType::kRequest: return "request";
     case MessageType::kReply: return "reply";
     case MessageType::kShutdown: return "shutdown";
+    case MessageType::kNodeHello: return "node_hello";
+    case MessageType::kSpawnWorker: return "spawn_worker";
+    case MessageType::kKillWorker: return "kill_worker";
+    case MessageType::kWorkerExited: return "worker_exited";
   }
   return "unknown";
 }

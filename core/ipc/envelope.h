@@ -29,6 +29,12 @@ enum class MessageType : uint8_t {
   kRequest = 4,    // coordinator -> worker, carries request_id + method + body
   kReply = 5,      // worker -> coordinator, same request_id, status code + body
   kShutdown = 6,   // coordinator -> worker, exit cleanly
+  // Node agents (`twinkle-server worker --join`, docs/device_pool.md "Engines on other
+  // nodes"): a process on another node that starts the engines the coordinator places there.
+  kNodeHello = 7,     // agent -> coordinator, first message (NodeHelloBody); answered by kHelloAck
+  kSpawnWorker = 8,   // coordinator -> agent: start an engine (SpawnWorkerBody)
+  kKillWorker = 9,    // coordinator -> agent: SIGKILL one of its engines (KillWorkerBody)
+  kWorkerExited = 10, // agent -> coordinator: an engine it started ended (WorkerExitedBody)
 };
 
 // Limits of one message, applied by both ends: a sender checks its encoded frames

@@ -33,6 +33,28 @@ struct HeartbeatBody {
   MSGPACK_DEFINE_MAP(sequence, busy_request_id);
 };
 
+// Node agents (MessageType::kNodeHello etc., docs/device_pool.md "Engines on other nodes").
+struct NodeHelloBody {
+  uint32_t protocol_version = 0;
+  std::string node;  // the name the coordinator's engine.devices use ("cpu@NODE")
+  int64_t pid = 0;
+  MSGPACK_DEFINE_MAP(protocol_version, node, pid);
+};
+struct SpawnWorkerBody {
+  std::string identity;           // the engine's routing id
+  std::vector<std::string> args;  // twinkle-engine's arguments; the agent adds its endpoint and key
+  MSGPACK_DEFINE_MAP(identity, args);
+};
+struct KillWorkerBody {
+  std::string identity;
+  MSGPACK_DEFINE_MAP(identity);
+};
+struct WorkerExitedBody {
+  std::string identity;
+  std::string how;  // "exit code 1", "signal 9", or why it could not start
+  MSGPACK_DEFINE_MAP(identity, how);
+};
+
 // method "load_model": load an HF model directory onto the worker's device.
 inline constexpr char kMethodLoadModel[] = "load_model";
 struct LoadModelRequest {

@@ -36,4 +36,22 @@ struct Received {
 absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing_id,
                                         const DecodeLimits& limits = {});
 
+// The node secret (docs/device_pool.md "Engines on other nodes"): one CURVE secret key, Z85
+// (40 characters), shared by the coordinator and its node agents. The coordinator's node
+// socket is a CURVE server with it, and every agent and remote engine a CURVE client with the
+// same key pair, so the coordinator accepts exactly the peers that hold the secret (its ZAP
+// handler compares their public key with its own), and the link is encrypted.
+//
+// A fresh secret (`twinkle-server node-secret`).
+absl::StatusOr<std::string> NewNodeSecret();
+// Reads a secret file: its first line, which must be a Z85 CURVE secret key. Refuses a file
+// that others than its owner may read.
+absl::StatusOr<std::string> ReadNodeSecret(const std::string& path);
+// The public key of a secret (Z85, 40 characters).
+absl::StatusOr<std::string> NodePublicKey(const std::string& secret);
+// Makes `socket` (before bind) a CURVE server with the secret.
+absl::Status SetCurveServer(zmq::socket_t& socket, const std::string& secret);
+// Makes `socket` (before connect) a CURVE client of the server holding the same secret.
+absl::Status SetCurveClient(zmq::socket_t& socket, const std::string& secret);
+
 }  // namespace twinkle::ipc

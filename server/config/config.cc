@@ -150,6 +150,10 @@ template <typename V> void VisitFields(V& v, StorageSection& c) {
   v.Field("reap_interval_s", c.reap_interval_s, Range(1, 86400));
   v.Field("max_import_bytes", c.max_import_bytes, Range(1024, 64 << 20));
 }
+template <typename V> void VisitFields(V& v, NodesSection& c) {
+  v.Field("listen", c.listen, Spec{});
+  v.Field("secret_file", c.secret_file, SecretPath());
+}
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});
 }
@@ -168,6 +172,7 @@ template <typename V> void VisitFields(V& v, Config& c) {
   v.Section("sampler", c.sampler);
   v.Section("sessions", c.sessions);
   v.Section("storage", c.storage);
+  v.Section("nodes", c.nodes);
   v.Section("testing", c.testing);
   v.Section("logging", c.logging);
 }
@@ -502,8 +507,43 @@ void CheckSemantics(const Config& c, YamlReader& r) {
     r.ErrorAtKey("server.tls", "set both cert_file and key_file, or neither");
   }
   if (c.engine.devices.empty()) r.ErrorAtKey("engine.devices", "needs at least one device");
+  bool remote = false;
   for (const std::string& d : c.engine.devices) {
-    if (!IsDevice(d)) r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
+    const size_t at = d.find('@');
+    if (at != std::string::npos) {
+      remote = true;
+      const std::string node = d.substr(at + 1);
+      const bool named = !node.empty() && node.size() <= 64 && node[0] != '_' && node[0] != '.' && node[0] != '-' &&
+                         std::all_of(node.begin(), node.end(), [](char ch) {
+                           return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
+                                  ch == '-';
+                         });
+      if (!named) {
+        r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "': a node name is [a-z0-9][a-z0-9_.-]{0,63}"));
+      }
+    }
+    if (!IsDevice(d.substr(0, at))) {
+      r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N, or DEVICE@NODE on a node agent)"));
+    }
+  }
+  if (remote) {
+    if (c.engine.devices.size() > 1 && c.engine.devices[0].find('@') != std::string::npos) {
+      r.ErrorAtKey("engine.devices", absl::StrCat("rank 0 ('", c.engine.devices[0],
+                                                  "') serves the ranks' rendezvous and must be on this node"));
+    }
+    if (c.nodes.listen.empty() || c.nodes.secret_file.empty()) {
+      r.ErrorAtKey("nodes", "devices on other nodes (DEVICE@NODE in engine.devices) need nodes.listen and "
+                            "nodes.secret_file");
+    }
+  }
+  if (!c.nodes.listen.empty()) {
+    const size_t colon = c.nodes.listen.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(c.nodes.listen.substr(colon + 1), &port) ||
+        port < 1 || port > 65535) {
+      r.ErrorAtKey("nodes.listen", absl::StrCat("'", c.nodes.listen, "' is not host:port"));
+    }
+    if (c.nodes.secret_file.empty()) r.ErrorAtKey("nodes.secret_file", "nodes.listen needs the node secret");
   }
   CheckSamplerDevices(c, r);
   if (c.engine.heartbeat_timeout_ms <= 2 * c.engine.heartbeat_interval_ms) {

@@ -75,8 +75,8 @@ struct EngineSection {
   bool activation_checkpointing = false;
   int64_t logit_chunk_rows = 0;
   // Memory admission: a fused forward/forward_backward step's estimated activation memory
-  // stays within this many MiB, and a single request estimated above it is refused when
-  // submitted. 0 = no memory admission.
+  // stays within this many MiB; a single request estimated above it runs in passes that do
+  // (a sequence estimated above it alone is refused when submitted). 0 = no memory admission.
   int64_t activation_memory_mib = 0;
 };
 
@@ -172,6 +172,14 @@ struct StorageSection {
   int64_t max_import_bytes = int64_t{48} << 20;  // an adapter import's request body, at most
 };
 
+// Engines on other nodes (docs/device_pool.md "Engines on other nodes"): node agents
+// (`twinkle-server worker --join HOST:PORT --node NAME`) connect here and start the engines
+// that engine.devices places on their node ("cpu@NAME", "cuda:0@NAME").
+struct NodesSection {
+  std::string listen;       // host:port for node agents and their engines; "" = none
+  std::string secret_file;  // the node secret (`twinkle-server node-secret`), mode 0600
+};
+
 struct TestingSection {
   bool hooks = false;  // admin RPCs that pause/step the scheduler, inject I/O faults; tests only
 };
@@ -191,6 +199,7 @@ struct Config {
   SamplerSection sampler;
   SessionsSection sessions;
   StorageSection storage;
+  NodesSection nodes;
   TestingSection testing;
   LoggingSection logging;
 

@@ -1,7 +1,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include "core/ipc/envelope.h"
@@ -229,6 +233,57 @@ TEST(IpcSocketTest, AMessageOverTheReceiversLimitsKeepsItsHeaderSoItCanBeAnswere
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->message.ok());
   EXPECT_FALSE(r->header.has_value());
+}
+
+// The node secret (engines on other nodes): a fresh one reads back, its public key is derived,
+// a file others may read or that holds no key is refused naming the fix; and a CURVE client
+// with the secret talks to a server with it, one with another secret never gets through.
+TEST(NodeSecretTest, ReadsBackRefusesLooseFilesAndAuthenticatesPeers) {
+  absl::StatusOr<std::string> secret = NewNodeSecret();
+  ASSERT_TRUE(secret.ok()) << secret.status();
+  EXPECT_EQ(secret->size(), 40u);
+  const std::string path = ::testing::TempDir() + "/node.secret";
+  std::remove(path.c_str());
+  { std::ofstream(path) << *secret << "\n"; }
+  chmod(path.c_str(), 0644);
+  absl::StatusOr<std::string> loose = ReadNodeSecret(path);
+  EXPECT_EQ(loose.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(loose.status().message(), ::testing::HasSubstr("chmod 600"));
+  chmod(path.c_str(), 0600);
+  absl::StatusOr<std::string> read = ReadNodeSecret(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, *secret);
+  EXPECT_TRUE(NodePublicKey(*secret).ok());
+  { std::ofstream(path) << "not a key\n"; }
+  EXPECT_THAT(ReadNodeSecret(path).status().message(), ::testing::HasSubstr("not a Z85 CURVE secret key"));
+  EXPECT_EQ(ReadNodeSecret(path + ".missing").status().code(), absl::StatusCode::kNotFound);
+
+  zmq::context_t context(1);
+  zmq::socket_t server(context, zmq::socket_type::router);
+  server.set(zmq::sockopt::linger, 0);
+  ASSERT_TRUE(SetCurveServer(server, *secret).ok());
+  server.bind("tcp://127.0.0.1:*");
+  const std::string endpoint = server.get(zmq::sockopt::last_endpoint);
+  auto client_with = [&](const std::string& key) {
+    zmq::socket_t client(context, zmq::socket_type::dealer);
+    client.set(zmq::sockopt::linger, 0);
+    EXPECT_TRUE(SetCurveClient(client, key).ok());
+    client.connect(endpoint);
+    EXPECT_TRUE(SendMessage(client, MakeRequest("ping", "")).ok());
+    return client;
+  };
+  auto receive = [&](int wait_ms) -> bool {
+    zmq::pollitem_t item{server.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(wait_ms));
+    absl::StatusOr<Received> r = ReceiveMessage(server, true);
+    return r.ok() && r->message.ok() && r->message->envelope.method == "ping";
+  };
+  absl::StatusOr<std::string> other = NewNodeSecret();
+  ASSERT_TRUE(other.ok());
+  zmq::socket_t intruder = client_with(*other);
+  EXPECT_FALSE(receive(1000));
+  zmq::socket_t holder = client_with(*secret);
+  EXPECT_TRUE(receive(5000));
 }
 
 }  // namespace

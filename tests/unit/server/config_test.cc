@@ -124,6 +124,30 @@ TEST(ConfigTest, ActivationMemoryBudgetIsReadAndBounded) {
               HasSubstr("engine.activation_memory_mib: -1 is out of range [0, 1e+07]"));
 }
 
+// Engines on other nodes: DEVICE@NODE in engine.devices, nodes.listen and nodes.secret_file.
+TEST(ConfigTest, DevicesOnOtherNodesNeedTheNodeSocketAndALocalRankZero) {
+  const std::string nodes = "nodes:\n  listen: 127.0.0.1:7800\n  secret_file: /s\n";
+  absl::StatusOr<Config> ok = Parse("model:\n  path: m\nengine:\n  devices: [cpu, cuda:1@gpu-node.2]\n" + nodes);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->engine.devices[1], "cuda:1@gpu-node.2");
+  EXPECT_EQ(ok->nodes.listen, "127.0.0.1:7800");
+  EXPECT_TRUE(Parse("model:\n  path: m\nengine:\n  devices: [cpu@a]\n" + nodes).ok());  // one rank: anywhere
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cpu, cpu@a]\n"),
+              HasSubstr("nodes: devices on other nodes (DEVICE@NODE in engine.devices) need nodes.listen and "
+                        "nodes.secret_file"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cpu@a, cpu]\n" + nodes),
+              HasSubstr("rank 0 ('cpu@a') serves the ranks' rendezvous and must be on this node"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cpu, cpu@Bad]\n" + nodes),
+              HasSubstr("'cpu@Bad': a node name is [a-z0-9][a-z0-9_.-]{0,63}"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cpu, tpu@a]\n" + nodes),
+              HasSubstr("'tpu@a' is not a device"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nnodes:\n  listen: 127.0.0.1\n  secret_file: /s\n"),
+              HasSubstr("nodes.listen: '127.0.0.1' is not host:port"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nnodes:\n  listen: 127.0.0.1:7800\n"),
+              HasSubstr("nodes.secret_file: nodes.listen needs the node secret"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [cpu@a]\n" + nodes), HasSubstr("is not a device"));
+}
+
 TEST(ConfigTest, SamplerStateSlotsAreReadAndBounded) {
   EXPECT_EQ(Parse("model:\n  path: m\n")->sampler.state_slots, 64);
   EXPECT_EQ(Parse("model:\n  path: m\nsampler:\n  state_slots: 65536\n")->sampler.state_slots, 65536);
