@@ -321,6 +321,8 @@ SupervisorOptions MakeSupervisorOptions(const Config& c, const std::string& node
   SupervisorOptions o;
   o.node_listen = c.nodes.listen;  // engines on other nodes (docs/device_pool.md)
   o.node_secret = node_secret;
+  o.rendezvous_host = RendezvousHost(c);
+  o.rendezvous_port = c.nodes.rendezvous_port;
   o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
   o.devices = c.engine.devices;
   o.model_dir = c.model.path;

@@ -267,7 +267,8 @@ absl::Status Supervisor::Launch(Listener listener) {
     absl::MutexLock lock(&mu_);
     listener_ = std::move(listener);
     if (data_parallel()) {
-      absl::StatusOr<int32_t> port = FreeLoopbackPort();
+      absl::StatusOr<int32_t> port =
+          options_.rendezvous_port > 0 ? absl::StatusOr<int32_t>(options_.rendezvous_port) : FreeLoopbackPort();
       if (!port.ok()) return port.status();
       dist_port_ = *port;
     }
@@ -326,9 +327,9 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
                             absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(options_.collective_timeout)))}) {
       args.push_back(std::move(arg));
     }
-    if (zmq_->nodes_bound) {  // ranks on other nodes: rendezvous at this node's listen address
+    if (zmq_->nodes_bound && !options_.rendezvous_host.empty()) {  // ranks on other nodes
       args.push_back("--dist-host");
-      args.push_back(options_.node_listen.substr(0, options_.node_listen.rfind(':')));
+      args.push_back(options_.rendezvous_host);
     }
   }
   w.spawned_at = now;
@@ -571,7 +572,9 @@ void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& 
       WorkerDownLocked(*other, now, absl::StrCat("its data-parallel group lost ", WorkerName(w.rank)));
     }
     group_going_down_ = false;
-    if (absl::StatusOr<int32_t> port = FreeLoopbackPort(); port.ok()) {
+    if (options_.rendezvous_port > 0) {
+      // A fixed port (a Service may expose it): the old rank 0 that served it is gone.
+    } else if (absl::StatusOr<int32_t> port = FreeLoopbackPort(); port.ok()) {
       dist_port_ = *port;
     } else {
       LogError(kLog, absl::StrCat("no new rendezvous port: ", port.status().message(), "; keeping ", dist_port_));

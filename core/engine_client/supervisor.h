@@ -72,9 +72,12 @@ struct SupervisorOptions {
   // on its node. Agents and their engines connect to `node_listen` (host:port; a second
   // ROUTER socket, CURVE-encrypted, accepting only peers that hold `node_secret`, the Z85
   // node secret). With data parallelism rank 0 must be local, and the ranks rendezvous at
-  // node_listen's host.
+  // rendezvous_host:rendezvous_port (an address of this node the others reach; port 0 = a
+  // free port at each start of the group).
   std::string node_listen;
   std::string node_secret;
+  std::string rendezvous_host;
+  int32_t rendezvous_port = 0;
 };
 
 struct WorkerSnapshot {

@@ -115,9 +115,10 @@ absl::StatusOr<std::string> NodePublicKey(const std::string& secret) {
 absl::StatusOr<std::string> ReadNodeSecret(const std::string& path) {
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) return absl::NotFoundError(absl::StrCat("node secret file ", path, " not found"));
-  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+  // Group access is allowed: Kubernetes gives a Secret volume's files to the pod's fsGroup.
+  if ((st.st_mode & S_IRWXO) != 0) {
     return absl::PermissionDeniedError(
-        absl::StrCat("node secret file ", path, " may be read by others than its owner; chmod 600 it"));
+        absl::StrCat("node secret file ", path, " may be read by any user; chmod 600 it"));
   }
   std::ifstream in(path);
   std::string line;

@@ -45,7 +45,7 @@ absl::StatusOr<Received> ReceiveMessage(zmq::socket_t& socket, bool with_routing
 // A fresh secret (`twinkle-server node-secret`).
 absl::StatusOr<std::string> NewNodeSecret();
 // Reads a secret file: its first line, which must be a Z85 CURVE secret key. Refuses a file
-// that others than its owner may read.
+// that any user may read (owner and group only).
 absl::StatusOr<std::string> ReadNodeSecret(const std::string& path);
 // The public key of a secret (Z85, 40 characters).
 absl::StatusOr<std::string> NodePublicKey(const std::string& secret);

@@ -153,6 +153,8 @@ template <typename V> void VisitFields(V& v, StorageSection& c) {
 template <typename V> void VisitFields(V& v, NodesSection& c) {
   v.Field("listen", c.listen, Spec{});
   v.Field("secret_file", c.secret_file, SecretPath());
+  v.Field("rendezvous_host", c.rendezvous_host, Spec{});
+  v.Field("rendezvous_port", c.rendezvous_port, Range(0, 65535));
 }
 template <typename V> void VisitFields(V& v, TestingSection& c) {
   v.Field("hooks", c.hooks, Spec{});
@@ -544,6 +546,11 @@ void CheckSemantics(const Config& c, YamlReader& r) {
       r.ErrorAtKey("nodes.listen", absl::StrCat("'", c.nodes.listen, "' is not host:port"));
     }
     if (c.nodes.secret_file.empty()) r.ErrorAtKey("nodes.secret_file", "nodes.listen needs the node secret");
+    const std::string host = RendezvousHost(c);
+    if (remote && c.engine.devices.size() > 1 && (host == "0.0.0.0" || host == "::" || host == "*" || host.empty())) {
+      r.ErrorAtKey("nodes.rendezvous_host", absl::StrCat("nodes.listen binds '", host,
+                                                         "': set the address other nodes reach this node at"));
+    }
   }
   CheckSamplerDevices(c, r);
   if (c.engine.heartbeat_timeout_ms <= 2 * c.engine.heartbeat_interval_ms) {
@@ -733,6 +740,12 @@ absl::StatusOr<Config> LoadConfigFile(const std::filesystem::path& file) {
   std::stringstream text;
   text << in.rdbuf();
   return ParseConfig(text.str(), file);
+}
+
+std::string RendezvousHost(const Config& c) {
+  if (!c.nodes.rendezvous_host.empty()) return c.nodes.rendezvous_host;
+  const size_t colon = c.nodes.listen.rfind(':');
+  return colon == std::string::npos ? std::string() : c.nodes.listen.substr(0, colon);
 }
 
 absl::Status CheckEnvironment(const Config& config) {

@@ -178,6 +178,10 @@ struct StorageSection {
 struct NodesSection {
   std::string listen;       // host:port for node agents and their engines; "" = none
   std::string secret_file;  // the node secret (`twinkle-server node-secret`), mode 0600
+  // Data parallelism across nodes: where the other nodes' ranks reach rank 0's rendezvous
+  // (its c10d TCPStore). "" = nodes.listen's host; port 0 = a free port each time.
+  std::string rendezvous_host;
+  int32_t rendezvous_port = 0;
 };
 
 struct TestingSection {
@@ -216,6 +220,10 @@ absl::StatusOr<Config> LoadConfigFile(const std::filesystem::path& file);
 // Same as LoadConfigFile, on YAML text (file_name is used in messages and to resolve paths).
 absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
                                    const std::filesystem::path& file_name);
+
+// Where ranks on other nodes reach rank 0's rendezvous: nodes.rendezvous_host, else the host
+// of nodes.listen.
+std::string RendezvousHost(const Config& config);
 
 // Checks what the config refers to: the model directory and its config.json exist, the TLS
 // files (certificate, key, client CA) are readable. Separate so that tests of the parser need no model on disk.

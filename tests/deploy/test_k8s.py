@@ -16,7 +16,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ["cpu-demo", "gpu"]
+OVERLAYS = ["cpu-demo", "gpu", "gpu-nodes"]
 # The Kubernetes version the manifests are validated against (docs/deploy.md).
 KUBERNETES_VERSION = "1.33.0"
 
@@ -76,7 +76,11 @@ def test_deployment_probes_drain_and_security(rendered: tuple[str, list[dict[str
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     config = pod_config(docs)
-    assert ports == {"grpc": config["server"]["grpc_port"], "http": config["server"]["http_port"]}
+    want = {"grpc": config["server"]["grpc_port"], "http": config["server"]["http_port"]}
+    if "nodes" in config:  # node agents connect, their ranks rendezvous (gpu-nodes)
+        want |= {"nodes": int(config["nodes"]["listen"].rsplit(":", 1)[1]),
+                 "rendezvous": config["nodes"]["rendezvous_port"]}
+    assert ports == want
     assert config["server"]["host"] == "0.0.0.0", "probes and Services reach the pod's own address"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
@@ -105,10 +109,11 @@ def test_each_overlay_runs_its_own_image_variant(rendered: tuple[str, list[dict[
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     devices = pod_config(docs)["engine"]["devices"]
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert container["image"].endswith("-cuda"), container["image"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert devices == ["cuda:0"]
+        assert devices[0] == "cuda:0" and all(d.startswith("cuda:0@") for d in devices[1:]), devices
+        assert len(devices) == (3 if overlay == "gpu-nodes" else 1)
     else:
         assert container["image"].endswith("-cpu"), container["image"]
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
@@ -132,11 +137,13 @@ def test_mounts_match_the_config(rendered: tuple[str, list[dict[str, Any]]]) -> 
     assert data["persistentVolumeClaim"]["claimName"] in pvcs
     model_root = str(Path(config["model"]["path"]).parent)
     assert volumes[mounts[model_root]]["persistentVolumeClaim"]["claimName"] in pvcs
-    services = {p["targetPort"] for d in docs if d["kind"] == "Service" for p in d["spec"]["ports"]}
-    assert services == {"grpc", "http"}
     selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
-    for service in (d for d in docs if d["kind"] == "Service"):
-        assert service["spec"]["selector"] == selector
+    coordinator_services = [d for d in docs if d["kind"] == "Service" and d["spec"]["selector"] == selector]
+    services = {p["targetPort"] for d in coordinator_services for p in d["spec"]["ports"]}
+    container_ports = {p["name"] for p in container["ports"]}
+    assert services == container_ports, f"{overlay}: Services {services} vs the container's ports {container_ports}"
+    others = [d["metadata"]["name"] for d in docs if d["kind"] == "Service" and d not in coordinator_services]
+    assert others == (["twinkle-node-agent"] if overlay == "gpu-nodes" else []), others
 
 
 def test_cpu_demo_config_and_tenants_load_in_the_real_server(tmp_path: Path) -> None:
@@ -161,3 +168,60 @@ def test_cpu_demo_config_and_tenants_load_in_the_real_server(tmp_path: Path) -> 
     effective = json.loads(out.stdout)
     assert effective["logging"]["format"] == "json"
     assert [t["id"] for t in effective["auth"]["tenants"]] == ["demo"]
+
+
+def test_node_agents_match_the_coordinator_config(tmp_path: Path) -> None:
+    """gpu-nodes: the StatefulSet's pods are the nodes engine.devices names (DEVICE@POD), they
+    join the Service that fronts the coordinator's nodes.listen port, hold the node secret
+    from the same Secret at the configured path, reach the rendezvous through the Service the
+    config names, each get one GPU and mount the model where the coordinator says it is (a
+    ReadOnlyMany volume). The config itself passes the real server's checks."""
+    import json
+
+    docs = render("gpu-nodes")
+    config = pod_config(docs)
+    agents = one(docs, "StatefulSet", "twinkle-node-agent")
+    name, replicas = agents["metadata"]["name"], agents["spec"]["replicas"]
+    assert [d for d in config["engine"]["devices"] if "@" in d] == [f"cuda:0@{name}-{i}" for i in range(replicas)]
+    pod = agents["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    args = agent["args"]
+    assert args[0] == "worker" and args[args.index("--node") + 1] == "$(POD_NAME)"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in agent["env"]
+    join_host, join_port = args[args.index("--join") + 1].rsplit(":", 1)
+    listen_port = int(config["nodes"]["listen"].rsplit(":", 1)[1])
+    nodes_service = one(docs, "Service", join_host)
+    service_ports = {p["port"]: p["targetPort"] for p in nodes_service["spec"]["ports"]}
+    assert service_ports[int(join_port)] == "nodes"
+    coordinator = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (server,) = coordinator["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert container_ports["nodes"] == listen_port
+    assert config["nodes"]["rendezvous_host"] == join_host
+    assert service_ports[config["nodes"]["rendezvous_port"]] == "rendezvous"
+    assert container_ports["rendezvous"] == config["nodes"]["rendezvous_port"]
+    assert nodes_service["spec"]["selector"] == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    # The node secret: one Secret, mounted where the config and the agents' flag say.
+    secret_path = Path(config["nodes"]["secret_file"])
+    assert args[args.index("--secret-file") + 1] == str(secret_path)
+    for spec, container in ((coordinator, server), (pod, agent)):
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts[str(secret_path.parent)]]["secret"]["secretName"] == "twinkle-node-secret"
+        model_root = str(Path(config["model"]["path"]).parent)
+        assert volumes[mounts[model_root]]["persistentVolumeClaim"]["claimName"] == "twinkle-models"
+    assert one(docs, "PersistentVolumeClaim", "twinkle-models")["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert agent["image"].endswith("-cuda") and agent["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+
+    server_bin = REPO / "build" / "bin" / "twinkle-server"
+    config["auth"]["tenants_file"] = str(tmp_path / "tenants.yaml")
+    (tmp_path / "tenants.yaml").write_text("tenants:\n  - id: t\n    key_sha256: [" + "0" * 64 + "]\n",
+                                           encoding="utf-8")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    out = subprocess.run([str(server_bin), "print-config", "-c", str(path), "--format", "json"],
+                         capture_output=True, text=True, check=False, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["nodes"]["secret_file"] == "***"

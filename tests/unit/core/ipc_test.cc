@@ -245,11 +245,11 @@ TEST(NodeSecretTest, ReadsBackRefusesLooseFilesAndAuthenticatesPeers) {
   const std::string path = ::testing::TempDir() + "/node.secret";
   std::remove(path.c_str());
   { std::ofstream(path) << *secret << "\n"; }
-  chmod(path.c_str(), 0644);
+  chmod(path.c_str(), 0604);
   absl::StatusOr<std::string> loose = ReadNodeSecret(path);
   EXPECT_EQ(loose.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(loose.status().message(), ::testing::HasSubstr("chmod 600"));
-  chmod(path.c_str(), 0600);
+  chmod(path.c_str(), 0640);  // group: a Kubernetes Secret volume under fsGroup
   absl::StatusOr<std::string> read = ReadNodeSecret(path);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, *secret);

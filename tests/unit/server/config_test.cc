@@ -146,6 +146,18 @@ TEST(ConfigTest, DevicesOnOtherNodesNeedTheNodeSocketAndALocalRankZero) {
   EXPECT_THAT(ErrorOf("model:\n  path: m\nnodes:\n  listen: 127.0.0.1:7800\n"),
               HasSubstr("nodes.secret_file: nodes.listen needs the node secret"));
   EXPECT_THAT(ErrorOf("model:\n  path: m\nsampler:\n  devices: [cpu@a]\n" + nodes), HasSubstr("is not a device"));
+  // Data parallelism across nodes needs a rendezvous address the other nodes reach.
+  const std::string all = "nodes:\n  listen: 0.0.0.0:7800\n  secret_file: /s\n";
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  devices: [cpu, cpu@a]\n" + all),
+              HasSubstr("nodes.rendezvous_host: nodes.listen binds '0.0.0.0': set the address other nodes reach"));
+  absl::StatusOr<Config> advertised = Parse("model:\n  path: m\nengine:\n  devices: [cpu, cpu@a]\n" + all +
+                                            "  rendezvous_host: coordinator.example\n  rendezvous_port: 29500\n");
+  ASSERT_TRUE(advertised.ok()) << advertised.status();
+  EXPECT_EQ(RendezvousHost(*advertised), "coordinator.example");
+  EXPECT_EQ(advertised->nodes.rendezvous_port, 29500);
+  EXPECT_EQ(RendezvousHost(*ok), "127.0.0.1");
+  EXPECT_THAT(ErrorOf("model:\n  path: m\n" + nodes + "  rendezvous_port: 65536\n"),
+              HasSubstr("nodes.rendezvous_port: 65536 is out of range"));
 }
 
 TEST(ConfigTest, SamplerStateSlotsAreReadAndBounded) {
