@@ -83,6 +83,14 @@ absl::Status RunNodeAgent(const NodeAgentOptions& options) {
       const ipc::Message& m = *received->message;
       switch (m.envelope.type) {
         case ipc::MessageType::kHelloAck:
+          // A (re)connection: the coordinator counts none of this node's engines as running
+          // (a restarted coordinator never knew them; after a silence it took them down), so
+          // any left from before would only hold the device.
+          for (auto& [identity, process] : engines) {
+            LogInfo(kLog, absl::StrCat("stopping engine ", identity, " from before the reconnection"));
+            process.Kill(SIGKILL);
+          }
+          engines.clear();
           LogInfo(kLog, absl::StrCat("node '", options.node, "' joined ", options.join));
           joined = true;
           break;

@@ -6,7 +6,8 @@
 // sends heartbeats, starts and kills engines when told, and reports their exits. Its engines
 // connect to the same socket with the same secret, and die with the agent (PR_SET_PDEATHSIG),
 // so an agent that goes away takes its engines with it and the coordinator sees both go
-// silent. The agent outlives a coordinator restart: it keeps reconnecting.
+// silent. The agent outlives a coordinator restart: it keeps reconnecting, and on each
+// (re)connection stops the engines it still has from before (the coordinator starts anew).
 
 #include <string>
 

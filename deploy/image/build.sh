@@ -61,6 +61,9 @@ if ((${#need[@]})) && ((!plan)); then
 fi
 
 server="$build_dir/bin/twinkle-server" engine="$build_dir/bin/twinkle-engine"
+# The coordinator never links torch, so a CUDA build dir made by scripts/cuda_build.sh (engine
+# and kernels only) takes it from the CPU build.
+[ "$variant" = cuda ] && [ ! -x "$server" ] && [ -x build/bin/twinkle-server ] && server=build/bin/twinkle-server
 for b in "$server" "$engine"; do
   [ -x "$b" ] || { echo "build.sh: $b is not built (scripts/setup.sh, or TWINKLE_WITH_CUDA=1 for cuda)" >&2; exit 1; }
 done

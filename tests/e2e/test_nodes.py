@@ -81,7 +81,8 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
     bounds), every rank running rows; Twinkle training and sampling work. kill -9 of node-b's
     agent takes its engine with it: the coordinator sees the agent go, training calls fail
     with UNAVAILABLE (retry later), nothing hangs; a new agent for node-b brings the group
-    back and training goes on."""
+    back and training goes on. A new coordinator on the same address gets both agents back
+    (they stop their old engines) and trains the same numbers."""
     secret = node_secret(server_bin, tmp_path)
     listen = f"127.0.0.1:{free_port()}"
     n_vocab = vocab(tiny_model)
@@ -117,7 +118,19 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
         wait_until(lambda: _trains(c, n_vocab) or None, 120, "training resumes with node-b back")
         assert any(float(np.abs(v).max()) > 0 for k, v in state_dict(c, "a").items() if "lora_B" in k)
         assert "waits for node agent 'node-b'" in server.stderr_text()
-        server.stop()
+
+        # A coordinator crash (kill -9: its engines on other nodes are left running) and a new
+        # coordinator on the same address: the agents reconnect, stop the engines they had
+        # from before, and start the new one's ranks.
+        server.send_signal(signal.SIGKILL)
+        server.wait_exit(30)
+        again = launch_server(config(listen, secret, ["cpu", "cpu@node-a", "cpu@node-b"]))
+        c2 = Client(again.grpc_address, KEYS["alice"])
+        c2.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="a", config=tpb.LoraConfig(r=4, seed=1)))
+        assert train_steps(c2, "a", n_vocab, 3) == losses
+        for agent in (agents["node-a"], agents["node-b"]):
+            assert "from before the reconnection" in agent.text(), agent.text()[-2000:]
+        again.stop()
     finally:
         for agent in agents.values():
             agent.kill()
