@@ -97,7 +97,22 @@ struct Supervisor::ZmqState {
 
 zmq::socket_t& Supervisor::SocketOf(const Worker& w) { return w.node.empty() ? zmq_->router : zmq_->nodes; }
 
+namespace {
+
 constexpr char kNodePrefix[] = "node:";
+
+// One waiting multipart message of a plain (non-envelope) socket; empty when none.
+std::vector<zmq::message_t> ReceiveParts(zmq::socket_t& socket) {
+  std::vector<zmq::message_t> parts;
+  try {
+    if (!zmq::recv_multipart(socket, std::back_inserter(parts), zmq::recv_flags::dontwait)) parts.clear();
+  } catch (const zmq::error_t&) {
+    parts.clear();
+  }
+  return parts;
+}
+
+}  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, const Clock& clock)
     : options_(std::move(options)), clock_(clock) {
@@ -427,12 +442,8 @@ absl::Status Supervisor::BindNodeSocket() {
 void Supervisor::HandleZapRequest() {
   // ZAP 1.0 (rfc.zeromq.org/spec/27): version, request id, domain, address, routing id,
   // mechanism, credentials. CURVE peers must hold the node secret: their public key is its.
-  std::vector<zmq::message_t> parts;
-  try {
-    if (!zmq::recv_multipart(zmq_->zap, std::back_inserter(parts), zmq::recv_flags::dontwait)) return;
-  } catch (const zmq::error_t&) {
-    return;
-  }
+  const std::vector<zmq::message_t> parts = ReceiveParts(zmq_->zap);
+  if (parts.empty()) return;
   const auto part = [&](size_t i) { return i < parts.size() ? parts[i].to_string() : std::string(); };
   const std::string mechanism = part(5);
   const bool ok = mechanism == "NULL" || (mechanism == "CURVE" && part(6) == node_public_key_);
@@ -453,12 +464,7 @@ void Supervisor::HandleZapRequest() {
 
 void Supervisor::HandleNodeMonitorEvent() {
   // Two frames: the event (uint16 id, uint32 value) and the endpoint.
-  std::vector<zmq::message_t> parts;
-  try {
-    if (!zmq::recv_multipart(zmq_->monitor, std::back_inserter(parts), zmq::recv_flags::dontwait)) return;
-  } catch (const zmq::error_t&) {
-    return;
-  }
+  if (ReceiveParts(zmq_->monitor).empty()) return;
   // A peer with another secret retries every few hundred ms: one line per 10 s at most.
   const absl::Time now = absl::Now();
   ++zmq_->refusals_unlogged;

@@ -151,15 +151,28 @@ ipc::Message FakeReply(const ipc::Message& part_request) {
   return reply;
 }
 
+// Every part answered by FakeReply, merged: the merged message and its body.
+struct Merged {
+  ipc::Message message;
+  ipc::ForwardReply body;
+};
+absl::StatusOr<Merged> MergeFakeReplies(const ForwardSplit& split) {
+  std::vector<ipc::Message> replies;
+  for (const ipc::Message& m : split.requests) replies.push_back(FakeReply(m));
+  absl::StatusOr<ipc::Message> merged = MergeForward(split, std::move(replies));
+  if (!merged.ok()) return merged.status();
+  absl::StatusOr<ipc::ForwardReply> body = ipc::Unpack<ipc::ForwardReply>(merged->envelope.body, "merged");
+  if (!body.ok()) return body.status();
+  return Merged{*std::move(merged), *std::move(body)};
+}
+
 TEST(DataParallelMerge, PutsEveryDatumBackInPlaceAndMergesMetrics) {
   absl::StatusOr<ForwardSplit> split = SplitForward(FusedRequest(), 2);
   ASSERT_TRUE(split.ok());
-  std::vector<ipc::Message> replies;
-  for (const ipc::Message& m : split->requests) replies.push_back(FakeReply(m));
-  absl::StatusOr<ipc::Message> merged = MergeForward(*split, std::move(replies));
-  ASSERT_TRUE(merged.ok()) << merged.status();
-  absl::StatusOr<ipc::ForwardReply> body = ipc::Unpack<ipc::ForwardReply>(merged->envelope.body, "merged");
-  ASSERT_TRUE(body.ok());
+  absl::StatusOr<Merged> merged_or = MergeFakeReplies(*split);
+  ASSERT_TRUE(merged_or.ok()) << merged_or.status();
+  const ipc::Message* merged = &merged_or->message;
+  const ipc::ForwardReply* body = &merged_or->body;
   ASSERT_EQ(body->ops.size(), 3u);
   const std::vector<std::vector<float>> want = {{100, 101, 102, 103}, {200, 201}, {300}};
   for (size_t o = 0; o < 3; ++o) {
@@ -208,12 +221,9 @@ TEST(ForwardPasses, FillsEachPassInOrderUpToTheBudgetKeepingNonSumLossesWhole) {
   EXPECT_EQ(PartTags(*split), (std::vector<std::vector<std::vector<int64_t>>>{
                                   {{100, 101}}, {{102, 103}}, {{200, 201}, {300}}}));
   // The merge puts the passes' replies back as one reply: op a's loss:sum adds over passes.
-  std::vector<ipc::Message> replies;
-  for (const ipc::Message& m : split->requests) replies.push_back(FakeReply(m));
-  absl::StatusOr<ipc::Message> merged = MergeForward(*split, std::move(replies));
+  absl::StatusOr<Merged> merged = MergeFakeReplies(*split);
   ASSERT_TRUE(merged.ok()) << merged.status();
-  absl::StatusOr<ipc::ForwardReply> body = ipc::Unpack<ipc::ForwardReply>(merged->envelope.body, "merged");
-  ASSERT_TRUE(body.ok());
+  const ipc::ForwardReply* body = &merged->body;
   ASSERT_EQ(body->ops.size(), 3u);
   EXPECT_EQ(body->ops[0].logprobs.size(), 4u);
   EXPECT_EQ(body->ops[0].metrics.at("loss:sum"), 46.0);
