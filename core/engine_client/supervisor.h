@@ -181,6 +181,8 @@ class Supervisor {
   void HandleNodeMessageLocked(const std::string& node, const ipc::Message& m, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NodeConnectedLocked(const std::string& node, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Node agents silent past heartbeat_timeout: gone, with their workers.
+  void CheckNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void HandleZapRequest();
   void HandleNodeMonitorEvent();
   absl::Status BindNodeSocket();
