@@ -78,6 +78,13 @@ class Trainer {
   absl::StatusOr<MethodReply> GetAdapterState(const ipc::Message& request);
   absl::StatusOr<MethodReply> SetAdapterState(const ipc::Message& request);
 
+  // A method's reply: `body` packed, with `reply`'s tensor frames.
+  template <typename T>
+  static MethodReply Reply(const T& body, MethodReply reply = {}) {
+    reply.envelope.body = ipc::Pack(body);
+    return reply;
+  }
+
   absl::StatusOr<Adapter*> FindAdapter(const std::string& id);
   // Data parallelism: after this rank's backward, `adapters`' gradients hold what this
   // rank's rows added (their earlier gradients moved to `earlier`, one per parameter in

@@ -140,3 +140,22 @@ def test_passes_bound_the_step_peak_memory(tmp_path: Path) -> None:
           f"one sequence's estimate {one_sequence / MIB:.0f} MiB, the whole request's "
           f"{estimate_bytes(info, [2048] * 4) / MIB:.0f} MiB")
     assert peaks[1] <= one_sequence / MIB < peaks[0]
+
+
+def test_dropout_draws_fresh_masks_in_each_pass(reference_models: Path) -> None:
+    """With LoRA dropout, two passes over the same sequence twice draw different masks: the
+    gradient is not twice that of one pass over it once (which it would be, bit for bit, if
+    each pass reused the masks of pass 0)."""
+    grads = []
+    for sequences, budgeted in ((1, False), (2, True)):
+        with Engine() as engine:
+            info = load(engine, reference_models / "qwen3")
+            engine.call("create_adapter", {"adapter_id": "d", "rank": 4, "alpha": 16.0, "seed": 3, "dropout": 0.5})
+            datum = datums(5, [12])[0]
+            engine.call("forward_backward", {
+                "ops": [{"adapter_id": "d", "loss": {"name": "cross_entropy"}, "datums": [datum] * sequences}],
+                "max_pass_bytes": estimate_bytes(info, [12]) if budgeted else 0})
+            grads.append(engine.call("get_adapter_state", {"adapter_id": "d"})["grads"])
+    name = next(n for n in grads[0] if "lora_B" in n)  # (lora_A's are 0 while B is 0)
+    assert float(grads[0][name].abs().max()) > 0
+    assert not torch.allclose(grads[1][name], 2 * grads[0][name], rtol=1e-3, atol=0)

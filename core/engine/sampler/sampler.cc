@@ -15,18 +15,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/common/splitmix.h"
 #include "core/engine/tensor_io.h"
 
 namespace twinkle::engine {
 namespace {
-
-// splitmix64: neighbouring (seed, sample) pairs get unrelated generator streams.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // The generator stream of prompt_alt_tokens_k's draws: (seed, this), never a sample's (seed, s).
 constexpr uint64_t kAltTokensStream = 0xa17a17a17a17a17aULL;
@@ -357,7 +350,7 @@ class GenerationBatch {
       for (int64_t b : pool_.Take(per_sample)) seq.table.Append(b);
       if (pool_.states_total() > 0) seq.state = StateSlot(&pool_, pool_.TakeState());
       seq.generator =
-          at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(r.row.seed) ^ static_cast<uint64_t>(s)));
+          at::make_generator<at::CPUGeneratorImpl>(SplitMix64(SplitMix64(r.row.seed) ^ static_cast<uint64_t>(s)));
       r.samples.push_back(std::move(seq));
     }
   }
@@ -424,7 +417,7 @@ class GenerationBatch {
         }
         if (const int64_t k = r->row.prompt_alt_tokens_k; k > 0) {
           // Draws of their own stream (not any sample's): seeded by (seed, "alt").
-          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(Mix(Mix(r->row.seed) ^ kAltTokensStream));
+          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(SplitMix64(SplitMix64(r->row.seed) ^ kAltTokensStream));
           if (p - 1 == 0) {
             r->alt_ids = at::empty({0, k}, at::kLong);
           } else if (r->row.temperature == 0) {
