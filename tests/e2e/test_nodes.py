@@ -163,12 +163,15 @@ def test_a_peer_without_the_node_secret_is_refused(launch_server: LaunchServer, 
                                                    tmp_path: Path) -> None:
     """An agent holding another secret never gets in: the coordinator logs the refused
     handshake, the rank it would run is not started, and startup fails naming the node that
-    did not connect (engine.startup_timeout_s)."""
+    did not connect (engine.startup_timeout_s). An agent with the secret but a node name the
+    config does not use is told to stop and exits 1 saying so."""
     secret = node_secret(server_bin, tmp_path)
     (tmp_path / "other").mkdir()
     wrong = node_secret(server_bin, tmp_path / "other")
     listen = f"127.0.0.1:{free_port()}"
     intruder = Agent(server_bin, listen, "node-a", wrong, tmp_path / "intruder.log")
+    # With the right secret but a node no engine.devices entry names: told to stop.
+    stranger = Agent(server_bin, listen, "node-z", secret, tmp_path / "stranger.log")
     try:
         overrides = config(listen, secret, ["cpu@node-a"])
         overrides["engine"]["startup_timeout_s"] = 8
@@ -178,5 +181,9 @@ def test_a_peer_without_the_node_secret_is_refused(launch_server: LaunchServer, 
         assert "node connection(s) on " + listen + ": the CURVE handshake failed" in logs, logs[-3000:]
         assert "node agent 'node-a' did not connect within 8s" in logs, logs[-3000:]
         assert "joined" not in intruder.text()
+        assert stranger.proc.wait(30) == 1
+        assert "has no devices on node 'node-z'" in stranger.text(), stranger.text()
+        assert "node agent 'node-z' has no device in engine.devices; told to stop" in logs
     finally:
         intruder.kill()
+        stranger.kill()
