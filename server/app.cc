@@ -512,7 +512,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   TimerThread wait_timers;
   state.wait_timers = &wait_timers;
   futures.SetJournal(journal->get());
-  DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()));
+  DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()),
+                               DataParallelOptions{config.engine.rank_token_budget, config.engine.rebalance});
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
   coordinator_options.registry = registry->get();
   coordinator_options.checkpoints = &checkpoints;
@@ -542,16 +543,16 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   // dedicated, they go to the sampler workers. Either way sample requests and snapshots stay
   // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a
   // snapshot sees exactly the weights its adapter's earlier ops left).
-  // One lane per engine that samples: each rank of the dedicated pool, else the training engine.
+  // One lane per engine that samples: each rank of the dedicated pool, else each training
+  // rank (its snapshots are its own adapters, created on that rank only).
   std::vector<std::unique_ptr<SupervisorEngineLink>> sampler_links;
   std::vector<training::EngineLink*> sampling_engines;
-  if (sampler_supervisor != nullptr) {
-    for (int32_t rank = 0; rank < static_cast<int32_t>(config.sampler.devices.size()); ++rank) {
-      sampler_links.push_back(std::make_unique<SupervisorEngineLink>(*sampler_supervisor, rank));
-      sampling_engines.push_back(sampler_links.back().get());
-    }
-  } else {
-    sampling_engines.push_back(&engine_link);
+  Supervisor& sampling_pool = sampler_supervisor != nullptr ? *sampler_supervisor : supervisor;
+  const size_t sampling_ranks =
+      sampler_supervisor != nullptr ? config.sampler.devices.size() : config.engine.devices.size();
+  for (int32_t rank = 0; rank < static_cast<int32_t>(sampling_ranks); ++rank) {
+    sampler_links.push_back(std::make_unique<SupervisorEngineLink>(sampling_pool, rank));
+    sampling_engines.push_back(sampler_links.back().get());
   }
   sampling::SamplerCoordinator sampler(sampler_options, sampling_engines, coordinator, &checkpoints, futures);
   sampler.SetUsageListener([&metrics, &usage](const sampling::SamplerCoordinator::SampleUsage& u) {

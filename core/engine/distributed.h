@@ -28,14 +28,21 @@ struct DistributedOptions {
   int32_t world_size = 1;  // 1: no process group
   std::string store_host = "127.0.0.1";
   int32_t store_port = 0;  // rank 0 serves the TCPStore on it; the others connect
+  int64_t epoch = 0;       // the group's membership epoch (the supervisor counts it)
   // How long a rendezvous or a collective waits for the other ranks before failing.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
 };
 
+// The group is formed lazily, at the first collective, and re-formed after a member was
+// replaced: a rank restarted alone (docs/device_pool.md, "A rank's crash") rejoins the
+// survivors under a new epoch. Rank 0 serves the TCPStore for the process's lifetime; each
+// epoch's rendezvous keys live under their own prefix of it, so the survivors and the new
+// rank meet on fresh keys without a new port.
 class ProcessGroup {
  public:
-  // Joins the group (blocks until every rank has joined, or the timeout). `device` picks the
-  // backend: Gloo for cpu, NCCL for cuda (Unimplemented in a build without CUDA).
+  // Checks the options and, on rank 0, starts serving the rendezvous store; nothing waits for
+  // the other ranks here. `device` picks the backend: Gloo for cpu, NCCL for cuda
+  // (Unimplemented in a build without CUDA).
   static absl::StatusOr<std::unique_ptr<ProcessGroup>> Create(const DistributedOptions& options,
                                                               c10::Device device);
   ~ProcessGroup();
@@ -44,18 +51,28 @@ class ProcessGroup {
   int32_t world_size() const { return world_size_; }
   const std::string& backend() const { return backend_name_; }
 
-  // Sums `tensor` (contiguous, on the group's device) over all ranks in place. Every rank
-  // must call it with the same shape and dtype, in the same order. A peer that died or a
-  // timeout is an error; the group is unusable afterwards.
+  // Sums `tensor` (contiguous, on the group's device) over all ranks in place, forming the
+  // group first if this epoch has none yet (blocks until every rank has joined, or the
+  // timeout). Every rank must call it with the same shape and dtype, in the same order. A
+  // peer that died or a timeout is an error; the group stays unusable until Rejoin.
   absl::Status AllReduceSum(at::Tensor& tensor);
+
+  // Drops the current group; the next collective forms a new one under `epoch` (every
+  // member, the replaced rank included, uses the same epoch). Cheap: nothing waits here.
+  absl::Status Rejoin(int64_t epoch);
+  int64_t epoch() const { return epoch_; }
 
  private:
   ProcessGroup() = default;
+  absl::Status Connect();
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int32_t rank_ = 0;
   int32_t world_size_ = 1;
   std::string backend_name_;
+  DistributedOptions options_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  int64_t epoch_ = 0;
 };
 
 }  // namespace twinkle::engine

@@ -67,7 +67,7 @@ RequestHandler::RequestHandler(std::string device, bool test_hooks, DistributedO
   for (const char* name : {ipc::kMethodCreateAdapter, ipc::kMethodRemoveAdapter, ipc::kMethodForward,
                            ipc::kMethodForwardBackward, ipc::kMethodOptimStep, ipc::kMethodZeroGrad,
                            ipc::kMethodGetAdapterState, ipc::kMethodSetAdapterState,
-                           ipc::kMethodSetOptimizer, ipc::kMethodClipGradNorm,
+                           ipc::kMethodSetOptimizer, ipc::kMethodClipGradNorm, ipc::kMethodRejoinGroup,
                            ipc::kMethodSample, ipc::kMethodSampleStep}) {
     methods_[name] = [name](const ipc::Message&) -> absl::StatusOr<MethodReply> {
       return absl::FailedPreconditionError(absl::StrCat(name, ": no model loaded (load_model first)"));

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/common/log.h"
 #include "core/engine/sampler/sampler.h"
 #include "core/engine/tensor_io.h"
 #include "core/ipc/training_messages.h"
@@ -69,6 +70,19 @@ void Trainer::RegisterMethods(std::map<std::string, Method>& m) {
   m[ipc::kMethodSetAdapterState] = [this](const ipc::Message& r) { return SetAdapterState(r); };
   m[ipc::kMethodSample] = [this](const ipc::Message& r) { return sampler_->Sample(r); };
   m[ipc::kMethodSampleStep] = [this](const ipc::Message& r) { return sampler_->SampleStep(r); };
+  m[ipc::kMethodRejoinGroup] = [this](const ipc::Message& r) { return RejoinGroup(r); };
+}
+
+absl::StatusOr<MethodReply> Trainer::RejoinGroup(const ipc::Message& request) {
+  absl::StatusOr<ipc::RejoinGroupRequest> req =
+      ipc::Unpack<ipc::RejoinGroupRequest>(request.envelope.body, ipc::kMethodRejoinGroup);
+  if (!req.ok()) return req.status();
+  if (group_ == nullptr) {
+    return absl::FailedPreconditionError("rejoin_group: this worker is not a rank of a process group");
+  }
+  if (absl::Status s = group_->Rejoin(req->epoch); !s.ok()) return s;
+  Log(LogLevel::kInfo, "trainer", absl::StrCat("process group: rejoining at epoch ", req->epoch));
+  return Reply(ipc::RejoinGroupRequest{req->epoch});
 }
 
 absl::StatusOr<Adapter*> Trainer::FindAdapter(const std::string& id) {

@@ -59,11 +59,8 @@ class Trainer {
                                                          const ipc::ForwardRequest& req) const;
   // Runs `passes` one after the other (or `req` as one pass) and merges their replies.
   absl::StatusOr<MethodReply> RunPasses(const ipc::Message& request, const ipc::ForwardRequest& req,
-                                        const std::optional<ForwardSplit>& passes, bool backward,
-                                        const std::vector<Adapter*>* reduce);
+                                        const std::optional<ForwardSplit>& passes, bool backward);
   struct PassOptions {
-    // Data parallel: the adapters the step sums over the ranks (an op may train no other).
-    const std::vector<Adapter*>* reduce = nullptr;
     // Whether this pass counts the adapters' micro-batch (else Forward counts it once).
     bool count_micro_batch = true;
     uint64_t pass = 0;  // index of this pass within its request
@@ -77,6 +74,7 @@ class Trainer {
   absl::StatusOr<MethodReply> ClipGradNorm(const ipc::Message& request);
   absl::StatusOr<MethodReply> GetAdapterState(const ipc::Message& request);
   absl::StatusOr<MethodReply> SetAdapterState(const ipc::Message& request);
+  absl::StatusOr<MethodReply> RejoinGroup(const ipc::Message& request);
 
   // A method's reply: `body` packed, with `reply`'s tensor frames.
   template <typename T>

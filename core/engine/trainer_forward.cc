@@ -79,36 +79,42 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
 
   // The adapters this step trains: their gradients so far are set aside while the step's
   // pass(es) fill fresh ones, so a step that fails (on any pass, or on another rank) leaves
-  // them exactly as they were.
+  // them exactly as they were. Data parallel, the request's allreduce_adapters come first
+  // (summed over the ranks); after them the adapters only this rank trains (an adapter
+  // sharded onto its home rank), whose gradients stay local.
   std::vector<Adapter*> trained;
-  absl::Status local;
-  if (data_parallel) {
-    for (const std::string& id : req->allreduce_adapters) {
-      absl::StatusOr<Adapter*> adapter = FindAdapter(id);
-      if (!adapter.ok()) {
-        local = adapter.status();
-        break;
-      }
-      if (std::find(trained.begin(), trained.end(), *adapter) != trained.end()) {
-        local = absl::InvalidArgumentError(absl::StrCat(method, ": adapter '", id, "' is listed twice in allreduce_adapters"));
-        break;
-      }
+  size_t reduced = 0;
+  absl::Status invalid;  // data parallel, an error still joins the collectives below
+  auto add_trained = [&](const std::string& id, bool listed) {
+    absl::StatusOr<Adapter*> adapter = FindAdapter(id);
+    if (!adapter.ok()) {
+      invalid = adapter.status();
+      return;
+    }
+    const bool seen = std::find(trained.begin(), trained.end(), *adapter) != trained.end();
+    if (listed && seen) {
+      invalid = absl::InvalidArgumentError(absl::StrCat(method, ": adapter '", id, "' is listed twice in allreduce_adapters"));
+    } else if (!seen) {
       trained.push_back(*adapter);
     }
-  } else if (backward) {
-    for (const ipc::TrainOpMsg& op : req->ops) {
-      if (op.adapter_id.empty() || op.disable_adapter || op.loss.name.empty()) continue;
-      absl::StatusOr<Adapter*> adapter = FindAdapter(op.adapter_id);
-      if (!adapter.ok()) return adapter.status();
-      if (std::find(trained.begin(), trained.end(), *adapter) == trained.end()) trained.push_back(*adapter);
-    }
+  };
+  for (const std::string& id : req->allreduce_adapters) {
+    if (invalid.ok()) add_trained(id, true);
   }
+  reduced = trained.size();
+  for (const ipc::TrainOpMsg& op : req->ops) {
+    if (!backward || !invalid.ok() || op.adapter_id.empty() || op.disable_adapter || op.loss.name.empty()) continue;
+    add_trained(op.adapter_id, false);
+  }
+  if (!invalid.ok() && !data_parallel) return invalid;
   std::vector<at::Tensor> earlier;
-  if (local.ok()) {
-    for (Adapter* adapter : trained) {
-      for (const auto& [name, p] : adapter->named_parameters()) {
+  size_t reduced_params = 0;
+  if (invalid.ok()) {
+    for (size_t i = 0; i < trained.size(); ++i) {
+      for (const auto& [name, p] : trained[i]->named_parameters()) {
         earlier.push_back(p.grad());
         const_cast<at::Tensor&>(p).mutable_grad() = at::Tensor();
+        if (i < reduced) ++reduced_params;
       }
     }
   }
@@ -120,15 +126,25 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
       }
     }
   };
+  // Adds the earlier gradients back to the step's, for trained[first...].
+  auto add_back = [&](size_t first, size_t param) {
+    for (size_t a = first; a < trained.size(); ++a) {
+      for (const auto& [name, p] : trained[a]->named_parameters()) {
+        const at::Tensor& before = earlier[param++];
+        at::Tensor& grad = const_cast<at::Tensor&>(p).mutable_grad();
+        if (before.defined()) grad = grad.defined() ? before + grad : before;
+      }
+    }
+  };
   absl::StatusOr<MethodReply> reply =
-      !local.ok() ? absl::StatusOr<MethodReply>(local)
+      !invalid.ok() ? absl::StatusOr<MethodReply>(invalid)
       : req->ops.empty() ? Reply(ipc::ForwardReply{})  // no rows here: only the collectives
-                         : RunPasses(request, *req, *passes, backward, data_parallel ? &trained : nullptr);
+                         : RunPasses(request, *req, *passes, backward);
   if (data_parallel) {
     // A rank that failed (a bad input, an unknown adapter) still takes part in the
     // collectives, so no peer is left waiting: first every rank says whether it failed; if
     // any did, all drop this step's gradients (as one rank that failed would) and return an
-    // error; otherwise the new gradients are summed over the ranks.
+    // error; otherwise the new gradients of the listed adapters are summed over the ranks.
     at::Tensor failed =
         at::full({1}, reply.ok() ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
     if (absl::Status s = group_->AllReduceSum(failed); !s.ok()) {
@@ -142,20 +158,16 @@ absl::StatusOr<MethodReply> Trainer::Forward(const ipc::Message& request, bool b
       return absl::AbortedError(absl::StrCat(method, ": ", static_cast<int>(failures),
                                              " other rank(s) failed this data-parallel step; no gradient was kept"));
     }
-    if (absl::Status s = ReduceGradients(trained, std::move(earlier)); !s.ok()) return s;
+    std::vector<Adapter*> summed(trained.begin(), trained.begin() + static_cast<std::ptrdiff_t>(reduced));
+    std::vector<at::Tensor> summed_earlier(earlier.begin(), earlier.begin() + static_cast<std::ptrdiff_t>(reduced_params));
+    if (absl::Status s = ReduceGradients(summed, std::move(summed_earlier)); !s.ok()) return s;
+    add_back(reduced, reduced_params);
   } else {
     if (!reply.ok()) {
       restore();
       return reply.status();
     }
-    size_t i = 0;
-    for (Adapter* adapter : trained) {
-      for (const auto& [name, p] : adapter->named_parameters()) {
-        const at::Tensor& before = earlier[i++];
-        at::Tensor& grad = const_cast<at::Tensor&>(p).mutable_grad();
-        if (before.defined()) grad = grad.defined() ? before + grad : before;
-      }
-    }
+    add_back(0, 0);
   }
   // Every rank counts the micro-batch, rows here or not, so the counters stay equal; one
   // count per request however many passes it took.
@@ -182,9 +194,8 @@ absl::StatusOr<std::optional<ForwardSplit>> Trainer::PlanPasses(const ipc::Messa
 }
 
 absl::StatusOr<MethodReply> Trainer::RunPasses(const ipc::Message& request, const ipc::ForwardRequest& req,
-                                               const std::optional<ForwardSplit>& passes, bool backward,
-                                               const std::vector<Adapter*>* reduce) {
-  if (!passes.has_value()) return ForwardPass(request, req, backward, {reduce, false, 0});
+                                               const std::optional<ForwardSplit>& passes, bool backward) {
+  if (!passes.has_value()) return ForwardPass(request, req, backward, {false, 0});
   const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
   const size_t n = passes->requests.size();
   std::vector<MethodReply> replies;
@@ -192,7 +203,7 @@ absl::StatusOr<MethodReply> Trainer::RunPasses(const ipc::Message& request, cons
     const ipc::Message& part = passes->requests[p];
     absl::StatusOr<ipc::ForwardRequest> part_req = ipc::Unpack<ipc::ForwardRequest>(part.envelope.body, method);
     if (!part_req.ok()) return part_req.status();
-    absl::StatusOr<MethodReply> reply = ForwardPass(part, *part_req, backward, {reduce, false, p});
+    absl::StatusOr<MethodReply> reply = ForwardPass(part, *part_req, backward, {false, p});
     if (!reply.ok()) {
       return absl::Status(reply.status().code(),
                           absl::StrCat("pass ", p + 1, " of ", n, ": ", reply.status().message()));
@@ -208,7 +219,6 @@ absl::StatusOr<MethodReply> Trainer::RunPasses(const ipc::Message& request, cons
 
 absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, const ipc::ForwardRequest& fwd,
                                                  bool backward, PassOptions options) {
-  const std::vector<Adapter*>* reduce = options.reduce;
   const char* method = backward ? ipc::kMethodForwardBackward : ipc::kMethodForward;
   const ipc::ForwardRequest* req = &fwd;
   if (req->ops.empty()) return absl::InvalidArgumentError(absl::StrCat(method, ": no ops"));
@@ -267,11 +277,6 @@ absl::StatusOr<MethodReply> Trainer::ForwardPass(const ipc::Message& request, co
       n += in->numel();
     }
     r.end = n;
-    if (reduce != nullptr && backward && r.adapter != nullptr && !op.loss.name.empty() &&
-        std::find(reduce->begin(), reduce->end(), r.adapter) == reduce->end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          method, ": op ", o, " trains adapter '", op.adapter_id, "', which is not in allreduce_adapters"));
-    }
     rows.push_back(std::move(r));
   }
 

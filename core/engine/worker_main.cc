@@ -105,6 +105,10 @@ int main(int argc, char** argv) {
       ->default_val("127.0.0.1");
   app.add_option("--dist-port", options.distributed.store_port, "port of rank 0's c10d TCPStore")
       ->check(CLI::Range(1, 65535));
+  app.add_option("--group-epoch", options.distributed.epoch,
+                 "the process group's membership epoch (a rank restarted alone joins the survivors' next one)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->default_val(0);
   int64_t dist_timeout_s = 300;
   app.add_option("--dist-timeout-s", dist_timeout_s,
                  "how long a rendezvous or a collective waits for the other ranks")

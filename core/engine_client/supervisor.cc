@@ -21,6 +21,7 @@
 #include "core/engine_client/worker_process.h"
 #include "core/ipc/messages.h"
 #include "core/ipc/socket.h"
+#include "core/ipc/training_messages.h"
 
 namespace twinkle {
 
@@ -277,6 +278,7 @@ void Supervisor::SpawnLocked(Worker& w, absl::Time now) {
   if (data_parallel()) {
     for (std::string arg : {std::string("--world-size"), absl::StrCat(options_.devices.size()),
                             std::string("--dist-port"), absl::StrCat(dist_port_),
+                            std::string("--group-epoch"), absl::StrCat(group_epoch_),
                             std::string("--dist-timeout-s"),
                             absl::StrCat(std::max<int64_t>(1, absl::ToInt64Seconds(options_.collective_timeout)))}) {
       args.push_back(std::move(arg));
@@ -342,9 +344,26 @@ void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& 
                               absl::FormatDuration(w.backoff)));
   w.backoff = std::min(w.backoff * 2, options_.backoff_max);
   if (was_ready) NotifyLocked();
-  if (data_parallel() && !stopping_ && !group_going_down_) {
-    // The other ranks' process group lost a member: none of them can run another collective.
-    // Take them all down and let the group restart together, on a fresh rendezvous port.
+  if (data_parallel() && !stopping_ && !group_going_down_ && CanRestartAloneLocked(w)) {
+    // The survivors keep their processes and adapters: they drop the broken group now and
+    // form the next epoch's with the restarted rank at their next collective.
+    ++group_epoch_;
+    LogInfo(kLog, absl::StrCat(WorkerName(w.rank), " restarts alone; the other ranks rejoin it at group epoch ",
+                               group_epoch_));
+    for (auto& other : workers_) {
+      if (other.get() == &w || other->state != State::kReady) continue;
+      outgoing_.push_back({other->rank,
+                           ipc::MakeRequest(ipc::kMethodRejoinGroup, ipc::Pack(ipc::RejoinGroupRequest{group_epoch_})),
+                           [name = WorkerName(other->rank)](absl::StatusOr<ipc::Message> reply) {
+                             if (!reply.ok()) {
+                               LogWarning(kLog, absl::StrCat(name, ": rejoin_group: ", reply.status().message()));
+                             }
+                           }});
+    }
+    Wake();
+  } else if (data_parallel() && !stopping_ && !group_going_down_) {
+    // The other ranks' process group lost a member that cannot rejoin it alone: take them
+    // all down and let the group restart together, on a fresh rendezvous port.
     group_going_down_ = true;
     for (auto& other : workers_) {
       if (other.get() == &w || other->state == State::kBackoff || other->state == State::kStopped) continue;
@@ -359,6 +378,18 @@ void Supervisor::WorkerDownLocked(Worker& w, absl::Time now, const std::string& 
       LogError(kLog, absl::StrCat("no new rendezvous port: ", port.status().message(), "; keeping ", dist_port_));
     }
   }
+}
+
+bool Supervisor::CanRestartAloneLocked(const Worker& w) const {
+  // Rank 0 serves the rendezvous store; NCCL communicators cannot be re-formed around a dead
+  // peer without an abort this engine does not do.
+  if (w.rank == 0 || w.engine_device.rfind("cpu", 0) != 0) return false;
+  // A rank still starting was given the current epoch: it would miss the next one.
+  for (const auto& other : workers_) {
+    if (other.get() == &w) continue;
+    if (other->state == State::kStarting || other->state == State::kLoading) return false;
+  }
+  return true;
 }
 
 void Supervisor::NotifyLocked() {

@@ -62,8 +62,9 @@ struct SupervisorOptions {
   bool test_hooks = false;  // passes --test-hooks: the worker then accepts its debug methods
   // Data parallelism (docs/device_pool.md), with two or more devices: the workers form one
   // c10d process group (rank 0 serves its TCPStore rendezvous on a free loopback port), so
-  // a rank going down takes the whole group down and every rank restarts (a group cannot
-  // take back one member; each holds a replica of every adapter). Off: independent workers.
+  // a CPU (Gloo) rank other than 0 going down restarts alone and the others re-form the
+  // group with it at their next collective; rank 0 (which serves the rendezvous) or a CUDA
+  // (NCCL) rank going down takes the whole group down. Off: independent workers.
   bool data_parallel = false;
   // How long a rendezvous or a collective waits for the other ranks.
   absl::Duration collective_timeout = absl::Minutes(5);
@@ -215,6 +216,11 @@ class Supervisor {
   // after the group went down), and whether WorkerDownLocked is taking the group down.
   int32_t dist_port_ ABSL_GUARDED_BY(mu_) = 0;
   bool group_going_down_ ABSL_GUARDED_BY(mu_) = false;
+  // The process group's membership epoch: a rank restarted alone joins the survivors at the
+  // next one (docs/device_pool.md, "A rank's crash").
+  int64_t group_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // Whether `w`, just gone down, can restart alone while the other ranks keep running.
+  bool CanRestartAloneLocked(const Worker& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::map<std::string, std::unique_ptr<NodeAgent>> nodes_ ABSL_GUARDED_BY(mu_);  // by node name
   std::string node_public_key_;  // binary, 32 bytes: the one key the ZAP handler accepts
   bool data_parallel() const { return options_.data_parallel && options_.devices.size() > 1; }

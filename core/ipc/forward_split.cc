@@ -105,19 +105,32 @@ bool LossSplitsOverDatums(const std::string& loss_name) {
   return std::find(std::begin(kSumLosses), std::end(kSumLosses), loss_name) != std::end(kSumLosses);
 }
 
-absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t world_size) {
+absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t world_size,
+                                          const std::vector<int32_t>& op_ranks) {
   absl::StatusOr<ipc::ForwardRequest> req = UnpackForward(request, "SplitForward");
   if (!req.ok()) return req.status();
   if (world_size < 1) return absl::InvalidArgumentError("SplitForward: world_size must be >= 1");
+  if (!op_ranks.empty() && op_ranks.size() != req->ops.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("SplitForward: ", op_ranks.size(), " op ranks for ",
+                                                   req->ops.size(), " ops"));
+  }
+  auto rank_of = [&](size_t o) { return op_ranks.empty() ? kSpreadOverRanks : op_ranks[o]; };
+  for (size_t o = 0; o < op_ranks.size(); ++o) {
+    if (op_ranks[o] != kSpreadOverRanks && (op_ranks[o] < 0 || op_ranks[o] >= world_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("SplitForward: op ", o, " placed on rank ", op_ranks[o],
+                                                     " of ", world_size));
+    }
+  }
   const bool backward = request.envelope.method == ipc::kMethodForwardBackward;
   const size_t world = static_cast<size_t>(world_size);
   PartBuilder parts(request, *req, world);
 
-  // Every adapter the step trains, in op order: the all-reduce's layout on every rank.
+  // Every adapter the spread ops train, in op order: the all-reduce's layout on every rank.
   std::vector<std::string> trained;
-  for (const ipc::TrainOpMsg& op : req->ops) {
-    if (backward && !op.adapter_id.empty() && !op.disable_adapter && !op.loss.name.empty() &&
-        std::find(trained.begin(), trained.end(), op.adapter_id) == trained.end()) {
+  for (size_t o = 0; o < req->ops.size(); ++o) {
+    const ipc::TrainOpMsg& op = req->ops[o];
+    if (backward && rank_of(o) == kSpreadOverRanks && !op.adapter_id.empty() && !op.disable_adapter &&
+        !op.loss.name.empty() && std::find(trained.begin(), trained.end(), op.adapter_id) == trained.end()) {
       trained.push_back(op.adapter_id);
     }
   }
@@ -126,6 +139,13 @@ absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t w
     return static_cast<size_t>(std::min_element(t.begin(), t.end()) - t.begin());
   };
   for (size_t o = 0; o < req->ops.size(); ++o) {
+    if (rank_of(o) == kSpreadOverRanks) continue;
+    for (size_t d = 0; d < req->ops[o].datums.size(); ++d) {
+      if (absl::Status s = parts.Place(static_cast<size_t>(rank_of(o)), o, d); !s.ok()) return s;
+    }
+  }
+  for (size_t o = 0; o < req->ops.size(); ++o) {
+    if (rank_of(o) != kSpreadOverRanks) continue;
     const ipc::TrainOpMsg& op = req->ops[o];
     const bool by_datum = LossSplitsOverDatums(op.loss.name);
     const size_t whole = least_loaded();

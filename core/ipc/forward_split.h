@@ -42,10 +42,18 @@ struct ForwardSplit {
   std::vector<int64_t> op_tokens;
 };
 
-// Splits `request` (method forward or forward_backward) over `world_size` ranks: units go in
-// order to the rank with the fewest tokens so far. With world_size > 1 every rank's request
-// names the adapters the whole step trains (allreduce_adapters).
-absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t world_size);
+// An op_ranks entry: the op's units are spread over every rank.
+inline constexpr int32_t kSpreadOverRanks = -1;
+
+// Splits `request` (method forward or forward_backward) over `world_size` ranks. op_ranks
+// gives, per op, the rank it runs on whole (its adapter's home rank: adapter sharding) or
+// kSpreadOverRanks (batch splitting); empty = every op spread. Pinned ops are placed first;
+// then the spread ops' units go in order to the rank with the fewest tokens so far. With
+// world_size > 1 every rank's request names the adapters the spread ops train
+// (allreduce_adapters), and every rank gets a request when that list is not empty (a rank
+// without rows still joins the all-reduce).
+absl::StatusOr<ForwardSplit> SplitForward(const ipc::Message& request, int32_t world_size,
+                                          const std::vector<int32_t>& op_ranks = {});
 
 // Splits `request` into sequential passes, each estimated (EstimateActivationBytes with
 // `cost`) within `max_bytes`: units in request order fill a pass until the next would take

@@ -26,6 +26,13 @@ inline constexpr char kMethodSetAdapterState[] = "set_adapter_state";
 // Twinkle-native optimizer control (Twinkle's set_optimizer / clip_grad_norm / step).
 inline constexpr char kMethodSetOptimizer[] = "set_optimizer";    // fresh optimizer, grads kept
 inline constexpr char kMethodClipGradNorm[] = "clip_grad_norm";   // scales grads in place
+// Data parallelism: a rank of the group was replaced; the next collective forms the group
+// anew under `epoch` (core/engine/distributed.h).
+inline constexpr char kMethodRejoinGroup[] = "rejoin_group";
+struct RejoinGroupRequest {
+  int64_t epoch = 0;
+  MSGPACK_DEFINE_MAP(epoch);
+};
 
 struct CreateAdapterRequest {
   std::string adapter_id;
@@ -188,6 +195,18 @@ struct SetAdapterStateRequest {
   MSGPACK_DEFINE_MAP(adapter_id, weights, grads, optimizer, optimizer_kind,
                      micro_batches_since_step, reset_optimizer);
 };
+// The set_adapter_state that puts back exactly what get_adapter_state returned (its frames
+// travel with it): an offloaded adapter's reload, an adapter moved to another rank.
+inline SetAdapterStateRequest RestoreRequestOf(const AdapterStateReply& state, std::string adapter_id) {
+  SetAdapterStateRequest req;
+  req.adapter_id = std::move(adapter_id);
+  req.weights = state.weights;
+  req.optimizer = state.optimizer;
+  req.grads = state.grads;
+  req.micro_batches_since_step = state.micro_batches_since_step;
+  req.optimizer_kind = state.optimizer_kind;
+  return req;
+}
 
 
 // sample: generation with a KV cache. Rows may name different adapters ("" = base model);

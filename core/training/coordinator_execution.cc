@@ -26,11 +26,12 @@ void TrainingCoordinator::SyncGeneration() {
   const uint64_t gen = engine_.generation();
   if (gen == generation_) return;
   generation_ = gen;
-  // A new engine process holds no adapters. Resident ones go back to their restore point
-  // (reloaded on next use like an offloaded adapter); without one their state is lost.
+  // A new engine process holds no adapters. Resident ones it dropped go back to their restore
+  // point (reloaded on next use like an offloaded adapter); without one their state is lost.
+  // (A data-parallel rank restarted alone drops only the adapters it was home to.)
   absl::MutexLock lock(&mu_);
   for (const auto& [key, a] : adapters_) {
-    if (!a->resident) continue;
+    if (!a->resident || !engine_.Dropped(key)) continue;
     a->resident = false;
     --stats_.resident;
     if (a->restore_point) {
@@ -148,15 +149,8 @@ absl::Status TrainingCoordinator::EnsureResident(Adapter& a, const std::vector<c
     absl::StatusOr<ipc::AdapterStateReply> state =
         ipc::Unpack<ipc::AdapterStateReply>(a.host_state->envelope.body, "get_adapter_state reply");
     if (!state.ok()) return state.status();
-    ipc::SetAdapterStateRequest req;
-    req.adapter_id = a.key;
-    req.weights = state->weights;
-    req.optimizer = state->optimizer;
-    req.grads = state->grads;
-    req.micro_batches_since_step = state->micro_batches_since_step;
-    req.optimizer_kind = state->optimizer_kind;
-    absl::StatusOr<ipc::Message> set =
-        CallEngine(ipc::kMethodSetAdapterState, ipc::Pack(req), a.host_state->buffers);
+    absl::StatusOr<ipc::Message> set = CallEngine(
+        ipc::kMethodSetAdapterState, ipc::Pack(ipc::RestoreRequestOf(*state, a.key)), a.host_state->buffers);
     if (!set.ok()) {
       (void)CallEngine(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{a.key}));
       return set.status();

@@ -1,6 +1,6 @@
 #pragma once
 // How the training coordinator reaches the engine: one blocking call at a time from the
-// scheduler thread. The server implements it over the Supervisor (rank 0).
+// scheduler thread. The server implements it over the Supervisor (core/engine_client).
 
 #include <cstdint>
 #include <string>
@@ -18,8 +18,15 @@ class EngineLink {
   // Sends `request` (method, body, buffers) and waits for the reply; the worker's error
   // comes back as the Status.
   virtual absl::StatusOr<ipc::Message> Call(ipc::Message request) = 0;
-  // Changes whenever the engine (re)loaded the model: adapters resident before are gone.
+  // Changes whenever an engine behind the link (re)loaded the model.
   virtual uint64_t generation() const = 0;
+  // After generation() changed: whether that restart dropped this adapter's device state.
+  // One engine: every adapter went with it. A data-parallel group whose rank restarted
+  // alone: only the adapters that rank was home to.
+  virtual bool Dropped(const std::string& adapter_key) {
+    (void)adapter_key;
+    return true;
+  }
   // The loaded model's vocabulary size (token ids are validated against it).
   virtual int64_t vocab_size() const = 0;
   // The model's max_position_embeddings (0 = unknown): prompt + max_tokens must fit.

@@ -87,6 +87,8 @@ template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("activation_checkpointing", c.activation_checkpointing, Spec{});
   v.Field("logit_chunk_rows", c.logit_chunk_rows, Range(0, 1e7));
   v.Field("activation_memory_mib", c.activation_memory_mib, Range(0, 1e7));
+  v.Field("rank_token_budget", c.rank_token_budget, Range(0, 1e9));
+  v.Field("rebalance", c.rebalance, Spec{});
 }
 // Also the shape of a tenant's `quotas` (same keys, same ranges).
 template <typename V> void VisitFields(V& v, LimitsSection& c) {

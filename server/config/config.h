@@ -78,6 +78,11 @@ struct EngineSection {
   // stays within this many MiB; a single request estimated above it runs in passes that do
   // (a sequence estimated above it alone is refused when submitted). 0 = no memory admission.
   int64_t activation_memory_mib = 0;
+  // Data parallelism's placement (docs/device_pool.md): an adapter's rows in one step above
+  // this many tokens are split over every rank, at or below they run on its home rank
+  // (0 = always split); and whether adapters move between ranks to even out load.
+  int64_t rank_token_budget = 4096;
+  bool rebalance = true;
 };
 
 // Server-wide limits, and the default quotas of every tenant (a tenant's own `quotas` may

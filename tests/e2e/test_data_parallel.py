@@ -1,15 +1,18 @@
 """Data parallelism through the server (docs/device_pool.md): `engine.devices: [cpu, cpu]` (two
-Gloo ranks) against `[cpu]`. Eight adapters train 20 rounds; each round all eight ops are
-queued while the scheduler is paused, so they fuse into one engine step, which the
-data-parallel link splits over the two ranks. Every adapter must end with the weights the
-one-rank server gives it, and both ranks must have done work (the coordinator's per-rank
-token counts, logged at debug level).
+Gloo ranks) against `[cpu]`.
 
-Tolerance: 1e-6 absolute on the weights, the fused-equals-solo bound of
-test_multitenancy.py. Twinkle's cross-entropy is a mean over a call's tokens, so each op goes
-whole to one rank (docs/device_pool.md); its gradient is then computed over the same rows as
-on one rank and the all-reduce adds exact zeros from the other rank. The datum-by-datum split
-of sum losses is held to the one-rank step in tests/engine/test_data_parallel.py.
+Adapter sharding: eight adapters train 20 rounds; each round all eight ops are queued while
+the scheduler is paused, so they fuse into one engine step, which the data-parallel link
+places on the adapters' home ranks (four each: no collective). Every adapter must end with the
+weights the one-rank server gives it, and both ranks must have done work (the link's per-rank
+token counts, logged at debug level). Tolerance: 1e-6 absolute on the weights, the
+fused-equals-solo bound of test_multitenancy.py (an adapter is fused with other partners on
+its rank than on one rank).
+
+Batch splitting (one adapter's rows above engine.rank_token_budget over both ranks, its
+gradient all-reduced), an adapter moved between ranks, and a rank's crash restoring only that
+rank's adapters follow. The datum-by-datum split of sum losses is held to the one-rank step
+in tests/engine/test_data_parallel.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+import pytest
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
 
 from e2e_support.server import LaunchServer, ServerProcess
@@ -83,10 +88,12 @@ def test_two_cpu_ranks_train_like_one(launch_server: LaunchServer, tiny_model: P
         for key, want in reference[name].items():
             worst = max(worst, float(np.abs(split[name][key] - want).max()))
     totals = rank_totals(two.stderr_text())
+    sharded = two.stderr_text().count(f"(0 of {len(ADAPTERS)} trained adapters split)")
     print(f"2 ranks vs 1 rank, {len(ADAPTERS)} adapters x {ROUNDS} fused rounds: max |dw| = {worst:.3e}; "
-          f"forward_backward tokens per rank: {totals}")
+          f"forward_backward tokens per rank: {totals}; steps sharded without a collective: {sharded}")
     assert worst <= 1e-6
     assert len(totals) == 2 and all(t > 0 for t in totals), totals
+    assert sharded == ROUNDS
 
 
 # ---- the datum-by-datum split, through the Tinker API ------------------------------------------
@@ -104,7 +111,11 @@ def tinker_datum(tokens: list[int]) -> Any:
 
 
 def tinker_run(server: ServerProcess, vocab: int) -> tuple[list[float], list[np.ndarray]]:
-    """TINKER_STEPS steps of cross_entropy (a sum loss: its 4 datums split over the ranks),
+    return tinker_run_with(server, vocab, TINKER_STEPS)
+
+
+def tinker_run_with(server: ServerProcess, vocab: int, steps: int) -> tuple[list[float], list[np.ndarray]]:
+    """`steps` steps of cross_entropy (a sum loss: its 4 datums split over the ranks),
     then a forward-only pass: the per-step loss sums and the final per-datum log-probs."""
     from test_tinker_http import Api
     from twinkle_client._proto.tinker.v1 import tinker_public_pb2 as tp
@@ -118,7 +129,7 @@ def tinker_run(server: ServerProcess, vocab: int) -> tuple[list[float], list[np.
     proto = {"Content-Type": "application/x-protobuf"}
     losses = []
     seq = 1
-    for _ in range(TINKER_STEPS):
+    for _ in range(steps):
         body = tp.ForwardBackwardRequest(model_id=model_id, seq_id=seq, data=data, loss_fn="cross_entropy")
         rid = api.post("/forward_backward", data=body.SerializeToString(), headers=proto).json()["request_id"]
         losses.append(tp.ForwardBackwardOutput.FromString(api.result(rid, proto=True).content).metrics["loss:sum"])
@@ -135,8 +146,9 @@ def tinker_run(server: ServerProcess, vocab: int) -> tuple[list[float], list[np.
 
 def test_tinker_batch_split_over_two_ranks_equals_one(launch_server: LaunchServer, tiny_model: Path,
                                                       tmp_path: Path) -> None:
-    """One adapter's 4-datum cross_entropy batch is split over the two ranks every step (each
-    rank holds part of the rows, the LoRA gradients are all-reduced): the step losses equal
+    """One adapter's 4-datum cross_entropy batch (44 tokens, above engine.rank_token_budget
+    16) is split over the two ranks every step (each rank holds part of the rows, the LoRA
+    gradients are all-reduced into the home rank's): the step losses equal
     the one-rank server's within 1e-6 relative, and after 5 AdamW steps the log-probs agree
     within 1e-4 (the Adam drift of tests/engine/test_data_parallel.py).
 
@@ -150,11 +162,13 @@ def test_tinker_batch_split_over_two_ranks_equals_one(launch_server: LaunchServe
     for name, devices, budget in (("1 rank", ["cpu"], 0), ("2 ranks", ["cpu", "cpu"], 0),
                                   ("1 rank in passes", ["cpu"], 65)):
         server = launch_server(auth_overrides(storage={"data_dir": str(tmp_path / name.replace(" ", "-"))},
-                                              engine={"devices": devices, "activation_memory_mib": budget},
+                                              engine={"devices": devices, "activation_memory_mib": budget,
+                                                      "rank_token_budget": 16},
                                               logging={"level": "debug"}))
         results.append(tinker_run(server, vocab))
         if len(devices) == 2:
             totals = rank_totals(server.stderr_text())
+            split_steps = server.stderr_text().count("forward_backward over 2 ranks (1 of 1 trained adapters split)")
         if budget:
             passes = server.stderr_text().count("forward_backward in 3 passes within 65 MiB")
         server.stop()
@@ -167,33 +181,114 @@ def test_tinker_batch_split_over_two_ranks_equals_one(launch_server: LaunchServe
               f"max relative diff {max(rel):.3e}; final log-probs max |diff| {worst_lp:.3e}")
         assert max(rel) <= 1e-6, name
         assert worst_lp <= 1e-4, name
-    print(f"tokens per rank {totals}; steps run in 3 passes: {passes}")
+    print(f"tokens per rank {totals}; split steps {split_steps}; steps run in 3 passes: {passes}")
     assert len(totals) == 2 and all(t > 0 for t in totals), totals
+    assert split_steps == TINKER_STEPS, split_steps
     assert passes == TINKER_STEPS, passes
 
 
-def test_killed_rank_restarts_the_group_which_trains_again(launch_server: LaunchServer, tiny_model: Path) -> None:
-    """kill -9 of rank 1: the supervisor takes rank 0 down too (a c10d group cannot take back
-    one member), both restart on a new rendezvous, the server serves again, and a new
-    adapter trains on the new group (a forward_backward runs its all-reduce on both ranks)."""
+def engine_rank(proc: Any) -> int:
+    cmd = proc.cmdline()
+    return int(cmd[cmd.index("--rank") + 1])
+
+
+def homes(logs: str) -> dict[str, int]:
+    """adapter name -> home rank, from the link's debug lines (the latest wins)."""
+    out: dict[str, int] = {}
+    for name, rank in re.findall(r"adapter [^/\s]+/(\S+): home rank (\d+)", logs):
+        out[name] = int(rank)
+    for name, rank in re.findall(r"moved adapter [^/\s]+/(\S+) from rank \d+ to rank (\d+)", logs):
+        out[name] = int(rank)
+    return out
+
+
+def step(c: Client, name: str, vocab: int, seed: int) -> None:
+    c.call("ForwardBackward", tpb.ForwardRequest(adapter_name=name, inputs=batch(seed, vocab, sequences=2)))
+    c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name=name, max_grad_norm=1.0))
+
+
+def test_killed_rank_restores_only_its_adapters(launch_server: LaunchServer, tiny_model: Path,
+                                                 tmp_path: Path) -> None:
+    """kill -9 of rank 1: rank 1 restarts alone (rank 0 keeps its pid), rank 0's adapter keeps
+    its device state (its pending gradient included), rank 1's adapter goes back to its
+    restore point (its last optimizer step, exactly) and its lost gradient is reported; then
+    a split step (a Tinker batch above rank_token_budget) runs its all-reduce on the group
+    re-formed at the next epoch."""
     import signal
 
     from e2e_support.waiting import wait_until
 
+    from e2e_support.training import KEYS, auth_overrides
+
     vocab = vocab_size(tiny_model)
-    server = launch_server({"engine": {"devices": ["cpu", "cpu"], "restart_backoff_initial_ms": 100},
-                            "logging": {"level": "debug"}})
-    before = server.engine_workers()
-    assert len(before) == 2
+    server = launch_server(auth_overrides(engine={"devices": ["cpu", "cpu"], "restart_backoff_initial_ms": 100,
+                                                  "rank_token_budget": 16},
+                                          storage={"data_dir": str(tmp_path / "data")},
+                                          logging={"level": "debug"}))
+    c = Client(server.grpc_address, KEYS["alice"])
+    for name in ("r0", "r1"):
+        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=name, config=tpb.LoraConfig(r=4, seed=len(name))))
+        c.call("SetOptimizer", tpb.SetOptimizerRequest(adapter_name=name, optimizer_cls="AdamW", config={"lr": LR}))
+    for i in range(2):
+        for name in ("r0", "r1"):
+            step(c, name, vocab, 10 * i + len(name))
+    assert homes(server.stderr_text()) == {"r0": 0, "r1": 1}, [l for l in server.stderr_text().splitlines() if "data-parallel" in l][:5]  # created on the engine at first use
+    at_step = {name: state_dict(c, name) for name in ("r0", "r1")}
+    for name in ("r0", "r1"):  # a pending gradient on each
+        c.call("ForwardBackward", tpb.ForwardRequest(adapter_name=name, inputs=batch(77, vocab, sequences=2)))
+    before = {engine_rank(p): p for p in server.engine_workers()}
     before[1].send_signal(signal.SIGKILL)
     wait_until(lambda: len(server.engine_workers()) == 2 and
-               not ({w.pid for w in server.engine_workers()} & {w.pid for w in before}) or None,
-               120, "both ranks replaced")
+               before[1].pid not in {p.pid for p in server.engine_workers()} or None, 120, "rank 1 replaced")
     server.wait_health("SERVING", 120)
-    c = Client(server.grpc_address, None)
-    c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="after", config=tpb.LoraConfig(r=4, seed=1)))
-    c.call("ForwardBackward", tpb.ForwardRequest(adapter_name="after", inputs=batch(3, vocab, sequences=2)))
-    c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name="after", max_grad_norm=1.0))
-    assert any(float(np.abs(v).max()) > 0 for k, v in state_dict(c, "after").items() if "lora_B" in k)
+    after = {engine_rank(p): p for p in server.engine_workers()}
+    assert after[0].pid == before[0].pid, "rank 0 kept its process"
+    # r0 was untouched: its pending gradient still counts, and its step applies it.
+    c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name="r0", max_grad_norm=1.0))
+    assert any(float(np.abs(v - at_step["r0"][k]).max()) > 0 for k, v in state_dict(c, "r0").items())
+    # r1 is back at its last optimizer step, exactly; its lost gradient is an error, once.
+    with pytest.raises(grpc.RpcError) as lost:
+        c.call("ClipGradAndStep", tpb.ClipGradNormRequest(adapter_name="r1", max_grad_norm=1.0))
+    assert lost.value.code() == grpc.StatusCode.ABORTED and "lost" in (lost.value.details() or "")
+    restored = state_dict(c, "r1")
+    assert all(np.array_equal(restored[k], v) for k, v in at_step["r1"].items())
+    step(c, "r1", vocab, 5)
+    logs = server.stderr_text()
+    assert "engine rank 1 restarts alone; the other ranks rejoin it at group epoch 1" in logs
+    assert "adapter r1 restored to optimizer step" in logs and "adapter r0 restored" not in logs
+    assert "its data-parallel group lost" not in logs
+    # The group re-formed: a Tinker batch above rank_token_budget is split over both ranks.
+    losses, _ = tinker_run_with(server, vocab, steps=2)
+    assert len(losses) == 2
+    assert server.stderr_text().count("(1 of 1 trained adapters split)") >= 2
     c.close()
-    assert "its data-parallel group lost engine rank 1" in server.stderr_text()
+
+
+def test_moved_adapter_continues_bit_identically(launch_server: LaunchServer, tiny_model: Path) -> None:
+    """Three adapters created in turn get homes 0, 1, 0; with the one on rank 1 removed, rank 0
+    carries all the load, and the link moves one of the others to rank 1 with its exact
+    state. Its weights after 8 more steps are bit for bit those of the same run on a server
+    that does not rebalance (engine.rebalance false: both stay on rank 0)."""
+    vocab = vocab_size(tiny_model)
+    finals = []
+    for rebalance in (False, True):
+        server = launch_server({"engine": {"devices": ["cpu", "cpu"], "rebalance": rebalance},
+                                "logging": {"level": "debug"}})
+        c = Client(server.grpc_address, None)
+        for name in ("a", "gone", "b"):
+            c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=name, config=tpb.LoraConfig(r=4, seed=len(name) + 3)))
+            c.call("SetOptimizer", tpb.SetOptimizerRequest(adapter_name=name, optimizer_cls="AdamW", config={"lr": LR}))
+        c.call("RemoveAdapter", tpb.AdapterRequest(adapter_name="gone"))
+        for i in range(8):
+            for name in ("a", "b"):
+                step(c, name, vocab, 100 * i + len(name))
+        finals.append({name: state_dict(c, name) for name in ("a", "b")})
+        logs = server.stderr_text()
+        moved = re.findall(r"moved adapter [^/\s]+/(\S+) from rank 0 to rank 1", logs)
+        print(f"rebalance {rebalance}: homes {homes(logs)}, moves {moved}")
+        assert len(moved) == (1 if rebalance else 0), moved
+        c.close()
+        server.stop()
+    for name in ("a", "b"):
+        for k, v in finals[0][name].items():
+            assert np.array_equal(finals[1][name][k], v), (name, k)

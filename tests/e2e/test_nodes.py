@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from test_data_parallel import rank_totals, tinker_run
+from test_data_parallel import homes, rank_totals, tinker_run
 from test_sampler_service import Sampler, prompts_for, vocab
 from twinkle_client._proto.twinkle.v1 import sampler_pb2 as spb
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
@@ -58,6 +58,7 @@ class Agent:
 
 
 def train_steps(c: Client, name: str, n_vocab: int, steps: int) -> list[float]:
+    """`steps` Twinkle steps (a mean loss: an adapter's rows stay on its home rank)."""
     losses = []
     for _ in range(steps):
         reply = c.call("ForwardBackward", tpb.ForwardRequest(adapter_name=name, inputs=batch(3, n_vocab, sequences=4)))
@@ -68,7 +69,8 @@ def train_steps(c: Client, name: str, n_vocab: int, steps: int) -> list[float]:
 
 def config(listen: str, secret: Path, devices: list[str]) -> dict[str, Any]:
     return auth_overrides(
-        engine={"devices": devices, "restart_backoff_initial_ms": 100, "restart_backoff_max_ms": 500},
+        engine={"devices": devices, "restart_backoff_initial_ms": 100, "restart_backoff_max_ms": 500,
+                "rank_token_budget": 16},
         nodes={"listen": listen, "secret_file": str(secret)}, logging={"level": "debug"})
 
 
@@ -78,11 +80,12 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
     data-parallel group over three processes of two "nodes". A Tinker cross_entropy run whose
     4 datums are split over the three ranks (the gradients all-reduced over TCP) gives the
     one-rank server's step losses within 1e-6 relative (tests/e2e/test_data_parallel.py's
-    bounds), every rank running rows; Twinkle training and sampling work. kill -9 of node-b's
-    agent takes its engine with it: the coordinator sees the agent go, training calls fail
-    with UNAVAILABLE (retry later), nothing hangs; a new agent for node-b brings the group
-    back and training goes on. A new coordinator on the same address gets both agents back
-    (they stop their old engines) and trains the same numbers."""
+    bounds), every rank running rows; Twinkle training and sampling work, adapter "a" homed
+    on node-a's rank 1 and "b" on node-b's rank 2. kill -9 of node-b's agent takes its engine
+    with it: the coordinator sees the agent go, "b"'s training calls fail with UNAVAILABLE
+    (retry later), nothing hangs, while "a" (and rank 0) train on; a new agent for node-b
+    brings rank 2 back, alone, and "b" trains again. A new coordinator on the same address
+    gets both agents back (they stop their old engines) and trains the same numbers."""
     secret = node_secret(server_bin, tmp_path)
     listen = f"127.0.0.1:{free_port()}"
     n_vocab = vocab(tiny_model)
@@ -96,8 +99,10 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
         tinker_losses, tinker_final = tinker_run(server, n_vocab)
         totals = rank_totals(server.stderr_text())
         c = Client(server.grpc_address, KEYS["alice"])
-        c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name="a", config=tpb.LoraConfig(r=4, seed=1)))
+        for name in ("a", "b"):
+            c.call("AddAdapter", tpb.AddAdapterRequest(adapter_name=name, config=tpb.LoraConfig(r=4, seed=1)))
         losses = train_steps(c, "a", n_vocab, 3)
+        train_steps(c, "b", n_vocab, 1)
         session = Sampler(c).call("CreateSamplingSession", spb.CreateSamplingSessionRequest()).sampling_session_id
         sampled = Sampler(c).sample(session, prompts_for(3, n_vocab, 2), max_tokens=5, temperature=0.0)
         assert [len(r.sequences[0].tokens) for r in sampled.results] == [5, 5]
@@ -109,15 +114,19 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
         wait_until(lambda: "node agent 'node-b' is gone" in server.stderr_text() or
                    "node-b) killed" in server.stderr_text() or None, 60, "the coordinator notices node-b")
         with pytest.raises(grpc.RpcError) as info:
-            train_steps(c, "a", n_vocab, 1)
+            train_steps(c, "b", n_vocab, 1)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         assert server.health() is not None  # the coordinator itself serves on
+        train_steps(c, "a", n_vocab, 1)  # rank 1's adapter does not notice
 
         agents["node-b"] = Agent(server_bin, listen, "node-b", secret, tmp_path / "node-b-2.log")
         server.wait_health("SERVING", 120)
-        wait_until(lambda: _trains(c, n_vocab) or None, 120, "training resumes with node-b back")
-        assert any(float(np.abs(v).max()) > 0 for k, v in state_dict(c, "a").items() if "lora_B" in k)
-        assert "waits for node agent 'node-b'" in server.stderr_text()
+        wait_until(lambda: _trains(c, "b", n_vocab) or None, 120, "training resumes with node-b back")
+        assert any(float(np.abs(v).max()) > 0 for k, v in state_dict(c, "b").items() if "lora_B" in k)
+        logs = server.stderr_text()
+        assert "waits for node agent 'node-b'" in logs
+        assert "engine rank 2 restarts alone" in logs and "its data-parallel group lost" not in logs
+        assert homes(logs)["a"] == 1
 
         # A coordinator crash (kill -9: its engines on other nodes are left running) and a new
         # coordinator on the same address: the agents reconnect, stop the engines they had
@@ -151,9 +160,9 @@ def test_two_node_agents_train_sample_and_a_dead_node_fails_retryably(
     np.testing.assert_allclose(losses, reference, rtol=1e-6)
 
 
-def _trains(c: Client, n_vocab: int) -> bool:
+def _trains(c: Client, name: str, n_vocab: int) -> bool:
     try:
-        train_steps(c, "a", n_vocab, 1)
+        train_steps(c, name, n_vocab, 1)
     except grpc.RpcError:
         return False
     return True

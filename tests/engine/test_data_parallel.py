@@ -241,3 +241,77 @@ def test_a_rank_runs_its_share_in_passes(reference_models: Path) -> None:
         assert got[0][a]["micro_batches_since_step"] == 1
         for name, g in want[a]["grads"].items():
             relative_norm_error(f"{a} grad {name}", got[0][a]["grads"][name], g, 1e-6)
+
+
+def test_sharded_and_split_adapters_in_one_step(reference_models: Path) -> None:
+    """Adapter sharding next to batch splitting in one fused step: "b" runs whole on rank 0
+    (not in allreduce_adapters, so its gradient stays there, equal to one rank's), while "a"
+    is split over both ranks and all-reduced. Rank 1 never holds "b"."""
+    model_dir = reference_models / "qwen3"
+    with Engine() as solo:
+        load(solo, model_dir)
+        for a in ("a", "b"):
+            solo.call("create_adapter", {"adapter_id": a, "rank": 2, "alpha": 16.0, "seed": ord(a)})
+        solo.call("forward_backward", {"ops": [op("a", data("a", 0)), op("b", data("b", 0))]})
+        want = {a: solo.call("get_adapter_state", {"adapter_id": a})["grads"] for a in ("a", "b")}
+    with group(2) as ranks:
+        load_group(ranks, model_dir)
+        on_all(ranks, "create_adapter", {"adapter_id": "a", "rank": 2, "alpha": 16.0, "seed": ord("a")})
+        ranks[0].call("create_adapter", {"adapter_id": "b", "rank": 2, "alpha": 16.0, "seed": ord("b")})
+        a_rows = data("a", 0)
+        on_all(ranks, "forward_backward", [
+            {"ops": [op("a", a_rows[:1]), op("b", data("b", 0))], "allreduce_adapters": ["a"]},
+            {"ops": [op("a", a_rows[1:])], "allreduce_adapters": ["a"]}])
+        got_b = ranks[0].call("get_adapter_state", {"adapter_id": "b"})["grads"]
+        assert max_abs_diff(got_b, want["b"]) <= 1e-6 * max(float(v.abs().max()) for v in want["b"].values())
+        for e in ranks:
+            got_a = e.call("get_adapter_state", {"adapter_id": "a"})["grads"]
+            for k, v in want["a"].items():
+                if float(v.norm()) > 0:
+                    relative_norm_error(f"a grad {k}", got_a[k], v, 1e-6)
+        with pytest.raises(EngineError) as e:
+            ranks[1].call("get_adapter_state", {"adapter_id": "b"})
+        assert "no adapter 'b'" in e.value.message
+
+
+def test_a_replaced_rank_rejoins_the_survivors(reference_models: Path) -> None:
+    """kill -9 of rank 1: rank 0's next all-reduce fails (its group lost a member), rank 0
+    keeps its process and adapters; a new rank 1 started at group epoch 1 and rank 0 told
+    rejoin_group(1) form the group again at their next collective, and a split step runs.
+    An epoch older than the rank's is refused."""
+    model_dir = reference_models / "qwen3"
+    port = free_port()
+    args = ["--world-size", "2", "--dist-port", str(port), "--dist-timeout-s", "30"]
+    with Engine(rank=0, extra_args=args) as rank0:
+        first = Engine(rank=1, extra_args=args)
+        ranks = [rank0, first]
+        load_group(ranks, model_dir)
+        on_all(ranks, "create_adapter", {"adapter_id": "a", "rank": 2, "alpha": 16.0, "seed": ord("a")})
+        rows = data("a", 0)
+        on_all(ranks, "forward_backward", [{"ops": [op("a", rows[:1])], "allreduce_adapters": ["a"]},
+                                           {"ops": [op("a", rows[1:])], "allreduce_adapters": ["a"]}])
+        kept = rank0.call("get_adapter_state", {"adapter_id": "a"})
+        first.proc.kill()
+        first.proc.wait()
+        first.close()
+        with pytest.raises(EngineError) as e:
+            rank0.call("forward_backward", {"ops": [op("a", rows[:1])], "allreduce_adapters": ["a"]})
+        assert "all-reduce" in e.value.message or "process group" in e.value.message, e.value.message
+        after = rank0.call("get_adapter_state", {"adapter_id": "a"})
+        assert max_abs_diff(after["grads"], kept["grads"]) == 0.0, "a failed step left the gradients alone"
+        with Engine(rank=1, extra_args=[*args, "--group-epoch", "1"]) as second:
+            ranks = [rank0, second]
+            second.call("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": RANK_DEVICES[1 % len(RANK_DEVICES)]})
+            assert rank0.call("rejoin_group", {"epoch": 1}) == {"epoch": 1}
+            with pytest.raises(EngineError) as e:
+                rank0.call("rejoin_group", {"epoch": 0})
+            assert "older" in e.value.message
+            second.call("create_adapter", {"adapter_id": "a", "rank": 2, "alpha": 16.0, "seed": ord("a")})
+            on_all(ranks, "forward_backward", [{"ops": [op("a", rows[:1])], "allreduce_adapters": ["a"]},
+                                               {"ops": [op("a", rows[1:])], "allreduce_adapters": ["a"]}])
+            g0, g1 = (r.call("get_adapter_state", {"adapter_id": "a"}) for r in ranks)
+            assert g0["micro_batches_since_step"] == 2 and g1["micro_batches_since_step"] == 1
+            name = next(n for n in g1["grads"] if "lora_B" in n)
+            # Rank 0 holds both steps' gradients, rank 1 (fresh, same weights) the second's:
+            # rank 0's minus its earlier equals rank 1's.
+            assert torch.allclose(g0["grads"][name] - kept["grads"][name], g1["grads"][name], atol=1e-7)

@@ -256,6 +256,64 @@ TEST(DataParallelSplit, EachRankKeepsThePassBudget) {
   }
 }
 
+// Adapter sharding: an op pinned to its adapter's home rank runs there whole and is not
+// all-reduced; only the spread ops' adapters are, and then every rank gets a request.
+TEST(DataParallelSplit, PinnedOpsRunWholeOnTheirRankWithoutACollective) {
+  const ipc::Message request = FusedRequest();
+  absl::StatusOr<ForwardSplit> split = SplitForward(request, 2, {1, 0, kSpreadOverRanks});
+  ASSERT_TRUE(split.ok()) << split.status();
+  // "a" (46 tokens) whole on rank 1, "b" (14) on rank 0, the base row (5) to the emptier rank 0.
+  EXPECT_EQ(split->tokens, (std::vector<int64_t>{19, 46}));
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(split->has_request[r]);
+    absl::StatusOr<ipc::ForwardRequest> part =
+        ipc::Unpack<ipc::ForwardRequest>(split->requests[r].envelope.body, "part");
+    ASSERT_TRUE(part.ok());
+    EXPECT_TRUE(part->allreduce_adapters.empty()) << "no adapter is spread";
+  }
+  absl::StatusOr<ipc::ForwardRequest> rank1 = ipc::Unpack<ipc::ForwardRequest>(split->requests[1].envelope.body, "p");
+  ASSERT_EQ(rank1->ops.size(), 1u);
+  EXPECT_EQ(rank1->ops[0].adapter_id, "a");
+  EXPECT_EQ(rank1->ops[0].datums.size(), 4u);
+
+  // "a" spread, "b" pinned to rank 1: only "a" is all-reduced, on both ranks.
+  split = SplitForward(request, 2, {kSpreadOverRanks, 1, kSpreadOverRanks});
+  ASSERT_TRUE(split.ok()) << split.status();
+  for (size_t r = 0; r < 2; ++r) {
+    absl::StatusOr<ipc::ForwardRequest> part =
+        ipc::Unpack<ipc::ForwardRequest>(split->requests[r].envelope.body, "part");
+    EXPECT_EQ(part->allreduce_adapters, (std::vector<std::string>{"a"}));
+  }
+  // The merge puts every datum back whatever rank ran it.
+  std::vector<ipc::Message> replies;
+  for (size_t r = 0; r < 2; ++r) {
+    absl::StatusOr<ipc::ForwardRequest> part =
+        ipc::Unpack<ipc::ForwardRequest>(split->requests[r].envelope.body, "part");
+    ipc::ForwardReply reply;
+    for (const ipc::TrainOpMsg& op : part->ops) {
+      ipc::OpResultMsg result;
+      for (size_t d = 0; d < op.datums.size(); ++d) result.logprobs.push_back(op.datums[d].input_tokens);
+      reply.ops.push_back(result);
+    }
+    replies.push_back(ipc::MakeRequest("reply", ipc::Pack(reply), split->requests[r].buffers));
+  }
+  absl::StatusOr<ipc::Message> merged = MergeForward(*split, std::move(replies));
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::StatusOr<ipc::ForwardReply> out = ipc::Unpack<ipc::ForwardReply>(merged->envelope.body, "merged");
+  ASSERT_EQ(out->ops.size(), 3u);
+  for (size_t d = 0; d < 4; ++d) EXPECT_EQ(Tag(out->ops[0].logprobs[d], merged->buffers), 100 + static_cast<int64_t>(d));
+  for (size_t d = 0; d < 2; ++d) EXPECT_EQ(Tag(out->ops[1].logprobs[d], merged->buffers), 200 + static_cast<int64_t>(d));
+  EXPECT_EQ(Tag(out->ops[2].logprobs[0], merged->buffers), 300);
+}
+
+TEST(DataParallelSplit, RefusesOpRanksThatDoNotFit) {
+  const ipc::Message request = FusedRequest();
+  EXPECT_FALSE(SplitForward(request, 2, {0, 1}).ok());  // 2 ranks for 3 ops
+  absl::StatusOr<ForwardSplit> split = SplitForward(request, 2, {0, 2, 0});
+  ASSERT_FALSE(split.ok());
+  EXPECT_NE(split.status().message().find("op 1 placed on rank 2 of 2"), std::string::npos) << split.status();
+}
+
 TEST(DataParallelSplit, SumLossesAreTheTinkerOnes) {
   for (const char* name : {"", "cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}) {
     EXPECT_TRUE(LossSplitsOverDatums(name)) << name;

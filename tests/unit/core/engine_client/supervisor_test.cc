@@ -140,9 +140,10 @@ void AwaitTrue(F done) {
   ASSERT_TRUE(done());
 }
 
-// Data parallelism (docs/device_pool.md): two CPU ranks form one Gloo group at load, and a
-// rank's death takes the group down; both restart, join a new group and serve again.
-TEST(SupervisorTest, DataParallelGroupRestartsTogether) {
+// Data parallelism (docs/device_pool.md): a CPU rank other than 0 that dies restarts alone;
+// rank 0 keeps its process (and its engine generation) and is told to rejoin the group at
+// the next epoch; both serve again.
+TEST(SupervisorTest, DataParallelRankRestartsAlone) {
   SupervisorOptions o = TestOptions(absl::Seconds(60));
   o.devices = {"cpu", "cpu"};
   o.data_parallel = true;
@@ -151,16 +152,39 @@ TEST(SupervisorTest, DataParallelGroupRestartsTogether) {
   ASSERT_TRUE(supervisor.Start(nullptr).ok());
   const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
   ASSERT_EQ(before.size(), 2u);
-  const uint64_t generation = supervisor.engine_generation(0);
+  const uint64_t generation0 = supervisor.engine_generation(0);
+  const uint64_t generation1 = supervisor.engine_generation(1);
   ASSERT_EQ(kill(static_cast<pid_t>(before[1].pid), SIGKILL), 0);
+  AwaitTrue([&] { return supervisor.Snapshot()[1].restarts >= 1 && supervisor.AllReady(); });
+  const std::vector<WorkerSnapshot> after = supervisor.Snapshot();
+  EXPECT_EQ(after[0].pid, before[0].pid) << "rank 0 keeps its process";
+  EXPECT_EQ(after[0].restarts, 0);
+  EXPECT_NE(after[1].pid, before[1].pid);
+  EXPECT_EQ(supervisor.engine_generation(0), generation0);
+  EXPECT_NE(supervisor.engine_generation(1), generation1);
+  EXPECT_TRUE(supervisor.CallAndWait(0, Debug(ipc::kMethodDebugSleep, 0)).ok());
+  EXPECT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0)).ok());
+  supervisor.Stop(absl::Seconds(5));
+}
+
+// Rank 0 serves the rendezvous store: its death takes the group down; both restart on a
+// new rendezvous port and serve again.
+TEST(SupervisorTest, DataParallelRankZeroRestartsTheGroup) {
+  SupervisorOptions o = TestOptions(absl::Seconds(60));
+  o.devices = {"cpu", "cpu"};
+  o.data_parallel = true;
+  o.collective_timeout = absl::Seconds(60);
+  Supervisor supervisor(o);
+  ASSERT_TRUE(supervisor.Start(nullptr).ok());
+  const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
+  ASSERT_EQ(kill(static_cast<pid_t>(before[0].pid), SIGKILL), 0);
   AwaitTrue([&] {
     const std::vector<WorkerSnapshot> now = supervisor.Snapshot();
     return now[0].restarts >= 1 && now[1].restarts >= 1 && supervisor.AllReady();
   });
   const std::vector<WorkerSnapshot> after = supervisor.Snapshot();
-  EXPECT_NE(after[0].pid, before[0].pid) << "rank 0 must leave the broken group too";
-  EXPECT_NE(after[1].pid, before[1].pid);
-  EXPECT_NE(supervisor.engine_generation(0), generation);
+  EXPECT_NE(after[0].pid, before[0].pid);
+  EXPECT_NE(after[1].pid, before[1].pid) << "rank 1 must leave the group rank 0 served too";
   EXPECT_TRUE(supervisor.CallAndWait(0, Debug(ipc::kMethodDebugSleep, 0)).ok());
   EXPECT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0)).ok());
   supervisor.Stop(absl::Seconds(5));
