@@ -8,11 +8,14 @@ Figures (all on this machine, in one run, same thread count):
                         P = the parameters one token uses: k of E routed experts on MoE)
   fused_vs_sequential   8 tenants x 1 seq x 128 tokens: one fused step vs one tenant at a time
   vs_peft               our single-tenant tokens/s / transformers+PEFT's, same model and batch
-  ranks_speedup         with --ranks N (N > 1): one training step of 8 tenants x 2 x 128 tokens
+  ranks_speedup         with --ranks N (N > 1): one training step of 8 tenants x 2N x 128 tokens
                         on N data-parallel engines (one Gloo group, each with threads/N
-                        threads; datums split over the ranks, gradients all-reduced) vs one
-                        engine with all threads. On a machine whose cores are shared the
-                        figure says little; the one that matters is N GPUs (docs/device_pool.md).
+                        threads; batch splitting: datums split over the ranks, gradients
+                        all-reduced) vs one engine with all threads.
+  ranks_sharded_speedup the same step with adapter sharding: tenant i's adapter lives on rank
+                        i % N, which runs its whole batch; no collective.
+                        On a machine whose cores are shared these figures say little; the ones
+                        that matter are on N GPUs (docs/device_pool.md).
 The engine is the real twinkle-engine process driven over its IPC (tests/engine/engine_harness.py).
 """
 
@@ -118,37 +121,50 @@ def op(adapter: str, datums: list[dict[str, torch.Tensor]]) -> dict[str, object]
 
 
 def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int,
-                  targets: list[str]) -> tuple[float, float]:
+                  targets: list[str]) -> tuple[float, float, float]:
     """Seconds of one 8-tenant training step on one engine, and on `ranks` engines of one
-    process group (datum d of every op on rank d % ranks), each with threads // ranks threads."""
+    process group, each with threads // ranks threads: batch splitting (datum d of every op
+    on rank d % ranks, gradients all-reduced), then adapter sharding (tenant i on rank
+    i % ranks, no collective)."""
     tenants = [op(f"t{i}", batch(2 * ranks, 128, seed=20 + i)) for i in range(8)]
     adapters = [o["adapter_id"] for o in tenants]
 
-    def create(engines: list[Engine]) -> None:
-        # Every rank must be asked before any answers: load_model joins the process group.
+    def home(i: int, n: int) -> int:
+        return i % n
+
+    def create(engines: list[Engine], sharded: bool) -> None:
         ids = [e.submit("load_model", {"model_dir": str(model_dir), "dtype": "float32", "device": "cpu"})
                for e in engines]
         for e, i in zip(engines, ids):
             e.result(i)
         for i, a in enumerate(adapters):
-            for e in engines:
+            for r, e in enumerate(engines):
+                if sharded and r != home(i, len(engines)):
+                    continue
                 e.call("create_adapter", {"adapter_id": a, "rank": RANK, "alpha": ALPHA, "seed": i,
                                           "targets": targets})
 
-    def step(engines: list[Engine]) -> None:
-        parts = [{"ops": [{**o, "datums": o["datums"][r::ranks]} for o in tenants], "allreduce_adapters": adapters}
-                 for r in range(len(engines))] if len(engines) > 1 else [{"ops": tenants}]
+    def step(engines: list[Engine], sharded: bool) -> None:
+        n = len(engines)
+        if n == 1:
+            parts = [{"ops": tenants}]
+        elif sharded:
+            parts = [{"ops": [o for i, o in enumerate(tenants) if home(i, n) == r]} for r in range(n)]
+        else:
+            parts = [{"ops": [{**o, "datums": o["datums"][r::n]} for o in tenants], "allreduce_adapters": adapters}
+                     for r in range(n)]
         ids = [e.submit("forward_backward", b) for e, b in zip(engines, parts)]
         for e, i in zip(engines, ids):
             e.result(i)
-        for a in adapters:
-            ids = [e.submit("optim_step", {"adapter_id": a, "hyper": HYPER}) for e in engines]
-            for e, i in zip(engines, ids):
+        for k, a in enumerate(adapters):
+            on = [e for r, e in enumerate(engines) if not sharded or r == home(k, n)]
+            ids = [e.submit("optim_step", {"adapter_id": a, "hyper": HYPER}) for e in on]
+            for e, i in zip(on, ids):
                 e.result(i)
 
     with Engine() as one:
-        create([one])
-        t_one = timed(lambda: step([one]), 1, repeats)
+        create([one], False)
+        t_one = timed(lambda: step([one], False), 1, repeats)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -163,12 +179,20 @@ def ranks_speedup(model_dir: Path, ranks: int, threads: int, repeats: int,
         else:
             os.environ["OMP_NUM_THREADS"] = saved
     try:
-        create(engines)
-        t_many = timed(lambda: step(engines), 1, repeats)
+        create(engines, False)
+        t_many = timed(lambda: step(engines, False), 1, repeats)
+        for a in adapters:
+            for e in engines:
+                e.call("remove_adapter", {"adapter_id": a})
+        create_sharded = [e.call("create_adapter", {"adapter_id": a, "rank": RANK, "alpha": ALPHA, "seed": i,
+                                                    "targets": targets})
+                          for i, a in enumerate(adapters) for r, e in enumerate(engines) if r == home(i, ranks)]
+        assert len(create_sharded) == len(adapters)
+        t_sharded = timed(lambda: step(engines, True), 1, repeats)
     finally:
         for e in engines:
             e.close()
-    return t_one, t_many
+    return t_one, t_many, t_sharded
 
 
 def peft_tokens_per_s(model_dir: Path, seqs: int, length: int, repeats: int, targets: list[str]) -> float:
@@ -222,9 +246,9 @@ def main() -> int:
             t_fused = timed(lambda: engine_train_step(engine, tenants), 1, args.repeats)
             t_seq = timed(lambda: [engine_train_step(engine, [o]) for o in tenants], 1, args.repeats)
         peft_tps = peft_tokens_per_s(model_dir, 4, 128, args.repeats, targets)
-        t_one = t_many = 0.0
+        t_one = t_many = t_sharded = 0.0
         if args.ranks > 1:
-            t_one, t_many = ranks_speedup(model_dir, args.ranks, threads, args.repeats, targets)
+            t_one, t_many, t_sharded = ranks_speedup(model_dir, args.ranks, threads, args.repeats, targets)
 
     mfu = train_tps * 4 * active / (gflops * 1e9)
     result = {
@@ -242,6 +266,7 @@ def main() -> int:
     if args.ranks > 1:
         result["ranks"] = args.ranks
         result["ranks_speedup"] = round(t_one / t_many, 3)
+        result["ranks_sharded_speedup"] = round(t_one / t_sharded, 3)
     rows = [
         ("model parameters", f"{params / 1e6:.1f} M, {active / 1e6:.1f} M per token ({args.family}, "
                              f"{args.layers} layers, LoRA r={RANK} on {len(targets)} kinds of linear)"),
@@ -260,6 +285,8 @@ def main() -> int:
             (f"8 tenants 2x{args.ranks}x128 step, 1 engine", f"{t_one * 1000:.0f} ms ({threads} threads)"),
             (f"same step, {args.ranks} data-parallel ranks", f"{t_many * 1000:.0f} ms ({max(1, threads // args.ranks)} threads each)"),
             (f"{args.ranks} ranks vs 1 rank", f"{t_one / t_many:.2f}x"),
+            (f"same step, {args.ranks} ranks, adapters sharded", f"{t_sharded * 1000:.0f} ms (no collective)"),
+            (f"{args.ranks} ranks sharded vs 1 rank", f"{t_one / t_sharded:.2f}x"),
         ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:

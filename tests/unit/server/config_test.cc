@@ -124,6 +124,27 @@ TEST(ConfigTest, ActivationMemoryBudgetIsReadAndBounded) {
               HasSubstr("engine.activation_memory_mib: -1 is out of range [0, 1e+07]"));
 }
 
+// Data parallelism's placement: the per-rank token budget above which an adapter's rows are
+// split over the ranks, and rebalancing.
+TEST(ConfigTest, RankTokenBudgetAndRebalanceAreReadAndBounded) {
+  absl::StatusOr<Config> defaults = Parse("model:\n  path: m\n");
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->engine.rank_token_budget, 4096);
+  EXPECT_TRUE(defaults->engine.rebalance);
+  absl::StatusOr<Config> at_limit =
+      Parse("model:\n  path: m\nengine:\n  rank_token_budget: 1000000000\n  rebalance: false\n");
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status();
+  EXPECT_EQ(at_limit->engine.rank_token_budget, 1000000000);
+  EXPECT_FALSE(at_limit->engine.rebalance);
+  EXPECT_EQ(Parse("model:\n  path: m\nengine:\n  rank_token_budget: 0\n")->engine.rank_token_budget, 0);
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  rank_token_budget: 1000000001\n"),
+              HasSubstr("engine.rank_token_budget: 1000000001 is out of range [0, 1e+09]"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  rank_token_budget: -1\n"),
+              HasSubstr("engine.rank_token_budget: -1 is out of range [0, 1e+09]"));
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nengine:\n  rebalance: often\n"),
+              HasSubstr("engine.rebalance: expected true or false, got 'often'"));
+}
+
 // Engines on other nodes: DEVICE@NODE in engine.devices, nodes.listen and nodes.secret_file.
 TEST(ConfigTest, DevicesOnOtherNodesNeedTheNodeSocketAndALocalRankZero) {
   const std::string nodes = "nodes:\n  listen: 127.0.0.1:7800\n  secret_file: /s\n";
