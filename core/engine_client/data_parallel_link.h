@@ -15,6 +15,8 @@
 //     state, micro-batch count), to even out the ranks' recent tokens;
 //   - a rank that restarted alone dropped only the adapters it was home to (Dropped);
 //   - calls naming no adapter go to rank 0.
+// One caller at a time (the training coordinator's scheduler thread): a move and a call for
+// the same adapter never overlap.
 // The split and merge themselves are core/ipc/forward_split.h (shared with the engine's
 // passes under an activation-memory budget).
 
