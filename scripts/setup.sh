@@ -123,11 +123,12 @@ phase_done
 
 # ---- 3c. tinker-cookbook venv ----------------------------------------------------------------
 phase "tinker-cookbook venv (tests/e2e/test_cookbook.py)"
-# Its own venv: tinker-cookbook 0.5.8 needs transformers<=5.5.4, the main venv pins 5.23.0
-# (scripts/requirements-cookbook.txt says why 0.5.8). torch and its CUDA libraries are the
-# main venv's, linked in (scripts/link_torch.py), so the venv is keyed by the main venv too.
-# Cached like the main venv; the test runs it offline.
-cb_key=$( (cat scripts/requirements-cookbook.txt scripts/link_torch.py; echo "$key") | sha256sum | cut -c1-16)
+# Its own venv: the cookbook runs on transformers 5.5.4, the main venv pins 5.23.0
+# (scripts/requirements-cookbook.txt says why, and why the cookbook goes in --no-deps). torch
+# and its CUDA libraries are the main venv's, linked in (scripts/link_torch.py), so the venv
+# is keyed by the main venv too. Cached like the main venv; the test runs it offline.
+COOKBOOK_VERSION=0.6.1
+cb_key=$( (cat scripts/requirements-cookbook.txt scripts/link_torch.py; echo "$key $COOKBOOK_VERSION") | sha256sum | cut -c1-16)
 CBVENV="$CACHE/cookbook-venv-$cb_key"
 # Reused only while complete and its linked torch resolves (a dangling link: made anew).
 if [ ! -f "$CBVENV/.twinkle-complete" ] || ! compgen -G "$CBVENV/lib/python3*/site-packages/torch/__init__.py" >/dev/null; then
@@ -136,7 +137,14 @@ if [ ! -f "$CBVENV/.twinkle-complete" ] || ! compgen -G "$CBVENV/lib/python3*/si
   "$PYTHON" -m venv "$CBVENV"
   "$PY" scripts/link_torch.py "$CBVENV"
   "$CBVENV/bin/pip" install -q -r scripts/requirements-cookbook.txt
-  "$CBVENV/bin/pip" check >/dev/null
+  "$CBVENV/bin/pip" install -q --no-deps "tinker-cookbook==$COOKBOOK_VERSION"
+  # Every requirement met but the one left out on purpose (tml-renderers>=0.4.1, not on PyPI).
+  if unmet=$("$CBVENV/bin/pip" check 2>&1 | grep -v -e "^tinker-cookbook $COOKBOOK_VERSION requires tml-renderers, which is not installed" \
+                 -e "^No broken requirements found"); then
+    echo "$unmet" >&2
+    echo "setup: the cookbook venv has unmet requirements (above)" >&2
+    exit 1
+  fi
   touch "$CBVENV/.twinkle-complete"   # written last: a half-made venv is never reused
 else
   echo "   reusing $CBVENV"
