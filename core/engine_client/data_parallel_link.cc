@@ -162,29 +162,65 @@ absl::StatusOr<ipc::Message> DataParallelLink::CreateAdapter(ipc::Message reques
   return reply;
 }
 
+absl::StatusOr<DataParallelLink::AdapterState> DataParallelLink::ReadState(const std::string& key, int32_t rank) {
+  absl::StatusOr<ipc::Message> message =
+      supervisor_.CallAndWait(rank, ipc::MakeRequest(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{key})));
+  if (!message.ok()) return message.status();
+  absl::StatusOr<ipc::AdapterStateReply> body =
+      ipc::Unpack<ipc::AdapterStateReply>(message->envelope.body, "get_adapter_state reply");
+  if (!body.ok()) return body.status();
+  return AdapterState{*std::move(message), *std::move(body)};
+}
+
+absl::Status DataParallelLink::Install(const std::string& key, const AdapterState& from,
+                                       const ipc::SetAdapterStateRequest& set, const std::vector<bool>& on) {
+  ipc::CreateAdapterRequest config = from.body.config;
+  config.adapter_id = key;
+  std::vector<ipc::Message> creates, sets;
+  for (int32_t r = 0; r < world_size_; ++r) {
+    creates.push_back(ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(config)));
+    sets.push_back(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), from.message.buffers));
+  }
+  for (auto* calls : {&creates, &sets}) {
+    for (absl::StatusOr<ipc::Message>& reply : CallRanks(std::move(*calls), on)) {
+      if (!reply.ok()) return reply.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+void DataParallelLink::RemoveFrom(const std::string& key, const std::vector<bool>& on) {
+  std::vector<ipc::Message> removes;
+  for (int32_t r = 0; r < world_size_; ++r) {
+    removes.push_back(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key})));
+  }
+  (void)CallRanks(std::move(removes), on);  // a rank that went down took its copy with it
+}
+
+std::vector<bool> DataParallelLink::OnlyRank(int32_t rank) const {
+  std::vector<bool> on(static_cast<size_t>(world_size_), false);
+  on[static_cast<size_t>(rank)] = true;
+  return on;
+}
+
+std::vector<bool> DataParallelLink::AllRanksBut(int32_t rank) const {
+  std::vector<bool> on(static_cast<size_t>(world_size_), true);
+  on[static_cast<size_t>(rank)] = false;
+  return on;
+}
+
 absl::Status DataParallelLink::MoveAdapter(const std::string& key, int32_t to) {
   if (to < 0 || to >= world_size_) return absl::InvalidArgumentError(absl::StrCat("no rank ", to));
   const int32_t from = home_rank(key);
   if (from < 0) return absl::NotFoundError(absl::StrCat("no adapter '", key, "' on the data-parallel group"));
   if (from == to) return absl::OkStatus();
-  absl::StatusOr<ipc::Message> state =
-      supervisor_.CallAndWait(from, ipc::MakeRequest(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{key})));
+  absl::StatusOr<AdapterState> state = ReadState(key, from);
   if (!state.ok()) return state.status();
-  absl::StatusOr<ipc::AdapterStateReply> body =
-      ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
-  if (!body.ok()) return body.status();
-  ipc::CreateAdapterRequest config = body->config;
-  config.adapter_id = key;
-  absl::StatusOr<ipc::Message> created =
-      supervisor_.CallAndWait(to, ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(config)));
-  if (!created.ok()) return created.status();
-  absl::StatusOr<ipc::Message> set = supervisor_.CallAndWait(
-      to, ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(ipc::RestoreRequestOf(*body, key)), state->buffers));
-  if (!set.ok()) {
-    (void)supervisor_.CallAndWait(to, ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key})));
-    return set.status();
+  if (absl::Status s = Install(key, *state, ipc::RestoreRequestOf(state->body, key), OnlyRank(to)); !s.ok()) {
+    RemoveFrom(key, OnlyRank(to));
+    return s;
   }
-  (void)supervisor_.CallAndWait(from, ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key})));
+  RemoveFrom(key, OnlyRank(from));
   absl::MutexLock lock(&mu_);
   auto it = homes_.find(key);
   if (it != homes_.end()) {
@@ -234,43 +270,17 @@ void DataParallelLink::Rebalance(const std::vector<bool>& ready) {
 }
 
 absl::Status DataParallelLink::CopyToOtherRanks(const std::string& key, int32_t home) {
-  absl::StatusOr<ipc::Message> state =
-      supervisor_.CallAndWait(home, ipc::MakeRequest(ipc::kMethodGetAdapterState, ipc::Pack(ipc::AdapterRequest{key})));
+  absl::StatusOr<AdapterState> state = ReadState(key, home);
   if (!state.ok()) return state.status();
-  absl::StatusOr<ipc::AdapterStateReply> body =
-      ipc::Unpack<ipc::AdapterStateReply>(state->envelope.body, "get_adapter_state reply");
-  if (!body.ok()) return body.status();
-  ipc::CreateAdapterRequest config = body->config;
-  config.adapter_id = key;
-  // The copy's gradients start empty: the step's all-reduce sums only what it adds, and the
+  // The copies' gradients start empty: the step's all-reduce sums only what it adds, and the
   // home rank alone keeps the accumulated gradient.
-  ipc::SetAdapterStateRequest set = ipc::RestoreRequestOf(*body, key);
+  ipc::SetAdapterStateRequest set = ipc::RestoreRequestOf(state->body, key);
   set.grads = std::map<std::string, ipc::TensorDesc>{};
-  std::vector<ipc::Message> creates, sets;
-  std::vector<bool> others(static_cast<size_t>(world_size_), true);
-  others[static_cast<size_t>(home)] = false;
-  for (int32_t r = 0; r < world_size_; ++r) {
-    creates.push_back(ipc::MakeRequest(ipc::kMethodCreateAdapter, ipc::Pack(config)));
-    sets.push_back(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), state->buffers));
-  }
-  for (auto* calls : {&creates, &sets}) {
-    for (absl::StatusOr<ipc::Message>& reply : CallRanks(std::move(*calls), others)) {
-      if (!reply.ok()) return reply.status();
-    }
-  }
-  return absl::OkStatus();
+  return Install(key, *state, set, AllRanksBut(home));
 }
 
 void DataParallelLink::RemoveCopies(const std::vector<std::pair<std::string, int32_t>>& copies) {
-  for (const auto& [key, home] : copies) {
-    std::vector<ipc::Message> removes;
-    std::vector<bool> others(static_cast<size_t>(world_size_), true);
-    others[static_cast<size_t>(home)] = false;
-    for (int32_t r = 0; r < world_size_; ++r) {
-      removes.push_back(ipc::MakeRequest(ipc::kMethodRemoveAdapter, ipc::Pack(ipc::AdapterRequest{key})));
-    }
-    (void)CallRanks(std::move(removes), others);  // a rank that went down took its copy with it
-  }
+  for (const auto& [key, home] : copies) RemoveFrom(key, AllRanksBut(home));
 }
 
 absl::StatusOr<ipc::Message> DataParallelLink::RunStep(ipc::Message request) {

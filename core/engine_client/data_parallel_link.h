@@ -35,6 +35,7 @@
 #include "core/engine_client/supervisor_engine_link.h"
 #include "core/ipc/envelope.h"
 #include "core/ipc/forward_split.h"
+#include "core/ipc/training_messages.h"
 #include "core/training/engine_link.h"
 
 namespace twinkle {
@@ -84,6 +85,18 @@ class DataParallelLink final : public SupervisorModelLink {
                                                       const std::vector<bool>& send);
   absl::StatusOr<ipc::Message> CreateAdapter(ipc::Message request);
   absl::StatusOr<ipc::Message> RunStep(ipc::Message request);
+  // An adapter's state as get_adapter_state returned it (frames in `message`).
+  struct AdapterState {
+    ipc::Message message;
+    ipc::AdapterStateReply body;
+  };
+  absl::StatusOr<AdapterState> ReadState(const std::string& key, int32_t rank);
+  // Creates `key` on the ranks `on` and sets `set` (which refers to `from`'s frames) there.
+  absl::Status Install(const std::string& key, const AdapterState& from, const ipc::SetAdapterStateRequest& set,
+                       const std::vector<bool>& on);
+  void RemoveFrom(const std::string& key, const std::vector<bool>& on);
+  std::vector<bool> OnlyRank(int32_t rank) const;
+  std::vector<bool> AllRanksBut(int32_t rank) const;
   // Copies `key`'s state from its home to every other rank (the step's transient copies).
   absl::Status CopyToOtherRanks(const std::string& key, int32_t home);
   void RemoveCopies(const std::vector<std::pair<std::string, int32_t>>& copies);

@@ -143,12 +143,16 @@ void AwaitTrue(F done) {
 // Data parallelism (docs/device_pool.md): a CPU rank other than 0 that dies restarts alone;
 // rank 0 keeps its process (and its engine generation) and is told to rejoin the group at
 // the next epoch; both serve again.
-TEST(SupervisorTest, DataParallelRankRestartsAlone) {
+SupervisorOptions DataParallelPair() {
   SupervisorOptions o = TestOptions(absl::Seconds(60));
   o.devices = {"cpu", "cpu"};
   o.data_parallel = true;
   o.collective_timeout = absl::Seconds(60);
-  Supervisor supervisor(o);
+  return o;
+}
+
+TEST(SupervisorTest, DataParallelRankRestartsAlone) {
+  Supervisor supervisor(DataParallelPair());
   ASSERT_TRUE(supervisor.Start(nullptr).ok());
   const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
   ASSERT_EQ(before.size(), 2u);
@@ -170,11 +174,7 @@ TEST(SupervisorTest, DataParallelRankRestartsAlone) {
 // Rank 0 serves the rendezvous store: its death takes the group down; both restart on a
 // new rendezvous port and serve again.
 TEST(SupervisorTest, DataParallelRankZeroRestartsTheGroup) {
-  SupervisorOptions o = TestOptions(absl::Seconds(60));
-  o.devices = {"cpu", "cpu"};
-  o.data_parallel = true;
-  o.collective_timeout = absl::Seconds(60);
-  Supervisor supervisor(o);
+  Supervisor supervisor(DataParallelPair());
   ASSERT_TRUE(supervisor.Start(nullptr).ok());
   const std::vector<WorkerSnapshot> before = supervisor.Snapshot();
   ASSERT_EQ(kill(static_cast<pid_t>(before[0].pid), SIGKILL), 0);
