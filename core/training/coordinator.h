@@ -117,6 +117,12 @@ class TrainingCoordinator {
   // restart (its adapters are not: they died with the engine), once: one that ends or expires
   // afterwards stays ended. NotFound for anything else (and another tenant's).
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
+  // A live session that a sibling coordinator of this server created (several base models:
+  // one session may hold adapters of every model, server/model_set.h): known here too from
+  // now on, or its heartbeat refreshed when it already is. Not written to the registry and
+  // not counted against max_sessions: the creating coordinator did both. Another tenant's
+  // session of that id is left alone.
+  void JoinSession(const std::string& tenant, const std::string& session_id);
   // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
   bool SessionAlive(const std::string& tenant, const std::string& session_id) const;
   // Ends the session: it is forgotten (heartbeats get NotFound) and its adapters are released
@@ -220,6 +226,9 @@ class TrainingCoordinator {
   CoordinatorStats stats() const;
   // Adapters per tenant, for capacity.
   int32_t adapter_count() const;
+  // Whether the tenant has an adapter of this name here (routing by adapter with several
+  // base models, server/model_set.h).
+  bool HasAdapter(const std::string& tenant, const std::string& name) const;
 
  private:
   struct Adapter;
