@@ -921,6 +921,12 @@ absl::Status CheckEnvironment(const Config& config) {
 std::string RenderConfig(const Config& config, ConfigFormat format) {
   JsonRenderer renderer;
   VisitFields(renderer, const_cast<Config&>(config));  // the renderer only reads
+  // The list form names devices per model; the top-level lists would be refused on reading
+  // the output back.
+  if (config.models_listed) {
+    renderer.out_["engine"].erase("devices");
+    renderer.out_["sampler"].erase("devices");
+  }
   // A path may hold bytes that are not UTF-8 (Linux file names are bytes); JSON output shows
   // them as U+FFFD instead of throwing out of print-config.
   if (format == ConfigFormat::kJson) {

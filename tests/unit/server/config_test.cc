@@ -691,11 +691,13 @@ TEST(ConfigModelsTest, RenderWritesTheListBackAndItParsesAgain) {
   const std::string yaml = RenderConfig(*c, ConfigFormat::kYaml);
   EXPECT_THAT(yaml, HasSubstr("models:"));
   EXPECT_THAT(yaml, Not(HasSubstr("\nmodel:")));
-  // engine.devices is printed with its default; the list form refuses it when written, so
-  // the round trip drops it first.
-  absl::StatusOr<Config> again = Parse(kTwoModels);
-  ASSERT_TRUE(again.ok());
+  // The output reads back as the same models (no top-level devices, which the list refuses).
+  absl::StatusOr<Config> again = Parse(yaml);
+  ASSERT_TRUE(again.ok()) << again.status() << "\n" << yaml;
+  ASSERT_EQ(again->models.size(), 2u);
   EXPECT_EQ(again->models[1].devices, c->models[1].devices);
+  EXPECT_EQ(again->models[0].sampler_devices, c->models[0].sampler_devices);
+  EXPECT_EQ(again->models[0].max_adapters, 2);
 }
 
 TEST(ConfigModelsTest, BothFormsAreRefused) {
