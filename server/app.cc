@@ -23,15 +23,12 @@
 #include "absl/synchronization/notification.h"
 #include "core/common/clock.h"
 #include "core/common/log.h"
-#include "core/engine_client/one_shot.h"
-#include "core/engine_client/data_parallel_link.h"
 #include "core/engine_client/supervisor.h"
 #include "core/ipc/socket.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
 #include "core/storage/filesystem.h"
 #include "core/training/checkpoints.h"
-#include "core/engine_client/supervisor_engine_link.h"
 #include "core/training/future_journal.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
@@ -439,7 +436,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   std::vector<ModelStack*> stack_ptrs;
   std::vector<std::string> pools;
   for (size_t i = 0; i < config.models.size(); ++i) {
-    stacks.push_back(std::make_unique<ModelStack>(ForModel(config, i), deps, config.models.size() > 1));
+    stacks.push_back(std::make_unique<ModelStack>(ForModel(config, i), deps, config.models.size() > 1, i));
     stacks.back()->checkpoints().SetQuotas(StorageQuotasOf(config));
     stack_ptrs.push_back(stacks.back().get());
     pools.push_back(stacks.back()->training_pool());
@@ -637,7 +634,8 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   http.Stop();
   // Running sampling requests and queued work fail with UNAVAILABLE (the step in progress
   // finishes); then the workers stop.
-  for (ModelStack* m : models.stacks()) m->Stop();
+  for (ModelStack* m : models.stacks()) m->StopWork();
+  for (ModelStack* m : models.stacks()) m->StopWorkers();
   // Usage counted since the last flush (a crash instead loses at most one flush interval).
   if (absl::Status s = usage.Flush(); !s.ok()) {
     LogWarning(kLog, absl::StrCat("writing the last usage counters: ", s.message()));

@@ -118,7 +118,8 @@ SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
 
 }  // namespace
 
-ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several) : config_(std::move(config)) {
+ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several, size_t index)
+    : config_(std::move(config)) {
   const Config& c = config_;
   // Pools keep their old labels with one model; with several each carries the model's name
   // (engine log lines "<pool> engine rank N", the metrics' pool label).
@@ -141,6 +142,10 @@ ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several) 
   training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(c);
   coordinator_options.registry = deps.registry;
   coordinator_options.checkpoints = checkpoints_.get();
+  if (c.models_listed) {  // its own capacity, under its own key
+    coordinator_options.capacity_holder = absl::StrCat("base model '", c.model.name, "'");
+    coordinator_options.capacity_key = absl::StrCat("models[", index, "].max_adapters");
+  }
   coordinator_ = std::make_unique<training::TrainingCoordinator>(coordinator_options, *engine_link_, *deps.futures);
   Metrics* metrics = deps.metrics;
   UsageMeter* usage = deps.usage;
@@ -186,7 +191,10 @@ ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several) 
   });
 }
 
-ModelStack::~ModelStack() { Stop(); }
+ModelStack::~ModelStack() {
+  StopWork();
+  StopWorkers();
+}
 
 bool ModelStack::Serves(const std::string& id) const {
   if (id.empty()) return false;
@@ -205,11 +213,16 @@ void ModelStack::RequestStop() {
   if (sampler_supervisor_ != nullptr) sampler_supervisor_->RequestStop();
 }
 
-void ModelStack::Stop() {
-  if (stopped_) return;
-  stopped_ = true;
+void ModelStack::StopWork() {
+  if (work_stopped_) return;
+  work_stopped_ = true;
   sampler_->Stop();      // running sampling requests fail with UNAVAILABLE
   coordinator_->Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
+}
+
+void ModelStack::StopWorkers() {
+  if (workers_stopped_) return;
+  workers_stopped_ = true;
   supervisor_->Stop(absl::Seconds(5));
   if (sampler_supervisor_ != nullptr) sampler_supervisor_->Stop(absl::Seconds(5));
 }

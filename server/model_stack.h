@@ -46,8 +46,9 @@ class ModelStack {
  public:
   // `config`: ForModel(server config, index). `several`: the server serves more than one
   // model, so the worker pools are labelled with the model's name (logs, metrics); a single
-  // model keeps the labels it always had ("training", "sampler").
-  ModelStack(Config config, const ModelStackDeps& deps, bool several);
+  // model keeps the labels it always had ("training", "sampler"). `index`: its place in
+  // `models:`, for the keys its errors name.
+  ModelStack(Config config, const ModelStackDeps& deps, bool several, size_t index = 0);
   ~ModelStack();
   ModelStack(const ModelStack&) = delete;
   ModelStack& operator=(const ModelStack&) = delete;
@@ -85,9 +86,11 @@ class ModelStack {
   void Start();
   // Makes pending waits for the workers return (the signal thread; any thread).
   void RequestStop();
-  // In order: running sampling requests fail, queued training work fails (UNAVAILABLE), then
-  // the workers stop.
-  void Stop();
+  // Shutdown in two halves, so that every model's work stops before any model's workers:
+  // StopWork fails running sampling requests and queued training work (UNAVAILABLE; the step
+  // in progress finishes), StopWorkers then stops the workers. Both idempotent.
+  void StopWork();
+  void StopWorkers();
 
  private:
   Config config_;
@@ -100,7 +103,8 @@ class ModelStack {
   std::unique_ptr<training::CheckpointStore> checkpoints_;
   std::unique_ptr<training::TrainingCoordinator> coordinator_;
   std::unique_ptr<sampling::SamplerCoordinator> sampler_;
-  bool stopped_ = false;
+  bool work_stopped_ = false;
+  bool workers_stopped_ = false;
 };
 
 }  // namespace twinkle

@@ -304,8 +304,9 @@ absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantCon
                                                         tenant.max_adapters, "; remove one first"));
     }
     if (static_cast<int32_t>(adapters_.size()) >= options_.max_adapters) {
-      return absl::FailedPreconditionError(absl::StrCat("the server holds its maximum of ", options_.max_adapters,
-                                                        " adapters (limits.max_adapters)"));
+      return absl::FailedPreconditionError(absl::StrCat(options_.capacity_holder, " holds its maximum of ",
+                                                        options_.max_adapters, " adapters (", options_.capacity_key,
+                                                        ")"));
     }
     adapter->run_id = absl::StrCat(args.session_id.empty() ? Hex8(std::hash<std::string>{}(adapter->key) ^
                                                                   absl::ToUnixNanos(adapter->created))

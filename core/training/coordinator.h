@@ -65,7 +65,11 @@ using MergedExporter = std::function<absl::StatusOr<MergedExportDone>(const Merg
 struct CoordinatorOptions {
   sched::SchedulerOptions scheduler;
   int32_t max_loras = 16;                  // adapters resident on the device at once
-  int32_t max_adapters = 64;               // server-wide
+  int32_t max_adapters = 64;               // on this coordinator's base model, all tenants
+  // How the refusal beyond max_adapters names its holder and its key: one model, "the
+  // server" and limits.max_adapters; several, "base model 'x'" and models[i].max_adapters.
+  std::string capacity_holder = "the server";
+  std::string capacity_key = "limits.max_adapters";
   int32_t max_lora_rank = 64;              // server-wide (the engine's own limit)
   int64_t max_tokens_per_request = 32768;  // server-wide hard limit on one request
   // Longest sequence a forward/forward_backward may hold (model.max_context_tokens); 0 = the

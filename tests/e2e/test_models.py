@@ -218,12 +218,12 @@ def test_capacity_is_per_model_at_the_limit_plus_one(deployment: Deployment) -> 
         llama_one = resolved(svc.create_lora_training_client(base_model=LLAMA, rank=4))
         with pytest.raises(Exception) as full:  # limit + 1 on the Llama model
             resolved(svc.create_lora_training_client(base_model=LLAMA, rank=4))
-        assert "maximum of 1 adapters" in str(full.value)
+        assert "base model 'tiny-llama' holds its maximum of 1 adapters (models[1].max_adapters)" in str(full.value)
         # The Llama model being full takes nothing from the Qwen model: it holds its own two.
         qwen = [resolved(svc.create_lora_training_client(base_model=QWEN, rank=4)) for _ in range(CAPACITY[QWEN])]
         with pytest.raises(Exception) as qwen_full:  # limit + 1 on the Qwen model
             resolved(svc.create_lora_training_client(base_model=QWEN, rank=4))
-        assert "maximum of 2 adapters" in str(qwen_full.value)
+        assert "base model 'tiny-qwen3' holds its maximum of 2 adapters (models[0].max_adapters)" in str(qwen_full.value)
         assert used_adapters(deployment, QWEN) == 2 and used_adapters(deployment, LLAMA) == 1
         # Every adapter that was admitted still works, on its own model.
         np.testing.assert_allclose(forward_logprobs(llama_one, SEQ),
@@ -317,3 +317,24 @@ def test_openai_model_field_picks_the_model(deployment: Deployment) -> None:
                             json={"model": "no-such-model", "prompt": SEQ, "max_tokens": 1})
     assert missing.status_code == 404
     assert "base models served: 'tiny-qwen3', 'tiny-llama'" in missing.text
+
+
+# ---- config at launch ----------------------------------------------------------------------------
+
+
+def test_launch_names_the_model_whose_folder_is_missing(launch_config_file: Any, tiny_model: Path,
+                                                        tmp_path: Path) -> None:
+    config = two_model_config(tiny_model, tmp_path / "no-such-folder", tmp_path)
+    server = launch_config_file(configs.write_config(tmp_path / "two.yaml", config))
+    assert server.wait_exit(scaled(60.0)) == 1, server.logs()
+    assert f"models[1].path: model directory {tmp_path / 'no-such-folder'} does not exist" in server.stderr_text()
+
+
+def test_launch_refuses_a_gpu_shared_by_two_models(launch_config_file: Any, tiny_model: Path, tmp_path: Path) -> None:
+    config = two_model_config(tiny_model, tiny_model, tmp_path)
+    config["models"][0]["devices"] = ["cuda:0"]
+    config["models"][1]["devices"] = ["cuda:0"]
+    server = launch_config_file(configs.write_config(tmp_path / "two.yaml", config))
+    assert server.wait_exit(scaled(60.0)) == 2, server.logs()
+    assert ("models[1].devices: 'cuda:0' is already used by models[0] ('tiny-qwen3'); a device serves one model"
+            in server.stderr_text())
