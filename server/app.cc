@@ -23,15 +23,12 @@
 #include "absl/synchronization/notification.h"
 #include "core/common/clock.h"
 #include "core/common/log.h"
-#include "core/engine_client/one_shot.h"
-#include "core/engine_client/data_parallel_link.h"
 #include "core/engine_client/supervisor.h"
 #include "core/ipc/socket.h"
 #include "core/futures/future_store.h"
 #include "core/registry/registry.h"
 #include "core/storage/filesystem.h"
 #include "core/training/checkpoints.h"
-#include "core/engine_client/supervisor_engine_link.h"
 #include "core/training/future_journal.h"
 #include "core/tenancy/rate_limiter.h"
 #include "core/training/coordinator.h"
@@ -47,6 +44,8 @@
 #include "server/http/http_server.h"
 #include "server/http/request_guard.h"
 #include "server/metrics.h"
+#include "server/model_set.h"
+#include "server/model_stack.h"
 #include "server/openai/openai_routes.h"
 #include "server/serving_state.h"
 #include "server/tinker/admin_routes.h"
@@ -144,69 +143,36 @@ class SignalWatcher {
   std::thread thread_;
 };
 
-// Merged exports run as `twinkle-engine export` processes, never in a device worker.
-training::MergedExporter MakeExporter(const Config& c) {
-  const std::string binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
-  const absl::Duration timeout = absl::Seconds(c.engine.call_timeout_s);
-  return [binary, timeout](const training::MergedExportJob& job,
-                           const std::function<bool()>& cancelled) -> absl::StatusOr<training::MergedExportDone> {
-    absl::StatusOr<OneShotResult> run = RunToCompletion(
-        {binary, "export", "--model-dir", job.model_dir, "--adapter-dir", job.adapter_dir, "--parent", job.parent,
-         "--name", job.name},
-        timeout, cancelled);
-    if (!run.ok()) return run.status();
-    const nlohmann::json reply = nlohmann::json::parse(run->stdout_text, nullptr, false);
-    if (reply.is_object() && reply.contains("path") && reply["path"].is_string()) {
-      return training::MergedExportDone{reply["path"].get<std::string>(), reply.value("bytes", int64_t{0})};
-    }
-    if (reply.is_object() && reply.contains("code") && reply["code"].is_number_integer()) {
-      return absl::Status(static_cast<absl::StatusCode>(reply["code"].get<int>()),
-                          reply.value("message", std::string("export failed")));
-    }
-    return absl::InternalError(absl::StrCat("the export process ended with ", run->how_ended,
-                                            " without saying how it went"));
-  };
-}
-
-training::CoordinatorOptions MakeCoordinatorOptions(const Config& c) {
-  training::CoordinatorOptions o;
-  o.scheduler.max_tokens_per_step = c.scheduler.max_tokens_per_step;
-  o.scheduler.max_ops_per_step = c.scheduler.max_ops_per_step;
-  o.scheduler.fuse = c.scheduler.fuse;
-  o.scheduler.queue_cap = c.scheduler.queue_cap;
-  o.scheduler.max_pending_per_tenant = c.limits.max_pending_ops;
-  o.max_loras = c.scheduler.max_loras;
-  o.max_adapters = c.limits.max_adapters;
-  o.max_lora_rank = c.limits.max_lora_rank;
-  o.max_tokens_per_request = c.limits.max_tokens_per_request;
-  o.max_context_tokens = c.model.max_context_tokens;
-  o.activation_memory_bytes = c.engine.activation_memory_mib * (int64_t{1} << 20);
-  o.adapter_timeout = absl::Seconds(c.sessions.adapter_timeout_s);
-  o.adapter_max_lifetime = absl::Seconds(c.sessions.adapter_max_lifetime_s);
-  o.base_model = c.model.name;
-  o.model_dir = c.model.path;
-  o.restore_points = c.engine.adapter_restore_points;
-  o.exporter = MakeExporter(c);
-  return o;
-}
-
-const char* StepKindName(sched::OpKind kind) {
-  switch (kind) {
-    case sched::OpKind::kForward: return "forward";
-    case sched::OpKind::kForwardBackward: return "forward_backward";
-    default: return "other";
-  }
-}
-
 // Copies the coordinator's adapter counts and per-tenant queue depths into the metrics.
 // Runs on every housekeeping tick and on every /metrics scrape, so a scrape is current.
 void SampleGauges(ServingState& state) {
-  const training::CoordinatorStats s = state.coordinator->stats();
-  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired, s.restored, s.lost);
+  // Summed over the models: the gauges describe the server (per-model figures: GetCapacity).
+  training::CoordinatorStats s;
+  sampling::SamplerStats z;
   std::vector<std::pair<std::string, int64_t>> depths;
-  for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) {
-    depths.emplace_back(t->id, state.coordinator->scheduler().queued_for_tenant(t->id));
+  for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) depths.emplace_back(t->id, 0);
+  for (ModelStack* m : state.models->stacks()) {
+    const training::CoordinatorStats one = m->coordinator().stats();
+    s.adapters += one.adapters;
+    s.resident += one.resident;
+    s.offloads += one.offloads;
+    s.reloads += one.reloads;
+    s.expired += one.expired;
+    s.restored += one.restored;
+    s.lost += one.lost;
+    for (auto& [tenant, depth] : depths) depth += m->coordinator().scheduler().queued_for_tenant(tenant);
+    const sampling::SamplerStats y = m->sampler().stats();
+    z.sessions += y.sessions;
+    z.snapshots += y.snapshots;
+    z.waiting += y.waiting;
+    z.running += y.running;
+    z.blocks_in_use += y.blocks_in_use;
+    z.blocks_total += y.blocks_total;
+    z.tokens_generated += y.tokens_generated;
+    z.states_in_use += y.states_in_use;
+    z.states_total += y.states_total;
   }
+  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired, s.restored, s.lost);
   state.metrics.SetQueueDepths(depths);
   if (state.checkpoints != nullptr) {
     if (absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> stored = state.registry->StorageBytesByTenant();
@@ -225,7 +191,6 @@ void SampleGauges(ServingState& state) {
     }
   }
   state.metrics.SetDraining(state.draining.load());
-  const sampling::SamplerStats z = state.sampler->stats();
   state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
                             z.tokens_generated, z.states_in_use, z.states_total});
 }
@@ -244,8 +209,10 @@ class Housekeeper {
  private:
   void Loop() {
     while (!stop_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
-      state_.coordinator->Housekeep();
-      state_.sampler->Housekeep();
+      for (ModelStack* m : state_.models->stacks()) {
+        m->coordinator().Housekeep();
+        m->sampler().Housekeep();
+      }
       state_.futures->Expire();
       // Journaled results outlive the process for the same retention.
       (void)state_.registry->ExpireFutures(absl::Now() - absl::Seconds(state_.config.sessions.future_retention_s));
@@ -312,63 +279,17 @@ void AddRetentionTestRoute(HttpServer& http, ServingState& state, OffsetClock& c
   });
 }
 
-bool DedicatedSampler(const Config& c) { return !c.sampler.devices.empty(); }
-
-// The training workers. With a dedicated sampler pool they never sample, so their KV cache is
-// a single block (the engine allocates one at load; on a GPU 2048 unused blocks would take
-// memory from training).
-SupervisorOptions MakeSupervisorOptions(const Config& c, const std::string& node_secret = "") {
-  SupervisorOptions o;
-  o.node_listen = c.nodes.listen;  // engines on other nodes (docs/device_pool.md)
-  o.node_secret = node_secret;
-  o.rendezvous_host = RendezvousHost(c);
-  o.rendezvous_port = c.nodes.rendezvous_port;
-  o.engine_binary = c.engine.binary.empty() ? DefaultEngineBinary() : c.engine.binary;
-  o.devices = c.engine.devices;
-  o.model_dir = c.model.path;
-  o.dtype = c.model.dtype;
-  o.log_level = c.logging.level;
-  o.log_format = c.logging.format;
-  o.max_lora_rank = c.limits.max_lora_rank;
-  o.kv_cache_blocks = DedicatedSampler(c) ? 1 : c.sampler.kv_cache_blocks;
-  o.kv_block_size = c.sampler.kv_block_size;
-  o.state_slots = DedicatedSampler(c) ? 1 : c.sampler.state_slots;
-  o.activation_checkpointing = c.engine.activation_checkpointing;
-  o.logit_chunk_rows = c.engine.logit_chunk_rows;
-  o.heartbeat_interval = absl::Milliseconds(c.engine.heartbeat_interval_ms);
-  o.heartbeat_timeout = absl::Milliseconds(c.engine.heartbeat_timeout_ms);
-  o.startup_timeout = absl::Seconds(c.engine.startup_timeout_s);
-  o.backoff_initial = absl::Milliseconds(c.engine.restart_backoff_initial_ms);
-  o.backoff_max = absl::Milliseconds(c.engine.restart_backoff_max_ms);
-  o.call_timeout = absl::Seconds(c.engine.call_timeout_s);
-  o.call_timeout_per_mib = absl::Seconds(c.engine.call_timeout_per_mib_s);
-  o.test_hooks = c.testing.hooks;
-  o.data_parallel = c.engine.devices.size() > 1;  // docs/device_pool.md
-  o.collective_timeout = absl::Seconds(c.engine.collective_timeout_s);
-  return o;
-}
-
-// The dedicated sampler workers (sampler.devices): the same model, binary, dtype, heartbeats
-// and restart policy as the training workers, with the sampler's KV cache.
-SupervisorOptions MakeSamplerSupervisorOptions(const Config& c) {
-  SupervisorOptions o = MakeSupervisorOptions(c);
-  o.node_listen.clear();  // sampler workers run on this node
-  o.pool = "sampler";
-  o.devices = c.sampler.devices;
-  o.kv_cache_blocks = c.sampler.kv_cache_blocks;
-  o.state_slots = c.sampler.state_slots;
-  o.data_parallel = false;  // sampler workers are independent
-  return o;
-}
-
-// Health is SERVING while every worker of both pools is ready. Each supervisor reports its
-// own pool from its own thread, under its own lock; the flags here are combined under a lock
-// of their own (never a supervisor's, which would order the two supervisors' locks both ways),
-// so the last status set is the one of the latest event.
+// Health is SERVING while every worker of every pool (each model's training workers and
+// dedicated sampler workers) is ready. Each supervisor reports its own pool from its own
+// thread, under its own lock; the flags here are combined under a lock of their own (never a
+// supervisor's, which would order the supervisors' locks both ways), so the last status set
+// is the one of the latest event.
 class ReadinessTracker {
  public:
-  ReadinessTracker(ServingState& state, grpc::HealthCheckServiceInterface* health, bool dedicated)
-      : state_(state), health_(health), sampler_ready_(!dedicated) {}
+  ReadinessTracker(ServingState& state, grpc::HealthCheckServiceInterface* health, std::vector<std::string> pools)
+      : state_(state), health_(health) {
+    for (std::string& p : pools) ready_[std::move(p)] = false;
+  }
 
   Supervisor::Listener ForPool(const std::string& pool) {
     return [this, pool](const std::vector<WorkerSnapshot>& workers) {
@@ -376,8 +297,10 @@ class ReadinessTracker {
       bool all_ready = !workers.empty();
       for (const WorkerSnapshot& w : workers) all_ready &= w.ready;
       absl::MutexLock lock(&mu_);
-      (pool == "sampler" ? sampler_ready_ : training_ready_) = all_ready;
-      if (!state_.draining) health_->SetServingStatus(training_ready_ && sampler_ready_);
+      ready_[pool] = all_ready;
+      bool serving = true;
+      for (const auto& [name, ready] : ready_) serving &= ready;
+      if (!state_.draining) health_->SetServingStatus(serving);
     };
   }
 
@@ -385,8 +308,7 @@ class ReadinessTracker {
   ServingState& state_;
   grpc::HealthCheckServiceInterface* health_;
   absl::Mutex mu_;
-  bool training_ready_ ABSL_GUARDED_BY(mu_) = false;
-  bool sampler_ready_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> ready_ ABSL_GUARDED_BY(mu_);
 };
 
 void AddHttpRoutes(HttpServer& http, ServingState& state, const std::string& grpc_address, bool tls) {
@@ -438,18 +360,13 @@ int RunServer(const Config& config, const LaunchOptions& options) {
 
   const std::string where = config.source_file.string();
   Metrics metrics(/*tenant_labels=*/!config.auth.enabled || config.server.metrics_tenant_labels);
+  ServingState state(config, metrics);
   std::string node_secret;
   if (!config.nodes.secret_file.empty()) {
     absl::StatusOr<std::string> secret = ipc::ReadNodeSecret(config.nodes.secret_file);
     if (!secret.ok()) return fail(absl::StrCat(where, ": nodes.secret_file: ", secret.status().message()));
     node_secret = *std::move(secret);
   }
-  Supervisor supervisor(MakeSupervisorOptions(config, node_secret));
-  // Dedicated sampler workers: a second pool with its own supervisor (sampler.devices).
-  std::unique_ptr<Supervisor> sampler_supervisor;
-  if (DedicatedSampler(config)) sampler_supervisor = std::make_unique<Supervisor>(MakeSamplerSupervisorOptions(config));
-  ServingState state(config, supervisor, metrics);
-  state.sampler_supervisor = sampler_supervisor.get();
   absl::StatusOr<std::unique_ptr<Authenticator>> authenticator = Authenticator::FromConfig(config);
   if (!authenticator.ok()) return fail(std::string(authenticator.status().message()));
   (*authenticator)->SetFailureListener([&metrics](const absl::Status&) { metrics.RecordAuthFailure(); });
@@ -470,13 +387,6 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   // Checkpoint retention (expiry, the reaper, download URL expiry) reads this clock; only the
   // testing.hooks route advance_clock moves it off the wall clock.
   OffsetClock retention_clock(RealClock());
-  training::CheckpointStore checkpoints(config.storage.data_dir, checkpoint_fs, **registry, config.model.name,
-                                        retention_clock);
-  checkpoints.SetQuotas(StorageQuotasOf(config));
-  absl::StatusOr<std::vector<std::string>> recovered = checkpoints.Recover();
-  if (!recovered.ok()) {
-    return fail(absl::StrCat(where, ": storage.data_dir: recovering checkpoints: ", recovered.status().message()));
-  }
   // The runtime key set: the config's keys become the bootstrap set in the registry, and
   // the active keys (config and runtime) are what the authenticator answers from.
   KeyAdmin key_admin(**registry, **authenticator, config.auth.max_keys_per_tenant);
@@ -512,60 +422,43 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   TimerThread wait_timers;
   state.wait_timers = &wait_timers;
   futures.SetJournal(journal->get());
-  DataParallelLink engine_link(supervisor, static_cast<int32_t>(config.engine.devices.size()),
-                               DataParallelOptions{config.engine.rank_token_budget, config.engine.rebalance});
-  training::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(config);
-  coordinator_options.registry = registry->get();
-  coordinator_options.checkpoints = &checkpoints;
-  training::TrainingCoordinator coordinator(coordinator_options, engine_link, futures);
-  coordinator.scheduler().SetStepListener([&metrics, &usage](const sched::StepStats& step) {
-    usage.RecordStep(step);
-    std::vector<Metrics::StepOp> ops;
-    for (size_t i = 0; i < step.waits.size(); ++i) {
-      ops.push_back({step.waits[i].first, absl::ToDoubleSeconds(step.waits[i].second),
-                     i < step.op_tokens.size() ? step.op_tokens[i] : 0});
-    }
-    metrics.RecordStep(StepKindName(step.kind), step.ops, step.tokens, absl::ToDoubleSeconds(step.duration), ops);
-  });
-  sampling::SamplerOptions sampler_options;
-  sampler_options.base_model = config.model.name;
-  sampler_options.model_dir = config.model.path;
-  sampler_options.max_decode_steps_per_call = config.sampler.max_decode_steps_per_call;
-  sampler_options.stream_decode_steps_per_call = config.sampler.stream_decode_steps_per_call;
-  sampler_options.max_snapshots = config.sampler.max_snapshots;
-  sampler_options.max_snapshots_per_tenant = config.sampler.max_snapshots_per_tenant;
-  sampler_options.max_sessions_per_tenant = config.sampler.max_sessions_per_tenant;
-  sampler_options.session_timeout = absl::Seconds(config.sessions.adapter_timeout_s);
-  sampler_options.default_max_tokens = config.sampler.default_max_tokens;
-  sampler_options.max_num_samples = config.sampler.max_num_samples;
-  sampler_options.registry = registry->get();  // open sessions outlive a restart
-  // Colocated, sampling calls go to the training engine and interleave with its steps;
-  // dedicated, they go to the sampler workers. Either way sample requests and snapshots stay
-  // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a
-  // snapshot sees exactly the weights its adapter's earlier ops left).
-  // One lane per engine that samples: each rank of the dedicated pool, else each training
-  // rank (its snapshots are its own adapters, created on that rank only).
-  std::vector<std::unique_ptr<SupervisorEngineLink>> sampler_links;
-  std::vector<training::EngineLink*> sampling_engines;
-  Supervisor& sampling_pool = sampler_supervisor != nullptr ? *sampler_supervisor : supervisor;
-  const size_t sampling_ranks =
-      sampler_supervisor != nullptr ? config.sampler.devices.size() : config.engine.devices.size();
-  for (int32_t rank = 0; rank < static_cast<int32_t>(sampling_ranks); ++rank) {
-    sampler_links.push_back(std::make_unique<SupervisorEngineLink>(sampling_pool, rank));
-    sampling_engines.push_back(sampler_links.back().get());
+  // One stack per base model (server/model_stack.h): its workers, coordinator, sampler and
+  // checkpoint store; everything above is shared.
+  ModelStackDeps deps;
+  deps.registry = registry->get();
+  deps.futures = &futures;
+  deps.checkpoint_fs = &checkpoint_fs;
+  deps.retention_clock = &retention_clock;
+  deps.metrics = &metrics;
+  deps.usage = &usage;
+  deps.node_secret = node_secret;
+  std::vector<std::unique_ptr<ModelStack>> stacks;
+  std::vector<ModelStack*> stack_ptrs;
+  std::vector<std::string> pools;
+  for (size_t i = 0; i < config.models.size(); ++i) {
+    stacks.push_back(std::make_unique<ModelStack>(ForModel(config, i), deps, config.models.size() > 1, i));
+    stacks.back()->checkpoints().SetQuotas(StorageQuotasOf(config));
+    stack_ptrs.push_back(stacks.back().get());
+    pools.push_back(stacks.back()->training_pool());
+    if (stacks.back()->sampler_supervisor() != nullptr) pools.push_back(stacks.back()->sampler_pool());
   }
-  sampling::SamplerCoordinator sampler(sampler_options, sampling_engines, coordinator, &checkpoints, futures);
-  sampler.SetUsageListener([&metrics, &usage](const sampling::SamplerCoordinator::SampleUsage& u) {
-    usage.RecordSample(u);
-    metrics.RecordSampleTokens(u.tenant, u.prefill_tokens, u.sampled_tokens);
-  });
-  state.sampler = &sampler;
+  ModelStack& primary = *stacks.front();
+  // The stores share data_dir and the registry: one recovery covers every model's checkpoints.
+  absl::StatusOr<std::vector<std::string>> recovered = primary.checkpoints().Recover();
+  if (!recovered.ok()) {
+    return fail(absl::StrCat(where, ": storage.data_dir: recovering checkpoints: ", recovered.status().message()));
+  }
+  ModelSet models(stack_ptrs, registry->get());
+  training::CheckpointStore& checkpoints = primary.checkpoints();
+  state.models = &models;
+  state.sampler = &primary.sampler();
+
   state.keys = &key_admin;
   state.usage = &usage;
   state.authenticator = authenticator->get();
   state.rate_limiter = &rate_limiter;
   state.futures = &futures;
-  state.coordinator = &coordinator;
+  state.coordinator = &primary.coordinator();
   state.registry = registry->get();
   state.checkpoints = &checkpoints;
   state.faults = &checkpoint_fs;
@@ -590,21 +483,10 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (!config.auth.enabled) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The Tinker API (tinker-protocol.md, server/tinker): HTTP under /api/v1 and tinker.v1.TinkerService.
   tinker::TinkerOptions tinker_options;
-  tinker_options.base_model = config.model.name;
-  tinker_options.model_dir = std::filesystem::absolute(config.model.path).string();
   tinker_options.max_lora_rank = config.limits.max_lora_rank;
   tinker_options.retention = absl::Seconds(config.sessions.future_retention_s);
   tinker_options.jwt_auth = (*authenticator)->jwt_enabled();
-  tinker_options.architecture = [&supervisor] {
-    std::optional<ModelInfo> info = supervisor.model_info();
-    return info ? info->architecture : std::string();
-  };
-  tinker_options.max_context_length = [&supervisor] {
-    std::optional<ModelInfo> info = supervisor.model_info();
-    return info ? info->max_position_embeddings : int64_t{0};
-  };
-  tinker::TinkerApi tinker_api(tinker_options, coordinator, futures, registry->get(), &checkpoints, &rate_limiter,
-                               state.sampler);
+  tinker::TinkerApi tinker_api(tinker_options, models, futures, registry->get(), &checkpoints, &rate_limiter);
   absl::StatusOr<std::unique_ptr<tinker::UrlSigner>> url_signer = tinker::UrlSigner::Create(
       config.storage.url_signing_secret,
       (std::filesystem::path(config.storage.data_dir) / "url_signing.key").string());
@@ -653,7 +535,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   AddHttpRoutes(http, state, grpc_address, tls);
   tinker::AddTinkerRoutes(http, tinker_api, state);
   tinker::AddAdminRoutes(http, tinker_api, state);
-  openai::AddOpenAiRoutes(http, state, tinker_api, openai::OptionsFromConfig(config, tinker_options.model_dir));
+  // One tokenizer and chat renderer per base model, in the order of the stacks.
+  std::vector<openai::OpenAiOptions> openai_models;
+  for (const ModelStack* m : models.stacks()) {
+    openai_models.push_back(openai::OptionsFromConfig(m->config(), std::filesystem::absolute(m->model_dir()).string()));
+  }
+  openai::AddOpenAiRoutes(http, state, tinker_api, std::move(openai_models));
   if (config.testing.hooks) AddRetentionTestRoute(http, state, retention_clock);
   // The access log's tenant: Identify counts no failure; the handlers still authenticate the
   // request themselves.
@@ -687,36 +574,42 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     // interrupted (retryable), not as that failure.
     (*journal)->BeginShutdown();
     health->Shutdown();  // every service NOT_SERVING now, and it stays so
-    supervisor.RequestStop();
-    if (sampler_supervisor != nullptr) sampler_supervisor->RequestStop();
+    for (ModelStack* m : models.stacks()) m->RequestStop();
     shutdown.Notify();
   });
 
-  coordinator.Start();
-  sampler.Start();
+  for (ModelStack* m : models.stacks()) m->Start();
   Housekeeper housekeeper(state);
-  ReadinessTracker readiness(state, health, sampler_supervisor != nullptr);
-  // Both pools load at once. They are spawned from this thread, which lives as long as the
-  // workers (a worker is killed when the thread that forked it exits); only the wait for the
-  // sampler pool runs on a thread of its own. The first failure stops the other's wait, and
-  // its error (not the other's "stopped before ready") is the one reported.
-  absl::Status started = supervisor.Launch(readiness.ForPool("training"));
-  if (started.ok() && sampler_supervisor != nullptr) {
-    started = sampler_supervisor->Launch(readiness.ForPool("sampler"));
+  ReadinessTracker readiness(state, health, pools);
+  // Every pool of every model loads at once. They are spawned from this thread, which lives
+  // as long as the workers (a worker is killed when the thread that forked it exits); only the
+  // waits run on threads of their own. The first failure stops the others' waits, and its
+  // error (not the others' "stopped before ready") is the one reported.
+  std::vector<std::pair<std::string, Supervisor*>> all_pools;
+  for (ModelStack* m : models.stacks()) {
+    all_pools.emplace_back(m->training_pool(), &m->supervisor());
+    if (m->sampler_supervisor() != nullptr) all_pools.emplace_back(m->sampler_pool(), m->sampler_supervisor());
+  }
+  absl::Status started = absl::OkStatus();
+  for (auto& [pool, supervisor] : all_pools) {
+    started = supervisor->Launch(readiness.ForPool(pool));
+    if (!started.ok()) break;
   }
   if (started.ok()) {
-    absl::Status sampler_ready = absl::OkStatus();
-    std::thread sampler_waiter;
-    if (sampler_supervisor != nullptr) {
-      sampler_waiter = std::thread([&] {
-        sampler_ready = sampler_supervisor->WaitReady();
-        if (!sampler_ready.ok()) supervisor.RequestStop();
+    std::vector<absl::Status> ready(all_pools.size());
+    std::vector<std::thread> waiters;
+    for (size_t i = 0; i < all_pools.size(); ++i) {
+      waiters.emplace_back([&, i] {
+        ready[i] = all_pools[i].second->WaitReady();
+        if (!ready[i].ok()) {
+          for (auto& pool : all_pools) pool.second->RequestStop();
+        }
       });
     }
-    started = supervisor.WaitReady();
-    if (!started.ok() && sampler_supervisor != nullptr) sampler_supervisor->RequestStop();
-    if (sampler_waiter.joinable()) sampler_waiter.join();
-    if (started.ok() || (absl::IsCancelled(started) && !sampler_ready.ok())) started = sampler_ready;
+    for (std::thread& t : waiters) t.join();
+    for (const absl::Status& r : ready) {
+      if (!r.ok() && (started.ok() || (absl::IsCancelled(started) && !absl::IsCancelled(r)))) started = r;
+    }
   }
   int exit_code = 0;
   if (!started.ok() && !shutdown.HasBeenNotified()) {
@@ -725,8 +618,12 @@ int RunServer(const Config& config, const LaunchOptions& options) {
     exit_code = 1;
   } else {
     if (started.ok()) {
-      LogInfo(kLog, sampler_supervisor != nullptr ? "all engine workers and the dedicated sampler worker ready: SERVING"
-                                                  : "all engine workers ready: SERVING");
+      LogInfo(kLog, models.several()
+                        ? absl::StrCat("all engine workers of ", models.stacks().size(), " models (",
+                                       models.NamesText(), ") ready: SERVING")
+                    : primary.sampler_supervisor() != nullptr
+                        ? "all engine workers and the dedicated sampler worker ready: SERVING"
+                        : "all engine workers ready: SERVING");
     }
     shutdown.WaitForNotification();
   }
@@ -735,10 +632,10 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   grpc_server->Shutdown(std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(config.server.drain_timeout_s * 1000)));
   http.Stop();
-  sampler.Stop();      // running sampling requests fail with UNAVAILABLE
-  coordinator.Stop();  // queued work fails with UNAVAILABLE; the step in progress finishes
-  supervisor.Stop(absl::Seconds(5));
-  if (sampler_supervisor != nullptr) sampler_supervisor->Stop(absl::Seconds(5));
+  // Running sampling requests and queued work fail with UNAVAILABLE (the step in progress
+  // finishes); then the workers stop.
+  for (ModelStack* m : models.stacks()) m->StopWork();
+  for (ModelStack* m : models.stacks()) m->StopWorkers();
   // Usage counted since the last flush (a crash instead loses at most one flush interval).
   if (absl::Status s = usage.Flush(); !s.ok()) {
     LogWarning(kLog, absl::StrCat("writing the last usage counters: ", s.message()));

@@ -16,33 +16,33 @@
 #include "server/auth/key_admin.h"
 #include "server/config/config.h"
 #include "server/metrics.h"
+#include "server/model_set.h"
 
 namespace twinkle {
 
 class UsageMeter;
 
 struct ServingState {
-  ServingState(const Config& c, const Supervisor& s, Metrics& m)
-      : config(c), supervisor(s), metrics(m) {}
+  ServingState(const Config& c, Metrics& m) : config(c), metrics(m) {}
 
-  // True when every engine worker of both pools is ready and no shutdown has begun.
+  // True when every engine worker of every model's pools is ready and no shutdown has begun.
   bool Serving() const {
-    return !draining.load() && supervisor.AllReady() &&
-           (sampler_supervisor == nullptr || sampler_supervisor->AllReady());
-  }
-  // The workers that sample: the dedicated sampler pool, else the training workers.
-  const Supervisor& sampling_supervisor() const {
-    return sampler_supervisor != nullptr ? *sampler_supervisor : supervisor;
+    if (draining.load() || models == nullptr) return false;
+    for (const ModelStack* m : models->stacks()) {
+      if (!m->AllReady()) return false;
+    }
+    return true;
   }
 
   const Config& config;
-  const Supervisor& supervisor;  // the training workers
-  // The dedicated sampler workers (sampler.devices); null when sampling is colocated.
-  const Supervisor* sampler_supervisor = nullptr;
   Metrics& metrics;
   std::atomic<bool> draining{false};
 
   // Set by the App before serving; owned by it.
+  // The served base models (server/model_set.h): every request that touches a model routes
+  // through it. `coordinator`, `sampler` and `checkpoints` below are the default (first)
+  // model's, for what is not per model.
+  ModelSet* models = nullptr;
   Authenticator* authenticator = nullptr;
   tenancy::TokenRateLimiter* rate_limiter = nullptr;
   FutureStore* futures = nullptr;

@@ -89,6 +89,11 @@ int32_t TrainingCoordinator::adapter_count() const {
   return static_cast<int32_t>(adapters_.size());
 }
 
+bool TrainingCoordinator::HasAdapter(const std::string& tenant, const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  return adapters_.count(absl::StrCat(tenant, "/", name)) > 0;
+}
+
 // ---- sessions ------------------------------------------------------------------------------
 
 absl::StatusOr<std::string> TrainingCoordinator::CreateSession(const TenantContext& tenant) {
@@ -156,6 +161,12 @@ absl::Status TrainingCoordinator::Heartbeat(const TenantContext& tenant, const s
   sessions_[session_id] = Session{tenant.id, clock_.Now()};
   LogInfo(kLog, absl::StrCat("tenant ", tenant.id, ": session ", session_id, " resumed after a restart"));
   return absl::OkStatus();
+}
+
+void TrainingCoordinator::JoinSession(const std::string& tenant, const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = sessions_.try_emplace(session_id, Session{tenant, clock_.Now()});
+  if (!inserted && it->second.tenant == tenant) it->second.last_heartbeat = clock_.Now();
 }
 
 bool TrainingCoordinator::SessionAlive(const std::string& tenant, const std::string& session_id) const {
@@ -293,8 +304,9 @@ absl::StatusOr<AddAdapterResult> TrainingCoordinator::AddAdapter(const TenantCon
                                                         tenant.max_adapters, "; remove one first"));
     }
     if (static_cast<int32_t>(adapters_.size()) >= options_.max_adapters) {
-      return absl::FailedPreconditionError(absl::StrCat("the server holds its maximum of ", options_.max_adapters,
-                                                        " adapters (limits.max_adapters)"));
+      return absl::FailedPreconditionError(absl::StrCat(options_.capacity_holder, " holds its maximum of ",
+                                                        options_.max_adapters, " adapters (", options_.capacity_key,
+                                                        ")"));
     }
     adapter->run_id = absl::StrCat(args.session_id.empty() ? Hex8(std::hash<std::string>{}(adapter->key) ^
                                                                   absl::ToUnixNanos(adapter->created))

@@ -65,7 +65,11 @@ using MergedExporter = std::function<absl::StatusOr<MergedExportDone>(const Merg
 struct CoordinatorOptions {
   sched::SchedulerOptions scheduler;
   int32_t max_loras = 16;                  // adapters resident on the device at once
-  int32_t max_adapters = 64;               // server-wide
+  int32_t max_adapters = 64;               // on this coordinator's base model, all tenants
+  // How the refusal beyond max_adapters names its holder and its key: one model, "the
+  // server" and limits.max_adapters; several, "base model 'x'" and models[i].max_adapters.
+  std::string capacity_holder = "the server";
+  std::string capacity_key = "limits.max_adapters";
   int32_t max_lora_rank = 64;              // server-wide (the engine's own limit)
   int64_t max_tokens_per_request = 32768;  // server-wide hard limit on one request
   // Longest sequence a forward/forward_backward may hold (model.max_context_tokens); 0 = the
@@ -117,6 +121,12 @@ class TrainingCoordinator {
   // restart (its adapters are not: they died with the engine), once: one that ends or expires
   // afterwards stays ended. NotFound for anything else (and another tenant's).
   absl::Status Heartbeat(const TenantContext& tenant, const std::string& session_id);
+  // A live session that a sibling coordinator of this server created (several base models:
+  // one session may hold adapters of every model, server/model_set.h): known here too from
+  // now on, or its heartbeat refreshed when it already is. Not written to the registry and
+  // not counted against max_sessions: the creating coordinator did both. Another tenant's
+  // session of that id is left alone.
+  void JoinSession(const std::string& tenant, const std::string& session_id);
   // Whether `session_id` is a live session of `tenant` (it has not ended or expired).
   bool SessionAlive(const std::string& tenant, const std::string& session_id) const;
   // Ends the session: it is forgotten (heartbeats get NotFound) and its adapters are released
@@ -220,6 +230,9 @@ class TrainingCoordinator {
   CoordinatorStats stats() const;
   // Adapters per tenant, for capacity.
   int32_t adapter_count() const;
+  // Whether the tenant has an adapter of this name here (routing by adapter with several
+  // base models, server/model_set.h).
+  bool HasAdapter(const std::string& tenant, const std::string& name) const;
 
  private:
   struct Adapter;

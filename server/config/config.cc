@@ -72,6 +72,12 @@ template <typename V> void VisitFields(V& v, ModelSection& c) {
   v.Field("max_context_tokens", c.max_context_tokens, Range(0, 1e9));
   v.Field("chat_renderer_fallback", c.chat_renderer_fallback, OneOf({"", "qwen3", "qwen3_5", "llama3", "chatml"}));
 }
+template <typename V> void VisitFields(V& v, ModelEntry& c) {
+  VisitFields(v, static_cast<ModelSection&>(c));  // the `model:` keys, under the same names
+  v.Field("devices", c.devices, Spec{});
+  v.Field("sampler_devices", c.sampler_devices, Spec{});
+  v.Field("max_adapters", c.max_adapters, Range(0, 100000));
+}
 template <typename V> void VisitFields(V& v, EngineSection& c) {
   v.Field("devices", c.devices, Spec{});
   v.Field("binary", c.binary, Path());
@@ -168,7 +174,10 @@ template <typename V> void VisitFields(V& v, LoggingSection& c) {
 // `limits` comes before `auth`: a tenant's quotas start from the limits already read.
 template <typename V> void VisitFields(V& v, Config& c) {
   v.Section("server", c.server);
-  v.Section("model", c.model);
+  // `model:` (one base model) or `models:` (several); which one a file used is checked after
+  // reading (CheckModels), and print-config writes back the form the file had.
+  if (v.Wants("model", c.models_listed)) v.Section("model", c.model);
+  if (v.Wants("models", c.models_listed)) v.List("models", c.models);
   v.Section("engine", c.engine);
   v.Section("limits", c.limits);
   v.Section("auth", c.auth);
@@ -227,6 +236,14 @@ class YamlReader {
     known_.insert(name);
     const YAML::Node child = Child(name);
     ReadMap(child, Join(name), target);
+  }
+
+  // `model` is read when the file has it or has no `models` (then its missing path is the
+  // error a file without any model gets); `models` whenever present.
+  bool Wants(const char* name, bool /*listed*/) {
+    known_.insert(name);
+    if (std::string(name) == "model") return Child("model").IsDefined() || !Child("models").IsDefined();
+    return true;
   }
 
   void Field(const char* name, std::string& value, const Spec& spec) {
@@ -341,6 +358,19 @@ class YamlReader {
   }
   const std::vector<std::string>& errors() const { return errors_; }
   void set_root(const YAML::Node* root) { root_ = root; }
+  // Whether the document has this dotted key ("engine.devices"; no list indices).
+  bool Has(const std::string& dotted_key) const {
+    if (root_ == nullptr) return false;
+    std::optional<YAML::Node> n(*root_);
+    for (absl::string_view part : absl::StrSplit(dotted_key, '.')) {
+      if (!n->IsDefined() || !n->IsMap()) return false;
+      const YAML::Node& parent = *n;
+      YAML::Node child = parent[std::string(part)];
+      if (!child.IsDefined()) return false;
+      n.emplace(child);
+    }
+    return true;
+  }
 
  private:
   YAML::Node Child(const char* name) const {
@@ -367,9 +397,23 @@ class YamlReader {
     int line = 1;
     for (absl::string_view part : absl::StrSplit(dotted_key, '.')) {
       if (!n->IsDefined() || !n->IsMap()) break;
+      // "models[1]": the key, then the list item.
+      int index = -1;
+      if (const size_t open = part.find('['); open != absl::string_view::npos && part.back() == ']') {
+        if (!absl::SimpleAtoi(part.substr(open + 1, part.size() - open - 2), &index)) index = -1;
+        part = part.substr(0, open);
+      }
       const YAML::Node& parent = *n;
       YAML::Node child = parent[std::string(part)];
       if (!child.IsDefined()) break;
+      if (index >= 0) {
+        if (!child.IsSequence() || index >= static_cast<int>(child.size())) break;
+        const YAML::Node& list = child;
+        YAML::Node item = list[static_cast<size_t>(index)];
+        if (item.Mark().line >= 0) line = item.Mark().line + 1;
+        n.emplace(item);
+        continue;
+      }
       if (child.Mark().line >= 0) line = child.Mark().line + 1;
       n.emplace(child);  // rebinding, not assignment (see ReadMap)
     }
@@ -383,6 +427,8 @@ class YamlReader {
     }
     return item;
   }
+
+  void AfterItem(const YAML::Node&, const std::string&, ModelEntry&) {}
 
   // Checks of one tenant that need its YAML node (for line numbers).
   void AfterItem(const YAML::Node& item, const std::string& path, TenantConfig& t) {
@@ -459,24 +505,109 @@ bool IsDevice(const std::string& d) {
 // sampler.devices: empty (colocated) or the devices of dedicated sampler workers. A GPU is
 // either the trainer's or the sampler's: two processes each holding a copy of the base model
 // and a KV cache on one GPU would fight over its memory. CPU workers share the host, as
-// engine.devices: [cpu, cpu] does.
-void CheckSamplerDevices(const Config& c, YamlReader& r) {
-  const std::vector<std::string>& devices = c.sampler.devices;
+// engine.devices: [cpu, cpu] does. `key` / `training_key` name the lists (engine.devices and
+// sampler.devices, or models[i].devices and models[i].sampler_devices).
+void CheckSamplerDevices(const std::vector<std::string>& devices, const std::vector<std::string>& training,
+                         const std::string& key, const std::string& training_key, YamlReader& r) {
   std::set<std::string> seen;
   for (const std::string& d : devices) {
     if (!IsDevice(d)) {
-      r.ErrorAtKey("sampler.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
+      r.ErrorAtKey(key, absl::StrCat("'", d, "' is not a device (cpu or cuda:N)"));
       continue;
     }
     if (!seen.insert(d).second && d != "cpu") {
-      r.ErrorAtKey("sampler.devices", absl::StrCat("'", d, "' is listed twice"));
+      r.ErrorAtKey(key, absl::StrCat("'", d, "' is listed twice"));
     }
-    if (d != "cpu" &&
-        std::find(c.engine.devices.begin(), c.engine.devices.end(), d) != c.engine.devices.end()) {
-      r.ErrorAtKey("sampler.devices",
-                   absl::StrCat("'", d, "' is also in engine.devices; a dedicated sampler worker needs a GPU "
-                                "of its own (only cpu may be shared; leave sampler.devices empty to "
-                                "sample on the training workers)"));
+    if (d != "cpu" && std::find(training.begin(), training.end(), d) != training.end()) {
+      r.ErrorAtKey(key, absl::StrCat("'", d, "' is also in ", training_key,
+                                     "; a dedicated sampler worker needs a GPU of its own (only cpu may be "
+                                     "shared; leave ", key, " empty to sample on the training workers)"));
+    }
+  }
+}
+
+// One model's training devices: cpu, cuda:N, or DEVICE@NODE on a node agent. True when any
+// is on another node.
+bool CheckTrainingDevices(const Config& c, const std::vector<std::string>& devices, const std::string& key,
+                          YamlReader& r) {
+  if (devices.empty()) r.ErrorAtKey(key, "needs at least one device");
+  bool remote = false;
+  for (const std::string& d : devices) {
+    const size_t at = d.find('@');
+    if (at != std::string::npos) {
+      remote = true;
+      const std::string node = d.substr(at + 1);
+      const bool named = !node.empty() && node.size() <= 64 && node[0] != '_' && node[0] != '.' && node[0] != '-' &&
+                         std::all_of(node.begin(), node.end(), [](char ch) {
+                           return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
+                                  ch == '-';
+                         });
+      if (!named) {
+        r.ErrorAtKey(key, absl::StrCat("'", d, "': a node name is [a-z0-9][a-z0-9_.-]{0,63}"));
+      }
+    }
+    if (!IsDevice(d.substr(0, at))) {
+      r.ErrorAtKey(key, absl::StrCat("'", d, "' is not a device (cpu or cuda:N, or DEVICE@NODE on a node agent)"));
+    }
+  }
+  if (remote) {
+    if (devices.size() > 1 && devices[0].find('@') != std::string::npos) {
+      r.ErrorAtKey(key, absl::StrCat("rank 0 ('", devices[0], "') serves the ranks' rendezvous and must be on this node"));
+    }
+    if (c.nodes.listen.empty() || c.nodes.secret_file.empty()) {
+      r.ErrorAtKey("nodes", absl::StrCat("devices on other nodes (DEVICE@NODE in ", key,
+                                         ") need nodes.listen and nodes.secret_file"));
+    }
+  }
+  return remote;
+}
+
+// The `models:` list: not together with `model:`, not empty, names unique, and no device
+// (other than cpu) serving two models: a GPU holds one base model's workers. In the list form
+// every model names its own devices, so the top-level engine.devices and sampler.devices
+// would be ambiguous and are refused. Engines on other nodes need one node socket per
+// supervisor, so DEVICE@NODE is for a single model.
+void CheckModels(const Config& c, YamlReader& r) {
+  if (!c.models_listed) return;
+  if (r.Has("model")) {
+    r.ErrorAtKey("models", "give either model: (one base model) or models: (several), not both");
+  }
+  if (c.models.empty()) {
+    r.ErrorAtKey("models", "needs at least one model (or use model: for a single one)");
+    return;
+  }
+  for (const char* key : {"engine.devices", "sampler.devices"}) {
+    if (r.Has(key)) {
+      r.ErrorAtKey(key, absl::StrCat("with models:, each model lists its own devices (models[i].",
+                                     std::string(key) == "engine.devices" ? "devices" : "sampler_devices",
+                                     "); remove ", key));
+    }
+  }
+  std::map<std::string, size_t> names;
+  std::map<std::string, size_t> device_owner;  // non-cpu device -> model index
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const ModelEntry& m = c.models[i];
+    const std::string at = absl::StrCat("models[", i, "]");
+    if (auto [it, inserted] = names.emplace(m.name, i); !inserted) {
+      r.ErrorAtKey(at + ".name", absl::StrCat("'", m.name, "' is already the name of models[", it->second,
+                                              "]; every model needs its own name (name:, default: the directory's name)"));
+    }
+    const bool remote = CheckTrainingDevices(c, m.devices, at + ".devices", r);
+    if (remote && c.models.size() > 1) {
+      r.ErrorAtKey(at + ".devices", "devices on other nodes (DEVICE@NODE) are supported with a single model only");
+    }
+    CheckSamplerDevices(m.sampler_devices, m.devices, at + ".sampler_devices", at + ".devices", r);
+    for (const auto& [list, key] : {std::pair{&m.devices, at + ".devices"},
+                                    std::pair{&m.sampler_devices, at + ".sampler_devices"}}) {
+      for (const std::string& d : *list) {
+        if (d == "cpu" || !IsDevice(d.substr(0, d.find('@')))) continue;
+        auto [it, inserted] = device_owner.emplace(d, i);
+        if (!inserted && it->second != i) {
+          r.ErrorAtKey(key, absl::StrCat("'", d, "' is already used by models[", it->second, "] ('",
+                                         c.models[it->second].name,
+                                         "'); a device serves one model (only cpu may be shared)"));
+        }
+      }
     }
   }
 }
@@ -510,35 +641,18 @@ void CheckSemantics(const Config& c, YamlReader& r) {
   if (c.server.tls.cert_file.empty() != c.server.tls.key_file.empty()) {
     r.ErrorAtKey("server.tls", "set both cert_file and key_file, or neither");
   }
-  if (c.engine.devices.empty()) r.ErrorAtKey("engine.devices", "needs at least one device");
+  // One model: engine.devices and sampler.devices (models[0] mirrors them); several: each
+  // model's lists (CheckModels).
   bool remote = false;
-  for (const std::string& d : c.engine.devices) {
-    const size_t at = d.find('@');
-    if (at != std::string::npos) {
-      remote = true;
-      const std::string node = d.substr(at + 1);
-      const bool named = !node.empty() && node.size() <= 64 && node[0] != '_' && node[0] != '.' && node[0] != '-' &&
-                         std::all_of(node.begin(), node.end(), [](char ch) {
-                           return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
-                                  ch == '-';
-                         });
-      if (!named) {
-        r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "': a node name is [a-z0-9][a-z0-9_.-]{0,63}"));
-      }
+  if (c.models_listed) {
+    for (const ModelEntry& m : c.models) {
+      remote |= std::any_of(m.devices.begin(), m.devices.end(),
+                            [](const std::string& d) { return d.find('@') != std::string::npos; });
     }
-    if (!IsDevice(d.substr(0, at))) {
-      r.ErrorAtKey("engine.devices", absl::StrCat("'", d, "' is not a device (cpu or cuda:N, or DEVICE@NODE on a node agent)"));
-    }
-  }
-  if (remote) {
-    if (c.engine.devices.size() > 1 && c.engine.devices[0].find('@') != std::string::npos) {
-      r.ErrorAtKey("engine.devices", absl::StrCat("rank 0 ('", c.engine.devices[0],
-                                                  "') serves the ranks' rendezvous and must be on this node"));
-    }
-    if (c.nodes.listen.empty() || c.nodes.secret_file.empty()) {
-      r.ErrorAtKey("nodes", "devices on other nodes (DEVICE@NODE in engine.devices) need nodes.listen and "
-                            "nodes.secret_file");
-    }
+    CheckModels(c, r);
+  } else {
+    remote = CheckTrainingDevices(c, c.engine.devices, "engine.devices", r);
+    CheckSamplerDevices(c.sampler.devices, c.engine.devices, "sampler.devices", "engine.devices", r);
   }
   if (!c.nodes.listen.empty()) {
     const size_t colon = c.nodes.listen.rfind(':');
@@ -549,12 +663,11 @@ void CheckSemantics(const Config& c, YamlReader& r) {
     }
     if (c.nodes.secret_file.empty()) r.ErrorAtKey("nodes.secret_file", "nodes.listen needs the node secret");
     const std::string host = RendezvousHost(c);
-    if (remote && c.engine.devices.size() > 1 && (host == "0.0.0.0" || host == "::" || host == "*" || host.empty())) {
+    if (remote && c.models[0].devices.size() > 1 && (host == "0.0.0.0" || host == "::" || host == "*" || host.empty())) {
       r.ErrorAtKey("nodes.rendezvous_host", absl::StrCat("nodes.listen binds '", host,
                                                          "': set the address other nodes reach this node at"));
     }
   }
-  CheckSamplerDevices(c, r);
   if (c.engine.heartbeat_timeout_ms <= 2 * c.engine.heartbeat_interval_ms) {
     r.ErrorAtKey("engine.heartbeat_timeout_ms",
                  absl::StrCat("must exceed twice heartbeat_interval_ms (",
@@ -639,6 +752,8 @@ void ReadTenantsFile(Config& config, YamlReader& main_reader,
 
 class JsonRenderer {
  public:
+  // The form the file had: `models:` when it listed models, else `model:`.
+  bool Wants(const char* name, bool listed) { return (std::string(name) == "models") == listed; }
   template <typename T> void Section(const char* name, T& target) {
     JsonRenderer child;
     VisitFields(child, target);
@@ -690,7 +805,35 @@ void EmitYaml(YAML::Emitter& e, const nlohmann::ordered_json& j) {
   }
 }
 
+// Both forms become `models` (see Config::models); names default to the directory's name.
+void NormalizeModels(Config& c) {
+  if (!c.models_listed) {
+    ModelEntry m;
+    static_cast<ModelSection&>(m) = c.model;
+    m.devices = c.engine.devices;
+    m.sampler_devices = c.sampler.devices;
+    c.models = {std::move(m)};
+  }
+  for (ModelEntry& m : c.models) {
+    if (m.name.empty()) m.name = std::filesystem::path(m.path).filename().string();
+    if (m.max_adapters == 0) m.max_adapters = c.limits.max_adapters;
+  }
+  if (c.models_listed && !c.models.empty()) c.model = c.models[0];
+  else if (!c.models.empty()) c.model.name = c.models[0].name;
+}
+
 }  // namespace
+
+Config ForModel(const Config& config, size_t index) {
+  Config c = config;
+  const ModelEntry& m = config.models.at(index);
+  c.model = m;
+  c.engine.devices = m.devices;
+  c.sampler.devices = m.sampler_devices;
+  c.limits.max_adapters = m.max_adapters;
+  c.models = {m};
+  return c;
+}
 
 bool IsLoopbackHost(const std::string& host) {
   if (host == "localhost" || host == "::1" || host == "[::1]") return true;
@@ -713,7 +856,9 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
   YamlReader reader(file_name.string(), file_name.parent_path());
   reader.set_root(&root);
   reader.set_tenant_defaults(&config.limits);
+  config.models_listed = reader.Has("models");
   reader.ReadMap(root, "", config);
+  NormalizeModels(config);
   std::vector<YamlReader::Location> tenant_locations = reader.tenant_locations();
   if (!config.auth.tenants_file.empty()) ReadTenantsFile(config, reader, tenant_locations);
   std::vector<std::string> unique_errors;
@@ -722,9 +867,6 @@ absl::StatusOr<Config> ParseConfig(const std::string& yaml_text,
   if (reader.errors().empty()) CheckSemantics(config, reader);
   if (!reader.errors().empty()) {
     return absl::InvalidArgumentError(absl::StrJoin(reader.errors(), "\n"));
-  }
-  if (config.model.name.empty()) {
-    config.model.name = std::filesystem::path(config.model.path).filename().string();
   }
   // The default data_dir lives beside the config file, like a relative path key would.
   if (config.storage.data_dir.empty()) {
@@ -754,13 +896,16 @@ absl::Status CheckEnvironment(const Config& config) {
   namespace fs = std::filesystem;
   const std::string where = config.source_file.string();
   std::error_code ec;
-  if (!fs::is_directory(config.model.path, ec)) {
-    return absl::NotFoundError(absl::StrCat(where, ": model.path: model directory ",
-                                            config.model.path, " does not exist"));
-  }
-  if (!fs::is_regular_file(fs::path(config.model.path) / "config.json", ec)) {
-    return absl::NotFoundError(absl::StrCat(where, ": model.path: ", config.model.path,
-                                            " has no config.json (not an HF model directory)"));
+  for (size_t i = 0; i < std::max<size_t>(config.models.size(), 1); ++i) {
+    const std::string& path = config.models.empty() ? config.model.path : config.models[i].path;
+    const std::string key = config.models_listed ? absl::StrCat("models[", i, "].path") : "model.path";
+    if (!fs::is_directory(path, ec)) {
+      return absl::NotFoundError(absl::StrCat(where, ": ", key, ": model directory ", path, " does not exist"));
+    }
+    if (!fs::is_regular_file(fs::path(path) / "config.json", ec)) {
+      return absl::NotFoundError(
+          absl::StrCat(where, ": ", key, ": ", path, " has no config.json (not an HF model directory)"));
+    }
   }
   for (const auto& [key, file] :
        {std::pair{"server.tls.cert_file", config.server.tls.cert_file},
@@ -776,6 +921,12 @@ absl::Status CheckEnvironment(const Config& config) {
 std::string RenderConfig(const Config& config, ConfigFormat format) {
   JsonRenderer renderer;
   VisitFields(renderer, const_cast<Config&>(config));  // the renderer only reads
+  // The list form names devices per model; the top-level lists would be refused on reading
+  // the output back.
+  if (config.models_listed) {
+    renderer.out_["engine"].erase("devices");
+    renderer.out_["sampler"].erase("devices");
+  }
   // A path may hold bytes that are not UTF-8 (Linux file names are bytes); JSON output shows
   // them as U+FFFD instead of throwing out of print-config.
   if (format == ConfigFormat::kJson) {

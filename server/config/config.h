@@ -50,6 +50,18 @@ struct ModelSection {
   int64_t max_context_tokens = 0;
 };
 
+// One entry of `models:` (several base models in one deployment): the `model:` keys plus what
+// is this model's own: its training devices, its dedicated sampler devices and its capacity.
+// Everything else (engine timeouts, scheduler, sampler sizes, limits) is shared and applies
+// to every model's workers alike.
+struct ModelEntry : ModelSection {
+  std::vector<std::string> devices = {"cpu"};  // its training workers, as engine.devices
+  std::vector<std::string> sampler_devices;    // its dedicated sampler workers, as sampler.devices
+  // Adapters live on this model at once, over all tenants; 0 = limits.max_adapters. Adapters
+  // of one model never take another's room.
+  int32_t max_adapters = 0;
+};
+
 struct EngineSection {
   std::vector<std::string> devices = {"cpu"};  // one engine worker per entry
   std::string binary;                          // default: twinkle-engine beside twinkle-server
@@ -211,9 +223,20 @@ struct Config {
   NodesSection nodes;
   TestingSection testing;
   LoggingSection logging;
+  // The base models served. After parsing it always holds at least one entry: the `models:`
+  // list as written, or the single `model:` with engine.devices, sampler.devices and
+  // limits.max_adapters. `model`, `engine.devices` and `sampler.devices` then mirror
+  // models[0], so code that serves one model reads them as before.
+  std::vector<ModelEntry> models;
 
   std::filesystem::path source_file;  // where it was read from (not a key)
+  bool models_listed = false;         // the file used `models:` (print-config writes it back so)
 };
+
+// The config one model's stack runs with: `config` with model, engine.devices,
+// sampler.devices and limits.max_adapters taken from models[index], and models holding only
+// that entry. Every per-model piece (supervisor, coordinator, sampler) is built from it.
+Config ForModel(const Config& config, size_t index);
 
 // Reads and validates a config file. Errors name the file, line and dotted key:
 //   "configs/x.yaml:4: server.grpc_prot: unknown key (known: host, grpc_port, ...)"

@@ -76,9 +76,15 @@ absl::Status FillSample(const FutureValue& value, v1::SampleResponse* response) 
 TWINKLE_RPC_DEF(CreateSamplingSession, CreateSamplingSessionRequest, SamplingSession) {
   return HandleNow(context, state_, "SamplerService/CreateSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
     const training::TenantContext tenant = training::ContextOf(t);
-    absl::StatusOr<std::string> id = state_.sampler->CreateSession(tenant, request->model_path());
+    // A checkpoint samples on the model it was trained on; the base model on the one named.
+    absl::StatusOr<ModelStack*> stack = request->model_path().empty()
+                                            ? state_.models->ForBaseModel(request->base_model())
+                                            : &state_.models->ForCheckpoint(t.id, request->model_path());
+    if (!stack.ok()) return stack.status();
+    sampling::SamplerCoordinator& sampler = (*stack)->sampler();
+    absl::StatusOr<std::string> id = sampler.CreateSession(tenant, request->model_path());
     if (!id.ok()) return id.status();
-    absl::StatusOr<sampling::SamplingSessionInfo> info = state_.sampler->GetSession(tenant, *id);
+    absl::StatusOr<sampling::SamplingSessionInfo> info = sampler.GetSession(tenant, *id);
     if (!info.ok()) return info.status();
     FillSession(*info, response);
     return absl::OkStatus();
@@ -91,15 +97,19 @@ TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
       context, state_, "SamplerService/SnapshotAdapter", false,
       [&](const tenancy::Tenant& t) {
         *tenant = training::ContextOf(t);
-        return state_.sampler->SubmitSnapshotSession(*tenant, request->adapter_name(),
-                                                     ToSubmitOptions(context, request->options(), request));
+        // On the adapter's model (the default one answers NotFound for an unknown adapter).
+        ModelStack* stack = state_.models->OfAdapter(t.id, request->adapter_name());
+        return (stack != nullptr ? stack : &state_.models->primary())
+            ->sampler()
+            .SubmitSnapshotSession(*tenant, request->adapter_name(), ToSubmitOptions(context, request->options(), request));
       },
       [](uint64_t) {},
       [this, tenant, response](const FutureValue& value) -> absl::Status {
         const auto* snapshot = std::get_if<sampling::SnapshotSession>(&value);
         if (snapshot == nullptr) return absl::InternalError("snapshot: unexpected result type");
         absl::StatusOr<sampling::SamplingSessionInfo> info =
-            state_.sampler->GetSession(*tenant, snapshot->sampling_session_id);
+            state_.models->SamplerFor(tenant->id, snapshot->sampling_session_id)
+                .GetSession(*tenant, snapshot->sampling_session_id);
         if (!info.ok()) return info.status();
         FillSession(*info, response);
         response->set_model_path("");
@@ -110,7 +120,8 @@ TWINKLE_RPC_DEF(SnapshotAdapter, SnapshotAdapterRequest, SamplingSession) {
 TWINKLE_RPC_DEF(GetSamplingSession, SamplingSessionRequest, SamplingSession) {
   return HandleNow(context, state_, "SamplerService/GetSamplingSession", [&](const tenancy::Tenant& t) -> absl::Status {
     absl::StatusOr<sampling::SamplingSessionInfo> info =
-        state_.sampler->GetSession(training::ContextOf(t), request->sampling_session_id());
+        state_.models->SamplerFor(t.id, request->sampling_session_id())
+            .GetSession(training::ContextOf(t), request->sampling_session_id());
     if (!info.ok()) return info.status();
     FillSession(*info, response);
     return absl::OkStatus();
@@ -119,7 +130,8 @@ TWINKLE_RPC_DEF(GetSamplingSession, SamplingSessionRequest, SamplingSession) {
 
 TWINKLE_RPC_DEF(CloseSamplingSession, SamplingSessionRequest, Empty) {
   return HandleNow(context, state_, "SamplerService/CloseSamplingSession", [&](const tenancy::Tenant& t) {
-    return state_.sampler->CloseSession(training::ContextOf(t), request->sampling_session_id());
+    return state_.models->SamplerFor(t.id, request->sampling_session_id())
+        .CloseSession(training::ContextOf(t), request->sampling_session_id());
   });
 }
 
@@ -131,11 +143,12 @@ TWINKLE_RPC_DEF(Sample, SampleRequest, SampleResponse) {
         for (const v1::Prompt& p : request->prompts()) prompts.emplace_back(p.tokens().begin(), p.tokens().end());
         const sampling::SamplingParams params = ToParams(request->params());
         // Charged to the tenant's token rate like training.
-        const int64_t tokens = state_.sampler->TokensOf(prompts, params);
+        sampling::SamplerCoordinator& sampler = state_.models->SamplerFor(t.id, request->sampling_session_id());
+        const int64_t tokens = sampler.TokensOf(prompts, params);
         if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return absl::StatusOr<uint64_t>(s);
-        absl::StatusOr<uint64_t> id = state_.sampler->SubmitSample(training::ContextOf(t), request->sampling_session_id(),
-                                                                   std::move(prompts), params,
-                                                                   ToSubmitOptions(context, request->options(), request));
+        absl::StatusOr<uint64_t> id = sampler.SubmitSample(training::ContextOf(t), request->sampling_session_id(),
+                                                           std::move(prompts), params,
+                                                           ToSubmitOptions(context, request->options(), request));
         if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
         return id;
       },

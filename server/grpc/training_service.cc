@@ -53,7 +53,7 @@ std::map<std::string, double> ToMap(const google::protobuf::Map<std::string, dou
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, CreateSession, CreateSessionRequest, CreateSessionResponse) {
   return HandleNow(context, state_, "TrainingService/CreateSession", [&](const tenancy::Tenant& t) {
-    absl::StatusOr<std::string> id = state_.coordinator->CreateSession(training::ContextOf(t));
+    absl::StatusOr<std::string> id = state_.models->CreateSession(training::ContextOf(t));
     if (!id.ok()) return id.status();
     response->set_session_id(*id);
     return absl::OkStatus();
@@ -62,7 +62,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CreateSession, CreateSessionRequest, Create
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, SessionHeartbeat, SessionHeartbeatRequest, SessionHeartbeatResponse) {
   return HandleNow(context, state_, "TrainingService/SessionHeartbeat", [&](const tenancy::Tenant& t) {
-    return state_.coordinator->Heartbeat(training::ContextOf(t), request->session_id());
+    return state_.models->Heartbeat(training::ContextOf(t), request->session_id());
   });
 }
 
@@ -81,7 +81,20 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
     args.gradient_accumulation_steps =
         request->gradient_accumulation_steps() == 0 ? 1 : request->gradient_accumulation_steps();
     args.session_id = request->session_id();
-    absl::StatusOr<training::AddAdapterResult> r = state_.coordinator->AddAdapter(training::ContextOf(t), args);
+    // On the base model it names (the default one when none); an adapter name is the tenant's
+    // across models, so later calls that name only the adapter find their model.
+    absl::StatusOr<ModelStack*> stack = state_.models->ForBaseModel(request->base_model());
+    if (!stack.ok()) return stack.status();
+    if (ModelStack* other = state_.models->OfAdapter(t.id, args.name); other != nullptr && other != *stack) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("adapter '", args.name, "' already exists (on base model '", other->name(), "')"));
+    }
+    // The tenant's quota counts its adapters on every model (each coordinator sees only its own).
+    if (const int32_t mine = state_.models->AdaptersOf(training::ContextOf(t)); mine >= t.quotas.max_adapters) {
+      return absl::FailedPreconditionError(absl::StrCat("you have ", mine, " adapters, your quota (max_adapters) is ",
+                                                        t.quotas.max_adapters, "; remove one first"));
+    }
+    absl::StatusOr<training::AddAdapterResult> r = (*stack)->coordinator().AddAdapter(training::ContextOf(t), args);
     if (!r.ok()) return r.status();
     response->set_adapter_name(r->name);
     response->set_num_parameters(r->num_parameters);
@@ -92,7 +105,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, AddAdapter, AddAdapterRequest, AddAdapterRe
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, RemoveAdapter, AdapterRequest, Empty) {
   return HandleNow(context, state_, "TrainingService/RemoveAdapter", [&](const tenancy::Tenant& t) {
-    return state_.coordinator->RemoveAdapter(training::ContextOf(t), request->adapter_name());
+    return state_.models->CoordinatorFor(t.id, request->adapter_name()).RemoveAdapter(training::ContextOf(t), request->adapter_name());
   });
 }
 
@@ -100,7 +113,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetLoss, SetLossRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/SetLoss", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetLoss(training::ContextOf(t), request->adapter_name(), request->loss_cls(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitSetLoss(training::ContextOf(t), request->adapter_name(), request->loss_cls(),
                                                  ToMap(request->config()),
                                                  {request->string_config().begin(), request->string_config().end()});
       },
@@ -111,7 +124,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetOptimizer, SetOptimizerRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/SetOptimizer", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetOptimizer(training::ContextOf(t), request->adapter_name(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitSetOptimizer(training::ContextOf(t), request->adapter_name(),
                                                       request->optimizer_cls(), ToMap(request->config()));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -121,7 +134,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, SetLrScheduler, SetLrSchedulerRequest, Empt
   return HandleQueued(
       context, state_, "TrainingService/SetLrScheduler", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitSetLrScheduler(training::ContextOf(t), request->adapter_name(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitSetLrScheduler(training::ContextOf(t), request->adapter_name(),
                                                         request->scheduler_cls(), ToMap(request->config()));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -137,7 +150,7 @@ grpc::ServerUnaryReactor* TrainingServiceImpl::RunForward(grpc::CallbackServerCo
         int64_t tokens = 0;
         for (const auto& f : args.inputs) tokens += static_cast<int64_t>(f.input_ids.size());
         if (absl::Status s = state_.rate_limiter->Acquire(t, tokens); !s.ok()) return s;
-        absl::StatusOr<uint64_t> id = state_.coordinator->SubmitForward(
+        absl::StatusOr<uint64_t> id = state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitForward(
             training::ContextOf(t), request->adapter_name(), static_cast<ForwardMode>(mode), args,
             request->disable_lora(), ToSubmitOptions(context, request->options(), request));
         if (!id.ok()) state_.rate_limiter->Refund(t, tokens);
@@ -166,7 +179,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CalculateLoss, AdapterRequest, ScalarRespon
   return HandleQueued(
       context, state_, "TrainingService/CalculateLoss", request->options().return_future(),
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitCalculateLoss(training::ContextOf(t), request->adapter_name(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitCalculateLoss(training::ContextOf(t), request->adapter_name(),
                                                        ToSubmitOptions(context, request->options(), request));
       },
       [response](uint64_t id) { response->set_future_id(id); },
@@ -180,7 +193,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Backward, AdapterRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/Backward", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitBackward(training::ContextOf(t), request->adapter_name(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitBackward(training::ContextOf(t), request->adapter_name(),
                                                   ToSubmitOptions(context, request->options(), request));
       },
       [](uint64_t) {}, [](const OpOutput&) { return absl::OkStatus(); });
@@ -194,7 +207,7 @@ grpc::ServerUnaryReactor* TrainingServiceImpl::RunControl(grpc::CallbackServerCo
   return HandleQueued(
       context, state_, method, options.return_future(),
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitControl(training::ContextOf(t), adapter, static_cast<Control>(control), max_norm,
+        return state_.models->CoordinatorFor(t.id, adapter).SubmitControl(training::ContextOf(t), adapter, static_cast<Control>(control), max_norm,
                                                  norm_type, ToSubmitOptions(context, options));
       },
       [response](uint64_t id) { response->set_future_id(id); },
@@ -233,7 +246,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, CalculateMetric, CalculateMetricRequest, Me
   return HandleQueued(
       context, state_, "TrainingService/CalculateMetric", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitCalculateMetric(training::ContextOf(t), request->adapter_name(),
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitCalculateMetric(training::ContextOf(t), request->adapter_name(),
                                                          request->is_training());
       },
       [](uint64_t) {},
@@ -247,7 +260,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, GetTrainConfigs, AdapterRequest, TextRespon
   return HandleQueued(
       context, state_, "TrainingService/GetTrainConfigs", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitGetTrainConfigs(training::ContextOf(t), request->adapter_name());
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitGetTrainConfigs(training::ContextOf(t), request->adapter_name());
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -260,7 +273,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, GetStateDict, AdapterRequest, StateDictResp
   return HandleQueued(
       context, state_, "TrainingService/GetStateDict", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitGetStateDict(training::ContextOf(t), request->adapter_name());
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitGetStateDict(training::ContextOf(t), request->adapter_name());
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -284,7 +297,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Save, SaveRequest, SaveResponse) {
         args.is_sampler = request->is_sampler();
         args.consumed_train_samples = request->consumed_train_samples();
         if (request->has_ttl_seconds()) args.ttl_seconds = request->ttl_seconds();
-        return state_.coordinator->SubmitSave(training::ContextOf(t), request->adapter_name(), args);
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitSave(training::ContextOf(t), request->adapter_name(), args);
       },
       [](uint64_t) {},
       [response](const OpOutput& out) {
@@ -299,7 +312,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, Load, LoadRequest, Empty) {
   return HandleQueued(
       context, state_, "TrainingService/Load", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitLoad(
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitLoad(
             training::ContextOf(t), request->adapter_name(), request->name(),
             request->load_optimizer() ? training::LoadMode::kWeightsAndOptimizer : training::LoadMode::kWeights);
       },
@@ -310,7 +323,7 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, ResumeFromCheckpoint, LoadRequest, ResumeRe
   return HandleQueued(
       context, state_, "TrainingService/ResumeFromCheckpoint", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitLoad(
+        return state_.models->CoordinatorFor(t.id, request->adapter_name()).SubmitLoad(
             training::ContextOf(t), request->adapter_name(), request->name(),
             request->resume_only_model() ? training::LoadMode::kResumeOnlyModel : training::LoadMode::kResume);
       },
@@ -346,25 +359,31 @@ TWINKLE_RPC_DEF(TrainingServiceImpl, WaitFuture, WaitFutureRequest, FutureRespon
 
 TWINKLE_RPC_DEF(TrainingServiceImpl, CancelFuture, CancelFutureRequest, Empty) {
   return HandleNow(context, state_, "TrainingService/CancelFuture", [&](const tenancy::Tenant& t) {
-    return state_.coordinator->scheduler().Cancel(request->future_id(), t.id);
+    // Future ids are server-wide; the scheduler that queued it is the one that knows it.
+    absl::Status status = absl::NotFoundError("unknown future");
+    for (ModelStack* m : state_.models->stacks()) {
+      status = m->coordinator().scheduler().Cancel(request->future_id(), t.id);
+      if (!absl::IsNotFound(status)) return status;
+    }
+    return status;
   });
 }
 
 TWINKLE_RPC_DEF(TestingServiceImpl, PauseScheduler, Empty, Empty) {
   return HandleNow(context, state_, "TestingService/PauseScheduler", [&](const tenancy::Tenant&) {
-    state_.coordinator->scheduler().Pause();
+    for (ModelStack* m : state_.models->stacks()) m->coordinator().scheduler().Pause();
     return absl::OkStatus();
   });
 }
 TWINKLE_RPC_DEF(TestingServiceImpl, ResumeScheduler, Empty, Empty) {
   return HandleNow(context, state_, "TestingService/ResumeScheduler", [&](const tenancy::Tenant&) {
-    state_.coordinator->scheduler().Resume();
+    for (ModelStack* m : state_.models->stacks()) m->coordinator().scheduler().Resume();
     return absl::OkStatus();
   });
 }
 TWINKLE_RPC_DEF(TestingServiceImpl, StepScheduler, StepSchedulerRequest, Empty) {
   return HandleNow(context, state_, "TestingService/StepScheduler", [&](const tenancy::Tenant&) {
-    state_.coordinator->scheduler().Step(request->steps() <= 0 ? 1 : request->steps());
+    for (ModelStack* m : state_.models->stacks()) m->coordinator().scheduler().Step(request->steps() <= 0 ? 1 : request->steps());
     return absl::OkStatus();
   });
 }

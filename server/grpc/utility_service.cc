@@ -16,10 +16,13 @@
 namespace twinkle {
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* context, const twinkle::v1::GetServerInfoRequest*,
+    grpc::CallbackServerContext* context, const twinkle::v1::GetServerInfoRequest* request,
     twinkle::v1::ServerInfo* response) {
   return HandleNow(context, state_, "UtilityService/GetServerInfo", [&](const tenancy::Tenant&) -> absl::Status {
-    const Config& config = state_.config;
+    absl::StatusOr<ModelStack*> named = state_.models->ForBaseModel(request->base_model());
+    if (!named.ok()) return named.status();
+    const ModelStack& stack = **named;
+    const Config& config = stack.config();  // the named model's (ForModel)
     response->set_server_version(kTwinkleVersion);
     response->set_base_model_id(config.model.name);
     response->set_base_model_name(std::filesystem::path(config.model.path).filename().string());
@@ -29,12 +32,13 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
     limits->set_max_adapters(config.limits.max_adapters);
     limits->set_max_lora_rank(config.limits.max_lora_rank);
     limits->set_max_tokens_per_request(config.limits.max_tokens_per_request);
-    if (std::optional<ModelInfo> info = state_.supervisor.model_info()) {
+    if (std::optional<ModelInfo> info = stack.supervisor().model_info()) {
       response->set_architecture(info->architecture);
       response->set_parameter_count(info->parameter_count);
       for (const std::string& loss : info->supported_losses) response->add_supported_loss_names(loss);
     }
-    auto add_devices = [&](const Supervisor& supervisor, const char* pool) {
+    // Pools keep the names "training" and "sampler"; `model` says whose workers they are.
+    auto add_devices = [&](const Supervisor& supervisor, const char* pool, const std::string& model) {
       for (const WorkerSnapshot& w : supervisor.Snapshot()) {
         auto* device = response->add_devices();
         device->set_rank(w.rank);
@@ -42,38 +46,54 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::GetServerInfo(
         device->set_ready(w.ready);
         device->set_restarts(w.restarts);
         device->set_pool(pool);
+        device->set_model(model);
       }
     };
-    add_devices(state_.supervisor, "training");
-    if (state_.sampler_supervisor != nullptr) add_devices(*state_.sampler_supervisor, "sampler");
+    for (const ModelStack* m : state_.models->stacks()) {
+      add_devices(m->supervisor(), "training", m->name());
+      if (m->sampler_supervisor() != nullptr) add_devices(*m->sampler_supervisor(), "sampler", m->name());
+      twinkle::v1::ModelSummary* summary = response->add_models();
+      summary->set_name(m->name());
+      summary->set_directory(std::filesystem::path(m->model_dir()).filename().string());
+      if (std::optional<ModelInfo> info = m->supervisor().model_info()) summary->set_architecture(info->architecture);
+      summary->set_dtype(m->config().model.dtype);
+      summary->set_max_adapters(m->config().limits.max_adapters);
+      summary->set_used_adapters(m->coordinator().adapter_count());
+      summary->set_serving(!state_.draining.load() && m->AllReady());
+    }
     response->set_serving(state_.Serving());
     return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetCapacity(grpc::CallbackServerContext* context,
-                                                          const twinkle::v1::GetCapacityRequest*,
+                                                          const twinkle::v1::GetCapacityRequest* request,
                                                           twinkle::v1::Capacity* response) {
   return HandleNow(context, state_, "UtilityService/GetCapacity", [&](const tenancy::Tenant& tenant) -> absl::Status {
+    absl::StatusOr<ModelStack*> named = state_.models->ForBaseModel(request->base_model());
+    if (!named.ok()) return named.status();
+    ModelStack& stack = **named;
+    response->set_base_model(stack.name());
     if (state_.checkpoints != nullptr) {
       absl::StatusOr<int64_t> stored = state_.checkpoints->StorageBytes(tenant.id);
       if (!stored.ok()) return stored.status();
       response->set_storage_bytes_used(*stored);
       response->set_storage_quota_bytes(state_.checkpoints->quotas().For(tenant.id));
     }
-    // Server-wide: how many adapters exist, of how many the server holds at most.
-    const int32_t max = state_.config.limits.max_adapters;
-    const int32_t used = state_.coordinator->adapter_count();
+    // The model's: how many adapters live on it, of how many it holds at most
+    // (models[i].max_adapters; limits.max_adapters with one model).
+    const int32_t max = stack.config().limits.max_adapters;
+    const int32_t used = stack.coordinator().adapter_count();
     response->set_max_adapters(max);
     response->set_used_adapters(used);
     response->set_free_adapters(std::max(0, max - used));
     // The sampler's room is that of the workers that sample: the dedicated pool when there is one.
-    const Supervisor& sampling = state_.sampling_supervisor();
-    response->set_sampler_mode(state_.sampler_supervisor != nullptr ? "dedicated" : "colocated");
+    const Supervisor& sampling = stack.sampling_supervisor();
+    response->set_sampler_mode(stack.sampler_supervisor() != nullptr ? "dedicated" : "colocated");
     response->set_sampler_ready(!state_.draining.load() && sampling.AllReady());
     response->set_sampler_max_snapshots(state_.config.sampler.max_snapshots);
-    if (state_.sampler != nullptr) {
-      const sampling::SamplerStats stats = state_.sampler->stats();
+    {
+      const sampling::SamplerStats stats = stack.sampler().stats();
       // One lane per worker that samples (the training pool's rank 0 when colocated, every
       // sampler worker when dedicated), each with the cache size every worker loaded with.
       if (std::optional<ModelInfo> info = sampling.model_info()) {
@@ -213,10 +233,12 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::DeleteCheckpoint(grpc::CallbackSer
 }
 
 grpc::ServerUnaryReactor* UtilityServiceImpl::GetTokenizerFiles(grpc::CallbackServerContext* context,
-                                                                const twinkle::v1::GetTokenizerFilesRequest*,
+                                                                const twinkle::v1::GetTokenizerFilesRequest* request,
                                                                 twinkle::v1::GetTokenizerFilesResponse* response) {
   return HandleNow(context, state_, "UtilityService/GetTokenizerFiles", [&](const tenancy::Tenant&) -> absl::Status {
-    const std::filesystem::path dir(state_.config.model.path);
+    absl::StatusOr<ModelStack*> named = state_.models->ForBaseModel(request->base_model());
+    if (!named.ok()) return named.status();
+    const std::filesystem::path dir((*named)->model_dir());
     for (const char* name : kTokenizerFiles) {
       std::ifstream in(dir / name, std::ios::binary);
       if (!in) continue;
@@ -237,7 +259,8 @@ grpc::ServerUnaryReactor* UtilityServiceImpl::ExportMergedModel(grpc::CallbackSe
   return HandleQueued(
       context, state_, "UtilityService/ExportMergedModel", false,
       [&](const tenancy::Tenant& t) {
-        return state_.coordinator->SubmitExport(training::ContextOf(t), request->checkpoint_path(), request->name());
+        // Folded into the base model its run was trained on.
+        return state_.models->ForCheckpoint(t.id, request->checkpoint_path()).coordinator().SubmitExport(training::ContextOf(t), request->checkpoint_path(), request->name());
       },
       [](uint64_t) {},
       [response](const training::OpOutput& out) {

@@ -179,23 +179,29 @@ struct StreamCall {
 
 class Handlers {
  public:
-  Handlers(ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options)
-      : state_(state), tinker_(tinker), options_(std::move(options)) {}
+  Handlers(ServingState& state, tinker::TinkerApi& tinker, std::vector<OpenAiOptions> models)
+      : state_(state), tinker_(tinker), models_(std::move(models)) {}
 
   HttpResponse Models(const HttpRequest& http) {
     absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
     if (!tenant.ok()) return ErrorResponse(tenant.status());
     Json data = Json::array();
-    data.push_back({{"id", options_.base_model}, {"object", "model"}, {"created", 0}, {"owned_by", "twinkle"},
-                    {"root", options_.base_model}, {"parent", nullptr}});
+    // Every served base model (the default one first).
+    for (const OpenAiOptions& m : models_) {
+      data.push_back({{"id", m.base_model}, {"object", "model"}, {"created", 0}, {"owned_by", "twinkle"},
+                      {"root", m.base_model}, {"parent", nullptr}});
+    }
     // The caller's sampler checkpoints, then other tenants' published ones.
     absl::StatusOr<Json> checkpoints = tinker_.ListUserCheckpointsScoped(**tenant, 1 << 20, 0, "accessible");
     if (checkpoints.ok()) {
       for (const Json& c : (*checkpoints)["checkpoints"]) {
         if (c.value("checkpoint_type", "") != "sampler") continue;
-        data.push_back({{"id", c.value("tinker_path", "")}, {"object", "model"}, {"created", 0},
+        // Its base model: the one its run was trained on.
+        const std::string path = c.value("tinker_path", "");
+        const std::string base = state_.models->ForCheckpoint((*tenant)->id, tinker::InternalPath(path)).name();
+        data.push_back({{"id", path}, {"object", "model"}, {"created", 0},
                         {"owned_by", c.value("public", false) ? std::string("published") : (*tenant)->id},
-                        {"root", options_.base_model}, {"parent", options_.base_model}});
+                        {"root", base}, {"parent", base}});
       }
     } else if (checkpoints.status().code() != absl::StatusCode::kUnimplemented) {
       return ErrorResponse(checkpoints.status());
@@ -233,6 +239,8 @@ class Handlers {
     std::shared_ptr<Request> request;
     std::vector<std::vector<int64_t>> prompts;
     std::string session;
+    ModelStack* stack = nullptr;         // the base model that samples
+    const OpenAiOptions* text = nullptr;  // its tokenizer and chat renderer
     sampling::SamplingParams params;
     int64_t tokens = 0;  // charged to the tenant's token rate
     std::string id;
@@ -245,21 +253,19 @@ class Handlers {
     absl::StatusOr<const tenancy::Tenant*> tenant = Admit(http);
     if (!tenant.ok()) return tenant.status();
     call.tenant = *tenant;
-    if (state_.sampler == nullptr) return absl::UnimplementedError("sampling is not available");
     absl::StatusOr<Json> body = tinker::ParseJsonBody(http.body);
     if (!body.ok()) return absl::InvalidArgumentError(absl::StrCat("invalid JSON body: ", body.status().message()));
-    absl::StatusOr<Request> request = ParseRequest(*body, endpoint, options_.limits);
+    absl::StatusOr<Request> request = ParseRequest(*body, endpoint, models_.front().limits);
     if (!request.ok()) return request.status();
     call.request = std::make_shared<Request>(*std::move(request));
-    absl::StatusOr<std::vector<std::vector<int64_t>>> prompts = PromptIds(*call.request);
+    // The model first: its tokenizer encodes the prompts.
+    if (absl::Status s = Resolve(*call.tenant, call.request->model, call); !s.ok()) return s;
+    absl::StatusOr<std::vector<std::vector<int64_t>>> prompts = PromptIds(*call.request, *call.text);
     if (!prompts.ok()) return prompts.status();
     call.prompts = *std::move(prompts);
-    absl::StatusOr<std::string> session = Session(*call.tenant, call.request->model);
-    if (!session.ok()) return session.status();
-    call.session = *std::move(session);
     call.params = ParamsOf(*call.request);
     // Charged to the tenant's token rate exactly as Tinker's asample (429 with Retry-After).
-    call.tokens = state_.sampler->TokensOf(call.prompts, call.params);
+    call.tokens = call.stack->sampler().TokensOf(call.prompts, call.params);
     if (state_.rate_limiter != nullptr) {
       if (absl::Status s = state_.rate_limiter->Acquire(*call.tenant, call.tokens); !s.ok()) return s;
     }
@@ -270,14 +276,14 @@ class Handlers {
 
   // The one submission path (SamplerCoordinator::SubmitSample); a refusal gives the tokens back.
   absl::StatusOr<uint64_t> Submit(const Call& call, std::shared_ptr<sampling::SampleStream> stream) {
-    absl::StatusOr<uint64_t> future = state_.sampler->SubmitSample(tinker::ContextOf(*call.tenant), call.session,
-                                                                   call.prompts, call.params, {}, std::move(stream));
+    absl::StatusOr<uint64_t> future = call.stack->sampler().SubmitSample(
+        tinker::ContextOf(*call.tenant), call.session, call.prompts, call.params, {}, std::move(stream));
     if (!future.ok() && state_.rate_limiter != nullptr) state_.rate_limiter->Refund(*call.tenant, call.tokens);
     return future;
   }
 
-  TextCodec CodecOf(const Request& request) const {
-    return TextCodec{options_.tokenizer.get(), request.skip_special_tokens};
+  static TextCodec CodecOf(const Call& call) {
+    return TextCodec{call.text->tokenizer.get(), call.request->skip_special_tokens};
   }
 
   // stream: false: one JSON answer when the request completes. A client that closes its
@@ -288,11 +294,11 @@ class Handlers {
     absl::StatusOr<uint64_t> future = Submit(call, cancel);
     if (!future.ok()) return respond(ErrorResponse(future.status()));
     if (on_client_gone) {
-      on_client_gone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(cancel)] {
+      on_client_gone([sampler = &call.stack->sampler(), weak = std::weak_ptr<sampling::SampleStream>(cancel)] {
         if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
       });
     }
-    OnDone(*future, call.tenant->id, [call, codec = CodecOf(*call.request), respond](const FutureResult& result) {
+    OnDone(*future, call.tenant->id, [call, codec = CodecOf(call), respond](const FutureResult& result) {
       if (!result.ok()) return respond(ErrorResponse(result.status()));
       const auto* out = std::get_if<sampling::SampleOutput>(&*result);
       if (out == nullptr) return respond(ErrorResponse(absl::InternalError("the sampler returned no result")));
@@ -309,7 +315,7 @@ class Handlers {
     events->id = call.id;
     events->model = call.request->model;
     events->created = call.created;
-    events->codec = CodecOf(*call.request);
+    events->codec = CodecOf(call);
     if (call.request->echo) {
       for (const std::vector<int64_t>& p : call.prompts) events->echoed.push_back(events->codec.Text(p));
       if (call.request->logprobs) events->prompts = call.prompts;
@@ -320,7 +326,7 @@ class Handlers {
     if (!future.ok()) return respond(ErrorResponse(future.status()));
     std::shared_ptr<HttpStream> http_stream = streamer({200, "text/event-stream", ""});
     // A client that leaves cancels its rows (capacity goes back at the next decode step).
-    http_stream->OnClientGone([sampler = state_.sampler, weak = std::weak_ptr<sampling::SampleStream>(stream)] {
+    http_stream->OnClientGone([sampler = &call.stack->sampler(), weak = std::weak_ptr<sampling::SampleStream>(stream)] {
       if (std::shared_ptr<sampling::SampleStream> s = weak.lock()) sampler->CancelStream(*s);
     });
     events->sink.Attach(http_stream);
@@ -348,34 +354,49 @@ class Handlers {
     });
   }
 
-  // The sampling session of a model name: the base model's id, a sampler checkpoint path
-  // (tinker://… or twinkle://…), or "<base>;<path>". Another tenant's path is unknown.
-  absl::StatusOr<std::string> Session(const tenancy::Tenant& tenant, const std::string& model) {
-    auto unknown = [&model] {
-      return ParamError("model", absl::StrCat("The model '", model.substr(0, 200), "' does not exist"),
+  // The model and sampling session of a model name: a base model's id, a sampler checkpoint
+  // path (tinker://… or twinkle://…, sampled on the base model its run was trained on), or
+  // "<base>;<path>". Another tenant's path is unknown; so is a base model not served, and the
+  // error lists the served ones.
+  absl::Status Resolve(const tenancy::Tenant& tenant, const std::string& model, Call& call) {
+    auto unknown = [&model, this] {
+      return ParamError("model",
+                        absl::StrCat("The model '", model.substr(0, 200), "' does not exist (base models served: ",
+                                     state_.models->NamesText(), ")"),
                         absl::StatusCode::kNotFound, "model_not_found");
     };
-    auto is_base = [this](const std::string& m) { return m == options_.base_model || m == options_.model_dir; };
+    ModelStack* stack = state_.models->Find(model);
     std::string path;
-    if (!is_base(model)) {
+    if (stack == nullptr) {
       path = model;
       if (const size_t semi = model.find(';'); semi != std::string::npos) {
-        if (!is_base(model.substr(0, semi))) return unknown();
+        stack = state_.models->Find(model.substr(0, semi));
+        if (stack == nullptr) return unknown();
         path = model.substr(semi + 1);
       }
       if (!absl::StartsWith(path, "tinker://") && !absl::StartsWith(path, "twinkle://")) return unknown();
+      if (stack == nullptr) stack = &state_.models->ForCheckpoint(tenant.id, tinker::InternalPath(path));
     }
-    absl::StatusOr<std::string> id = state_.sampler->ImplicitSession(tinker::ContextOf(tenant), tinker::InternalPath(path));
+    const std::vector<ModelStack*>& stacks = state_.models->stacks();
+    const size_t index = std::find(stacks.begin(), stacks.end(), stack) - stacks.begin();
+    if (index >= models_.size()) return absl::InternalError("no OpenAI options for the model");
+    absl::StatusOr<std::string> id =
+        stack->sampler().ImplicitSession(tinker::ContextOf(tenant), tinker::InternalPath(path));
     if (id.status().code() == absl::StatusCode::kNotFound) return unknown();
-    return id;
+    if (!id.ok()) return id.status();
+    call.stack = stack;
+    call.text = &models_[index];
+    call.session = *std::move(id);
+    return absl::OkStatus();
   }
 
-  absl::StatusOr<std::vector<std::vector<int64_t>>> PromptIds(const Request& request) const {
-    const tokenizer::Tokenizer* tok = options_.tokenizer.get();
-    auto encode = [tok, this](const std::string& text, const char* param) -> absl::StatusOr<std::vector<int64_t>> {
+  static absl::StatusOr<std::vector<std::vector<int64_t>>> PromptIds(const Request& request,
+                                                                     const OpenAiOptions& model) {
+    const tokenizer::Tokenizer* tok = model.tokenizer.get();
+    auto encode = [tok, &model](const std::string& text, const char* param) -> absl::StatusOr<std::vector<int64_t>> {
       if (tok == nullptr) {
         return ParamError(param, absl::StrCat(param, ": text needs the model's tokenizer, which this server could not "
-                                               "load (", options_.tokenizer_error, "); send token ids"),
+                                               "load (", model.tokenizer_error, "); send token ids"),
                           absl::StatusCode::kUnimplemented);
       }
       absl::StatusOr<std::vector<int32_t>> ids = tok->Encode(text);
@@ -384,12 +405,12 @@ class Handlers {
     };
     std::vector<std::vector<int64_t>> out;
     if (request.endpoint == Endpoint::kChat) {
-      if (options_.renderer == nullptr) {
+      if (model.renderer == nullptr) {
         return ParamError("messages", absl::StrCat("messages: this server has no chat renderer for its model (",
-                                                   options_.renderer_error, ")"),
+                                                   model.renderer_error, ")"),
                           absl::StatusCode::kUnimplemented);
       }
-      absl::StatusOr<std::string> text = options_.renderer->Render(request.messages, request.render);
+      absl::StatusOr<std::string> text = model.renderer->Render(request.messages, request.render);
       if (!text.ok()) return ParamError("messages", std::string(text.status().message()));
       absl::StatusOr<std::vector<int64_t>> ids = encode(*text, "messages");
       if (!ids.ok()) return ids.status();
@@ -434,7 +455,7 @@ class Handlers {
 
   ServingState& state_;
   tinker::TinkerApi& tinker_;
-  const OpenAiOptions options_;
+  const std::vector<OpenAiOptions> models_;  // in the order of state_.models->stacks()
 };
 
 }  // namespace
@@ -464,8 +485,9 @@ OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_d
   return options;
 }
 
-void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options) {
-  auto handlers = std::make_shared<Handlers>(state, tinker, std::move(options));
+void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker,
+                     std::vector<OpenAiOptions> models) {
+  auto handlers = std::make_shared<Handlers>(state, tinker, std::move(models));
   // Under /v1 (the OpenAI SDK's base_url http://host:port/v1) and under the Tinker API's
   // /api/v1, where Twinkle's gateway serves them.
   for (const char* prefix : {"/v1", "/api/v1"}) {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "server/config/config.h"
 #include "server/http/http_server.h"
@@ -40,7 +41,10 @@ struct OpenAiOptions {
 OpenAiOptions OptionsFromConfig(const Config& config, const std::string& model_dir);
 
 // Adds the routes and their header check (key and body size before the body is read); call
-// before HttpServer::Start. `state` and `tinker` outlive the server.
-void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker, OpenAiOptions options);
+// before HttpServer::Start. `state` and `tinker` outlive the server. `models`: one entry per
+// served base model, in the order of state.models (config `models:`): a request's `model`
+// picks one by its id, or by the base model a checkpoint path was trained on.
+void AddOpenAiRoutes(HttpServer& http, ServingState& state, tinker::TinkerApi& tinker,
+                     std::vector<OpenAiOptions> models);
 
 }  // namespace twinkle::openai

@@ -9,6 +9,7 @@
 #include "server/tinker/tinker_api.h"
 
 #include <cmath>
+#include <filesystem>
 #include <cstring>
 #include <map>
 #include <random>
@@ -130,16 +131,14 @@ Outcome EncodeForwardBackward(const OpOutput& out, int64_t width) {
 
 // ---- state -----------------------------------------------------------------------------------
 
-TinkerApi::TinkerApi(TinkerOptions options, training::TrainingCoordinator& coordinator, FutureStore& futures,
-                     registry::Registry* registry, training::CheckpointStore* checkpoints,
-                     tenancy::TokenRateLimiter* rate_limiter, sampling::SamplerCoordinator* sampler)
+TinkerApi::TinkerApi(TinkerOptions options, ModelSet& models, FutureStore& futures, registry::Registry* registry,
+                     training::CheckpointStore* checkpoints, tenancy::TokenRateLimiter* rate_limiter)
     : options_(std::move(options)),
-      coordinator_(coordinator),
+      served_(models),
       futures_(futures),
       registry_(registry),
       checkpoints_(checkpoints),
       rate_limiter_(rate_limiter),
-      sampler_(sampler),
       blocking_(std::make_unique<Worker>()),
       timers_(std::make_unique<Worker>()) {
   timers_->After(absl::Seconds(60), [this] { Housekeep(); });
@@ -175,10 +174,9 @@ absl::StatusOr<TinkerApi::ModelCall> TinkerApi::ModelCallOf(const tenancy::Tenan
 // ---- create / unload ------------------------------------------------------------------------
 
 absl::StatusOr<FuturePromise> TinkerApi::CreateModel(const tenancy::Tenant& tenant, const CreateModelRequest& r) {
-  if (r.base_model != options_.base_model && r.base_model != options_.model_dir) {
-    return absl::InvalidArgumentError(absl::StrCat("base_model: '", r.base_model, "' is not served here (supported: ",
-                                                   options_.base_model, ")"));
-  }
+  // The base model the model is created on (InvalidArgument naming the served ones).
+  absl::StatusOr<ModelStack*> stack = served_.ForBaseModel(r.base_model);
+  if (!stack.ok()) return stack.status();
   const LoraConfig& lora = r.lora_config;
   if (lora.rank <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("lora_config.rank: ", lora.rank, " must be positive"));
@@ -197,8 +195,8 @@ absl::StatusOr<FuturePromise> TinkerApi::CreateModel(const tenancy::Tenant& tena
   // checks its renderer there on resume).
   absl::StatusOr<std::string> metadata = StoredMetadata(r.user_metadata);
   if (!metadata.ok()) return metadata.status();
-  ModelSpec spec{r.session_id, r.model_seq_id, lora.rank, lora.seed, lora.train_attn, lora.train_mlp,
-                 lora.train_unembed, *targets};
+  ModelSpec spec{*stack,         r.session_id,  r.model_seq_id,    lora.rank, lora.seed,
+                 lora.train_attn, lora.train_mlp, lora.train_unembed, *targets};
   return StartModel(tenant, std::move(spec), [this, metadata = *metadata, tenant_id = tenant.id](
                                                  const std::shared_ptr<Model>& model, const std::shared_ptr<Entry>& entry) {
     if (!metadata.empty() && registry_ != nullptr) {
@@ -217,7 +215,7 @@ absl::StatusOr<FuturePromise> TinkerApi::StartModel(const tenancy::Tenant& tenan
   if (spec.session.empty()) {
     return absl::InvalidArgumentError("session_id: empty; create a session first (create_session)");
   }
-  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), spec.session); !s.ok()) {
+  if (absl::Status s = served_.Heartbeat(ContextOf(tenant), spec.session); !s.ok()) {
     // NotFound names the field; anything else (max_sessions while an earlier run's session
     // resumes) is passed on as it is.
     if (!absl::IsNotFound(s)) return s;
@@ -234,8 +232,11 @@ absl::StatusOr<FuturePromise> TinkerApi::StartModel(const tenancy::Tenant& tenan
       if (e != entries_.end()) return Promise(*e->second);
     }
   }
-  // A lasting limit: 403 at once (the SDK does not retry it), not a failed future.
-  const size_t live = coordinator_.ListRuns(ContextOf(tenant)).size();
+  // A lasting limit: 403 at once (the SDK does not retry it), not a failed future. The
+  // tenant's quota counts its models on every base model; the server's room is per model
+  // (the coordinator's max_adapters, models[i].max_adapters).
+  size_t live = 0;
+  for (ModelStack* s : served_.stacks()) live += s->coordinator().ListRuns(ContextOf(tenant)).size();
   if (live >= static_cast<size_t>(tenant.quotas.max_adapters)) {
     return absl::PermissionDeniedError(absl::StrCat("you have ", live, " models, your quota (max_adapters) is ",
                                                     tenant.quotas.max_adapters, "; unload one first"));
@@ -256,7 +257,7 @@ absl::StatusOr<FuturePromise> TinkerApi::StartModel(const tenancy::Tenant& tenan
   const training::TenantContext context = ContextOf(tenant);
   // AddAdapter waits for the engine: not on a transport thread.
   blocking_->Post([this, entry, args, context, spec, key, model_id, then = std::move(then)] {
-    absl::StatusOr<training::AddAdapterResult> r = coordinator_.AddAdapter(context, args);
+    absl::StatusOr<training::AddAdapterResult> r = spec.stack->coordinator().AddAdapter(context, args);
     if (!r.ok()) {
       LogInfo(kLog, absl::StrCat("tenant ", context.id, ": create_model failed: ", r.status().message()));
       {
@@ -272,7 +273,8 @@ absl::StatusOr<FuturePromise> TinkerApi::StartModel(const tenancy::Tenant& tenan
     model->tenant = context.id;
     model->adapter = r->name;
     model->session_id = args.session_id;
-    model->base_model = options_.base_model;
+    model->stack = spec.stack;
+    model->base_model = spec.stack->name();
     model->rank = args.lora.rank;
     model->seed = args.lora.seed;
     model->switches = Switches{spec.attn, spec.mlp, spec.unembed};
@@ -293,13 +295,15 @@ absl::StatusOr<FuturePromise> TinkerApi::CreateViaLoad(const tenancy::Tenant& te
   if (!info.ok()) return info.status();
   absl::StatusOr<std::vector<std::string>> targets = Targets(info->train_attn, info->train_mlp, info->train_unembed);
   if (!targets.ok()) return targets.status();
-  ModelSpec spec{r.session_id,    r.model_seq_id,  info->lora_rank,     0,
+  // The model the checkpoint was trained on (its run's base model), else the default one.
+  ModelSpec spec{&served_.ForCheckpoint(tenant.id, InternalPath(r.path)),
+                 r.session_id,    r.model_seq_id,  info->lora_rank,     0,
                  info->train_attn, info->train_mlp, info->train_unembed, *targets};
   const training::TenantContext context = ContextOf(tenant);
   return StartModel(tenant, std::move(spec),
                     [this, context, tinker_path = r.path, optimizer = r.optimizer](const std::shared_ptr<Model>& model,
                                                                                   const std::shared_ptr<Entry>& entry) {
-                      absl::StatusOr<uint64_t> id = coordinator_.SubmitLoad(
+                      absl::StatusOr<uint64_t> id = model->stack->coordinator().SubmitLoad(
                           context, model->adapter, InternalPath(tinker_path),
                           optimizer ? training::LoadMode::kWeightsAndOptimizer
                                     : training::LoadMode::kWeightsFreshOptimizer);
@@ -316,7 +320,7 @@ absl::StatusOr<FuturePromise> TinkerApi::UnloadModel(const tenancy::Tenant& tena
   std::shared_ptr<Entry> entry = NewEntry(tenant.id, r.model_id);
   const training::TenantContext context = ContextOf(tenant);
   blocking_->Post([this, entry, context, m = *model] {
-    absl::Status s = coordinator_.RemoveAdapter(context, m->adapter);
+    absl::Status s = m->stack->coordinator().RemoveAdapter(context, m->adapter);
     {
       absl::MutexLock lock(&mu_);
       models_.erase(ModelKey(m->tenant, m->model_id));
@@ -351,13 +355,13 @@ absl::StatusOr<FuturePromise> TinkerApi::ForwardBackwardArgs(const tenancy::Tena
   }
   auto shared_args = std::make_shared<training::ForwardArgs>(std::move(args));
   // Its tokens are charged to the tenant's rate by Sequenced, before it is queued or buffered.
-  Submit submit = [this, context, adapter = (*model)->adapter, shared_args, forward_only, bad, seq_id,
-                   fingerprint]() -> absl::StatusOr<uint64_t> {
+  Submit submit = [context, stack = (*model)->stack, adapter = (*model)->adapter, shared_args, forward_only, bad,
+                   seq_id, fingerprint]() -> absl::StatusOr<uint64_t> {
     if (!bad.ok()) return bad;
     training::SubmitOptions options;
     options.idempotency_key = seq_id > 0 ? absl::StrCat("tinker-seq-", seq_id) : "";
     options.fingerprint = fingerprint;
-    absl::StatusOr<uint64_t> id = coordinator_.SubmitForward(
+    absl::StatusOr<uint64_t> id = stack->coordinator().SubmitForward(
         context, adapter,
         forward_only ? training::ForwardMode::kForward : training::ForwardMode::kForwardBackward, *shared_args,
         false, options);
@@ -441,11 +445,12 @@ absl::StatusOr<FuturePromise> TinkerApi::OptimStep(const tenancy::Tenant& tenant
   }
   const training::TenantContext context = ContextOf(tenant);
   const uint64_t fingerprint = FingerprintOf(Json(hyper).dump());
-  Submit submit = [this, context, adapter = (*model)->adapter, hyper, seq = r.seq_id, fingerprint]() {
+  Submit submit = [context, stack = (*model)->stack, adapter = (*model)->adapter, hyper, seq = r.seq_id,
+                   fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
     options.fingerprint = fingerprint;
-    return coordinator_.SubmitOptimStep(context, adapter, hyper, options);
+    return stack->coordinator().SubmitOptimStep(context, adapter, hyper, options);
   };
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const OpOutput*> out = ValueAs<OpOutput>(value, "optim_step result");
@@ -464,8 +469,8 @@ absl::StatusOr<FuturePromise> TinkerApi::SaveWeights(const tenancy::Tenant& tena
   if (!call.ok()) return call.status();
   const training::TenantContext context = ContextOf(tenant);
   const std::string run_id = call->model->run_id;
-  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, overwrite = r.overwrite, run_id,
-                   ttl = r.ttl_seconds]() -> absl::StatusOr<uint64_t> {
+  Submit submit = [this, context, stack = call->model->stack, adapter = call->model->adapter, name = call->name,
+                   overwrite = r.overwrite, run_id, ttl = r.ttl_seconds]() -> absl::StatusOr<uint64_t> {
     if (!overwrite && registry_ != nullptr &&
         registry_->GetCheckpoint(context.id, run_id, absl::StrCat("weights/", name)).ok()) {
       return absl::AlreadyExistsError(absl::StrCat("path: checkpoint weights/", name, " of ", run_id,
@@ -475,7 +480,7 @@ absl::StatusOr<FuturePromise> TinkerApi::SaveWeights(const tenancy::Tenant& tena
     args.name = name;
     args.save_optimizer = true;
     args.ttl_seconds = ttl;
-    return coordinator_.SubmitSave(context, adapter, args);
+    return stack->coordinator().SubmitSave(context, adapter, args);
   };
   Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
     return Outcome::Of(OpResult::OfPath("save_weights", absl::StrCat("tinker://", model_id, "/weights/", name)));
@@ -490,10 +495,11 @@ absl::StatusOr<FuturePromise> TinkerApi::LoadWeights(const tenancy::Tenant& tena
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, *r.model_id);
   if (!model.ok()) return model.status();
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = (*model)->adapter, path = InternalPath(r.path), optimizer = r.optimizer]() {
-    return coordinator_.SubmitLoad(context, adapter, path,
-                                   optimizer ? training::LoadMode::kWeightsAndOptimizer
-                                             : training::LoadMode::kWeightsFreshOptimizer);
+  Submit submit = [context, stack = (*model)->stack, adapter = (*model)->adapter, path = InternalPath(r.path),
+                   optimizer = r.optimizer]() {
+    return stack->coordinator().SubmitLoad(context, adapter, path,
+                                           optimizer ? training::LoadMode::kWeightsAndOptimizer
+                                                     : training::LoadMode::kWeightsFreshOptimizer);
   };
   Encoder encode = [path = r.path, model_id = *r.model_id](const FutureValue&) {
     return Outcome::Of(OpResult::OfLoad(model_id, path));
@@ -507,13 +513,16 @@ absl::StatusOr<FuturePromise> TinkerApi::LoadWeights(const tenancy::Tenant& tena
 absl::StatusOr<GetInfoResult> TinkerApi::GetInfo(const tenancy::Tenant& tenant, const ModelRequest& r) {
   absl::StatusOr<std::shared_ptr<Model>> model = FindModel(tenant, r.model_id);
   if (!model.ok()) return model.status();
-  if (absl::StatusOr<training::RunInfo> run = coordinator_.GetRun(ContextOf(tenant), (*model)->run_id); !run.ok()) {
+  if (absl::StatusOr<training::RunInfo> run = (*model)->stack->coordinator().GetRun(ContextOf(tenant), (*model)->run_id);
+      !run.ok()) {
     return absl::NotFoundError(absl::StrCat("model_id: model '", r.model_id, "' is no longer loaded"));
   }
   const Model& m = **model;
   GetInfoResult info;
   info.model_id = m.model_id;
-  info.model_data = {options_.architecture ? options_.architecture() : "", m.base_model, options_.model_dir};
+  const std::optional<ModelInfo> loaded = m.stack->supervisor().model_info();
+  info.model_data = {loaded ? loaded->architecture : "", m.base_model,
+                     std::filesystem::absolute(m.stack->model_dir()).string()};
   info.lora_rank = m.rank;
   info.model_name = m.base_model;
   return info;

@@ -67,6 +67,11 @@ namespace twinkle::sampling {
 class SamplerCoordinator;
 }  // namespace twinkle::sampling
 
+namespace twinkle {
+class ModelSet;
+class ModelStack;
+}  // namespace twinkle
+
 namespace twinkle::tinker {
 
 class UrlSigner;
@@ -121,13 +126,10 @@ inline constexpr int32_t kMaxSearchLimit = 200;
 // The longest X-Idempotency-Key honoured (the SDK's are ~60 bytes).
 inline constexpr size_t kMaxIdempotencyKeyBytes = 256;
 
+// The served base models, their coordinators, samplers and checkpoint stores come from the
+// ModelSet (server/model_set.h): a model is created on the base model create_model names,
+// and every later call on it goes to that model's stack.
 struct TinkerOptions {
-  std::string base_model;          // the served model's name (config model.name)
-  std::string model_dir;           // its HF directory: get_info's tokenizer_id
-  // The loaded model's architecture (get_info's arch) and context length (capabilities),
-  // known once the engine has loaded it.
-  std::function<std::string()> architecture;
-  std::function<int64_t()> max_context_length;
   int32_t max_lora_rank = 128;
   absl::Duration long_poll = absl::Seconds(25);
   absl::Duration seq_gap_timeout = absl::Seconds(30);
@@ -139,9 +141,11 @@ struct TinkerOptions {
 
 class TinkerApi {
  public:
-  TinkerApi(TinkerOptions options, training::TrainingCoordinator& coordinator, FutureStore& futures,
-            registry::Registry* registry, training::CheckpointStore* checkpoints,
-            tenancy::TokenRateLimiter* rate_limiter, sampling::SamplerCoordinator* sampler);
+  // `checkpoints`: the default model's store, for what reads the shared registry and data_dir
+  // (resolving, listing, deleting, copying checkpoints); saves go through each model's
+  // coordinator and so its own store.
+  TinkerApi(TinkerOptions options, ModelSet& models, FutureStore& futures, registry::Registry* registry,
+            training::CheckpointStore* checkpoints, tenancy::TokenRateLimiter* rate_limiter);
   ~TinkerApi();
 
   // ---- configuration, sessions (direct) ----
@@ -301,6 +305,7 @@ class TinkerApi {
   // A model to create: the adapter, then `then(model, entry)` on the blocking thread
   // (it completes the future entry).
   struct ModelSpec {
+    ModelStack* stack = nullptr;  // the base model it is created on
     std::string session;
     int64_t model_seq = 0;
     int64_t rank = 0;
@@ -357,13 +362,19 @@ class TinkerApi {
                                                     uint64_t fingerprint, absl::Status bad_input = absl::OkStatus());
   void Housekeep();
 
+  // The stack of the base model a sampling call names: create_sampling_session's base_model
+  // (empty: the default model), or the model a checkpoint path's run was trained on.
+  absl::StatusOr<ModelStack*> SamplingStack(const tenancy::Tenant& tenant, const std::string& base_model,
+                                            const std::string& model_path);
+  // Queued ops of the tenant over every model's scheduler.
+  int64_t QueuedFor(const std::string& tenant) const;
+
   const TinkerOptions options_;
-  training::TrainingCoordinator& coordinator_;
+  ModelSet& served_;  // the base models
   FutureStore& futures_;
   registry::Registry* registry_;
   training::CheckpointStore* checkpoints_;
   tenancy::TokenRateLimiter* rate_limiter_;
-  sampling::SamplerCoordinator* sampler_;
   const UrlSigner* signer_ = nullptr;
   absl::Duration url_ttl_ = absl::Hours(1);
   const Clock* url_clock_ = &RealClock();

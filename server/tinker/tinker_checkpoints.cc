@@ -162,13 +162,13 @@ absl::StatusOr<Json> TinkerApi::SaveWeightsExternal(const tenancy::Tenant& tenan
     return absl::UnimplementedError("age_encryption_recipients: encrypted exports are not supported by this server");
   }
   const training::TenantContext context = ContextOf(tenant);
-  Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl]() {
+  Submit submit = [context, stack = call->model->stack, adapter = call->model->adapter, name = call->name, ttl]() {
     training::SaveArgs args;
     args.name = name;
     args.save_optimizer = false;
     args.is_external = true;
     args.ttl_seconds = ttl;
-    return coordinator_.SubmitSave(context, adapter, args);
+    return stack->coordinator().SubmitSave(context, adapter, args);
   };
   Encoder encode = [model_id = call->model_id, name = call->name](const FutureValue&) {
     return Outcome::Of(OpResult::OfPath("save_weights_external",
@@ -402,7 +402,7 @@ absl::StatusOr<Json> TinkerApi::ImportAdapter(const tenancy::Tenant& tenant, con
   {
     absl::MutexLock lock(&shapes_mu_);
     if (!base_shapes_) {
-      absl::StatusOr<std::map<std::string, std::vector<int64_t>>> read = training::BaseWeightShapes(options_.model_dir);
+      absl::StatusOr<std::map<std::string, std::vector<int64_t>>> read = training::BaseWeightShapes(served_.primary().model_dir());
       if (!read.ok()) return read.status();
       base_shapes_ = *std::move(read);
     }
@@ -412,7 +412,8 @@ absl::StatusOr<Json> TinkerApi::ImportAdapter(const tenancy::Tenant& tenant, con
   run.run_id = "import-" + NewCopyRunId().substr(5);
   run.tenant = tenant.id;
   run.adapter_name = run.run_id;
-  run.base_model = options_.base_model;
+  // Imports are checked against, and recorded on, the default (first) model.
+  run.base_model = served_.primary().name();
   run.created = run.last_request = url_clock_->Now();
   absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->ImportPeftAdapter(
       tenant.id, run.run_id, *name, safetensors, body["adapter_config"], shapes,

@@ -370,6 +370,10 @@ absl::StatusOr<SampleRequest> DecodeSample(const Json& body) {
     absl::StatusOr<std::string> path = GetString(body, "model_path", "");
     if (!path.ok()) return path.status();
     r.model_path = *std::move(path);
+    // ... or the base model (several served: which one samples).
+    absl::StatusOr<std::string> base = GetString(body, "base_model", "");
+    if (!base.ok()) return base.status();
+    r.base_model = *std::move(base);
   }
   absl::StatusOr<int64_t> seq = GetInt(body, "seq_id", -1);
   if (!seq.ok()) return seq.status();

@@ -83,7 +83,7 @@ void TinkerApi::Housekeep() {
     absl::erase_if(dedupe_, [&](const auto& d) { return !entries_.contains(d.second); });
     // create_sampling_session's answer is replayed while its sampling session is open.
     absl::erase_if(direct_dedupe_, [&](const auto& d) {
-      return sampler_ == nullptr || !sampler_->SessionOpen(d.second.tenant.id, d.second.sampling_session_id);
+      return served_.OfSamplingSession(d.second.tenant.id, d.second.sampling_session_id) == nullptr;
     });
     for (const auto& [key, model] : models_) models.push_back(model);
   }
@@ -178,7 +178,7 @@ absl::StatusOr<FuturePromise> TinkerApi::Sequenced(const tenancy::Tenant& tenant
   {
     absl::MutexLock map_lock(&mu_);
     const std::pair<int64_t, int64_t> buffered = buffered_[tenant.id];
-    const int64_t pending = buffered.first + coordinator_.scheduler().queued_for_tenant(tenant.id);
+    const int64_t pending = buffered.first + QueuedFor(tenant.id);
     if (pending >= quotas.max_pending_ops) {
       return absl::ResourceExhaustedError(absl::StrCat("you have ", pending, " queued or buffered ops, your quota ",
                                                        "(max_pending_ops) is ", quotas.max_pending_ops,

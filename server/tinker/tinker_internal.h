@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "core/common/timer_thread.h"
+#include "server/model_set.h"
 #include "server/tinker/tinker_api.h"
 
 namespace twinkle::tinker {
@@ -94,6 +95,7 @@ struct TinkerApi::Entry {
 };
 
 struct TinkerApi::Model {
+  ModelStack* stack = nullptr;  // the base model's stack: every op on the model goes there
   std::string model_id, run_id, tenant, adapter, session_id, base_model;
   int64_t rank = 0;
   uint64_t seed = 0;

@@ -220,6 +220,7 @@ struct TargetPromptTokens {
 struct SampleRequest {
   std::string sampling_session_id;  // "": the tenant's implicit session on model_path
   std::string model_path;
+  std::string base_model;  // without a session or model_path: which base model ("": the default)
   int64_t seq_id = -1;
   int64_t num_samples = 1;
   std::vector<int64_t> prompt;

@@ -42,8 +42,8 @@ Json TinkerApi::Telemetry(const Json&) const { return {{"status", "accepted"}}; 
 
 absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, const std::string& session_id) {
   const training::TenantContext context = ContextOf(tenant);
-  if (!coordinator_.SessionAlive(tenant.id, session_id)) return Json{{"session_id", session_id}};
-  if (sampler_ != nullptr) sampler_->CloseOwnedBy(context, session_id);
+  if (!served_.SessionAlive(tenant.id, session_id)) return Json{{"session_id", session_id}};
+  for (ModelStack* m : served_.stacks()) m->sampler().CloseOwnedBy(context, session_id);
   {
     absl::MutexLock lock(&mu_);
     if (finished_.insert(absl::StrCat(tenant.id, "\n", session_id)).second) {
@@ -61,7 +61,7 @@ absl::StatusOr<Json> TinkerApi::FinishSession(const tenancy::Tenant& tenant, con
     }
   }
   // Releasing the adapters waits for the engine: not on a transport thread.
-  blocking_->Post([this, context, session_id] { (void)coordinator_.EndSession(context, session_id); });
+  blocking_->Post([this, context, session_id] { (void)served_.EndSession(context, session_id); });
   return Json{{"session_id", session_id}};
 }
 

@@ -80,19 +80,25 @@ TrainingRunInfo RunOf(const registry::RunRecord& r, const std::vector<registry::
   return run;
 }
 
+// Every served base model, in config order (the first is the default).
 ServerCapabilities TinkerApi::GetServerCapabilities() const {
-  SupportedModel model;
-  model.model_name = options_.base_model;
-  model.sampleable = sampler_ != nullptr;
-  const int64_t context = options_.max_context_length ? options_.max_context_length() : 0;
-  if (context > 0) model.max_context_length = context;
-  return ServerCapabilities{{std::move(model)}};
+  ServerCapabilities capabilities;
+  for (const ModelStack* stack : served_.stacks()) {
+    SupportedModel model;
+    model.model_name = stack->name();
+    model.sampleable = true;
+    const std::optional<ModelInfo> loaded = stack->supervisor().model_info();
+    const int64_t context = loaded ? loaded->max_position_embeddings : 0;
+    if (context > 0) model.max_context_length = context;
+    capabilities.supported_models.push_back(std::move(model));
+  }
+  return capabilities;
 }
 
 absl::StatusOr<SessionHeartbeatResult> TinkerApi::SessionHeartbeat(const tenancy::Tenant& tenant,
                                                                    const SessionHeartbeatRequest& request) {
   const std::string& session = request.session_id;
-  if (absl::Status s = coordinator_.Heartbeat(ContextOf(tenant), session); !s.ok()) {
+  if (absl::Status s = served_.Heartbeat(ContextOf(tenant), session); !s.ok()) {
     absl::MutexLock lock(&mu_);
     if (finished_.contains(absl::StrCat(tenant.id, "\n", session))) {
       return Gone(absl::StrCat("session_id: session '", session, "' has finished"));

@@ -23,8 +23,6 @@
 namespace twinkle::tinker {
 namespace {
 
-absl::Status NoSampler() { return absl::UnimplementedError("sampling is not available on this server"); }
-
 }  // namespace
 
 absl::StatusOr<FuturePromise> TinkerApi::SaveWeightsForSampler(const tenancy::Tenant& tenant,
@@ -35,13 +33,14 @@ absl::StatusOr<FuturePromise> TinkerApi::SaveWeightsForSampler(const tenancy::Te
   const std::string run_id = call->model_id;
   if (!call->name.empty()) {
     // Named: a sampler_weights checkpoint (adapter weights only).
-    Submit submit = [this, context, adapter = call->model->adapter, name = call->name, ttl = r.ttl_seconds]() {
+    Submit submit = [context, stack = call->model->stack, adapter = call->model->adapter, name = call->name,
+                     ttl = r.ttl_seconds]() {
       training::SaveArgs args;
       args.name = name;
       args.save_optimizer = false;
       args.is_sampler = true;
       args.ttl_seconds = ttl;
-      return coordinator_.SubmitSave(context, adapter, args);
+      return stack->coordinator().SubmitSave(context, adapter, args);
     };
     Encoder encode = [run_id, name = call->name](const FutureValue&) {
       return Outcome::Of(OpResult::OfPath("save_weights_for_sampler",
@@ -50,18 +49,17 @@ absl::StatusOr<FuturePromise> TinkerApi::SaveWeightsForSampler(const tenancy::Te
     return Sequenced(tenant, call->model, call->seq, {"save_weights_for_sampler", FingerprintOf(call->name)},
                      std::move(submit), std::move(encode));
   }
-  if (sampler_ == nullptr) return NoSampler();
   // Unnamed: a live snapshot in the adapter's queue and a sampling session on it. Its
   // fingerprint is the (empty) name: the SDK changes sampling_session_seq_id on each retry of
   // one call, so that is not part of it.
   const uint64_t fingerprint = FingerprintOf(std::string_view());
   // The sampling session belongs to the model's session: released when that one finishes.
-  Submit submit = [this, context, adapter = call->model->adapter, owner = call->model->session_id, seq = call->seq,
-                   fingerprint]() {
+  Submit submit = [context, stack = call->model->stack, adapter = call->model->adapter,
+                   owner = call->model->session_id, seq = call->seq, fingerprint]() {
     training::SubmitOptions options;
     options.idempotency_key = seq > 0 ? absl::StrCat("tinker-seq-", seq) : "";
     options.fingerprint = fingerprint;
-    return sampler_->SubmitSnapshotSession(context, adapter, options, owner);
+    return stack->sampler().SubmitSnapshotSession(context, adapter, options, owner);
   };
   Encoder encode = [](const FutureValue& value) {
     absl::StatusOr<const sampling::SnapshotSession*> session = ValueAs<sampling::SnapshotSession>(value, "sampling session");
@@ -74,12 +72,8 @@ absl::StatusOr<FuturePromise> TinkerApi::SaveWeightsForSampler(const tenancy::Te
 
 absl::StatusOr<CreateSamplingSessionResult> TinkerApi::CreateSamplingSession(const tenancy::Tenant& tenant,
                                                                              const CreateSamplingSessionRequest& r) {
-  if (sampler_ == nullptr) return NoSampler();
-  if (r.model_path.empty() && !r.base_model.empty() && r.base_model != options_.base_model &&
-      r.base_model != options_.model_dir) {
-    return absl::InvalidArgumentError(absl::StrCat("base_model: '", r.base_model, "' is not served here (supported: ",
-                                                   options_.base_model, ")"));
-  }
+  absl::StatusOr<ModelStack*> stack = SamplingStack(tenant, r.base_model, r.model_path);
+  if (!stack.ok()) return stack.status();
   const int64_t seq = r.sampling_session_seq_id;
   const std::string key = absl::StrCat("sampling_session\n", tenant.id, "\n", r.session_id, "\n", seq);
   if (seq >= 0) {
@@ -88,8 +82,9 @@ absl::StatusOr<CreateSamplingSessionResult> TinkerApi::CreateSamplingSession(con
     if (it != direct_dedupe_.end()) return it->second.reply;
   }
   // Owned by the caller's session when it names a live one: released when that one finishes.
-  const std::string owner = coordinator_.SessionAlive(tenant.id, r.session_id) ? r.session_id : "";
-  absl::StatusOr<std::string> id = sampler_->CreateSession(ContextOf(tenant), InternalPath(r.model_path), owner);
+  const std::string owner = served_.SessionAlive(tenant.id, r.session_id) ? r.session_id : "";
+  absl::StatusOr<std::string> id =
+      (*stack)->sampler().CreateSession(ContextOf(tenant), InternalPath(r.model_path), owner);
   if (!id.ok()) return id.status();
   CreateSamplingSessionResult reply{*id};
   if (seq >= 0) {
@@ -100,8 +95,9 @@ absl::StatusOr<CreateSamplingSessionResult> TinkerApi::CreateSamplingSession(con
 }
 
 absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const std::string& sampler_id) {
-  if (sampler_ == nullptr) return NoSampler();
-  absl::StatusOr<sampling::SamplingSessionInfo> info = sampler_->GetSession(ContextOf(tenant), sampler_id);
+  ModelStack* stack = served_.OfSamplingSession(tenant.id, sampler_id);
+  if (stack == nullptr) stack = &served_.primary();  // its sampler says why the session is not there
+  absl::StatusOr<sampling::SamplingSessionInfo> info = stack->sampler().GetSession(ContextOf(tenant), sampler_id);
   if (!info.ok()) return info.status();
   Json path = nullptr;
   if (absl::StartsWith(info->model_path, "tinker://") || absl::StartsWith(info->model_path, "twinkle://")) {
@@ -112,7 +108,7 @@ absl::StatusOr<Json> TinkerApi::GetSampler(const tenancy::Tenant& tenant, const 
                                       : TinkerPathOf(info->model_path.substr(start, slash - start),
                                                      info->model_path.substr(slash + 1));
   }
-  return Json{{"sampler_id", info->id}, {"base_model", info->base_model.empty() ? options_.base_model : info->base_model},
+  return Json{{"sampler_id", info->id}, {"base_model", info->base_model.empty() ? stack->name() : info->base_model},
               {"model_path", path}};
 }
 
@@ -333,7 +329,6 @@ absl::StatusOr<size_t> CheckSample(const SampleRequest& r) {
 }  // namespace
 
 absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, const SampleRequest& r) {
-  if (sampler_ == nullptr) return NoSampler();
   absl::StatusOr<size_t> first_scored = CheckSample(r);
   if (!first_scored.ok()) return first_scored.status();
   const sampling::SamplingParams params = ParamsOf(r);
@@ -342,9 +337,20 @@ absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, c
   // session is shared by every session-less caller of the tenant).
   std::string session = r.sampling_session_id;
   int64_t seq = r.seq_id;
+  // A named session samples on the model it was opened on; a session-less call on the base
+  // model it names (or the model path's).
+  ModelStack* stack = session.empty() ? nullptr : served_.OfSamplingSession(tenant.id, session);
+  if (session.empty()) {
+    absl::StatusOr<ModelStack*> named = SamplingStack(tenant, r.base_model, r.model_path);
+    if (!named.ok()) return named.status();
+    stack = *named;
+  } else if (stack == nullptr) {
+    stack = &served_.primary();  // its sampler says why the session is not there
+  }
+  sampling::SamplerCoordinator* const sampler = &stack->sampler();
   if (session.empty()) {
     // Session-less: the tenant's one implicit session on model_path (or the base model).
-    absl::StatusOr<std::string> id = sampler_->ImplicitSession(context, InternalPath(r.model_path));
+    absl::StatusOr<std::string> id = sampler->ImplicitSession(context, InternalPath(r.model_path));
     if (!id.ok()) return id.status();
     session = *id;
     seq = -1;
@@ -359,12 +365,12 @@ absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, c
     }
   }
   // Sampling is charged to the tenant's token rate like training (429 with Retry-After).
-  const int64_t tokens = sampler_->TokensOf({r.prompt}, params);
+  const int64_t tokens = sampler->TokensOf({r.prompt}, params);
   if (rate_limiter_ != nullptr) {
     if (absl::Status s = rate_limiter_->Acquire(tenant, tokens); !s.ok()) return s;
   }
   training::SubmitOptions options;
-  absl::StatusOr<uint64_t> id = sampler_->SubmitSample(context, session, {r.prompt}, params, options);
+  absl::StatusOr<uint64_t> id = sampler->SubmitSample(context, session, {r.prompt}, params, options);
   if (!id.ok() && rate_limiter_ != nullptr) rate_limiter_->Refund(tenant, tokens);
   if (!id.ok()) return id.status();  // 429 on overload: only accepted submissions are remembered
   std::shared_ptr<Entry> entry = NewEntry(tenant.id, "");
@@ -377,6 +383,25 @@ absl::StatusOr<FuturePromise> TinkerApi::Sample(const tenancy::Tenant& tenant, c
     dedupe_[key] = entry->request_id;
   }
   return Promise(*entry);
+}
+
+}  // namespace twinkle::tinker
+
+namespace twinkle::tinker {
+
+absl::StatusOr<ModelStack*> TinkerApi::SamplingStack(const tenancy::Tenant& tenant, const std::string& base_model,
+                                                     const std::string& model_path) {
+  if (!model_path.empty()) {
+    // A checkpoint samples on the model its run was trained on.
+    return &served_.ForCheckpoint(tenant.id, InternalPath(model_path));
+  }
+  return served_.ForBaseModel(base_model);
+}
+
+int64_t TinkerApi::QueuedFor(const std::string& tenant) const {
+  int64_t queued = 0;
+  for (ModelStack* stack : served_.stacks()) queued += stack->coordinator().scheduler().queued_for_tenant(tenant);
+  return queued;
 }
 
 }  // namespace twinkle::tinker

@@ -84,7 +84,7 @@ absl::StatusOr<CreateSessionResult> TinkerApi::CreateSession(const tenancy::Tena
                                                      " bytes, more than the limit of ", kMaxDisplayNameBytes));
     }
   }
-  absl::StatusOr<std::string> created = coordinator_.CreateSession(ContextOf(tenant));
+  absl::StatusOr<std::string> created = served_.CreateSession(ContextOf(tenant));
   if (!created.ok()) return created.status();
   const std::string& id = *created;
   if (registry_ != nullptr) {
@@ -123,7 +123,9 @@ absl::StatusOr<Json> TinkerApi::GetSession(const tenancy::Tenant& tenant, const 
   }
   std::sort(runs.begin(), runs.end());
   std::vector<std::string> samplers;
-  if (sampler_ != nullptr) samplers = sampler_->SessionsOwnedBy(tenant.id, session_id);
+  for (ModelStack* m : served_.stacks()) {
+    for (std::string& id : m->sampler().SessionsOwnedBy(tenant.id, session_id)) samplers.push_back(std::move(id));
+  }
   Json tags = Json::parse(r->tags_json, nullptr, false);
   return Json{{"training_run_ids", runs},
               {"sampler_ids", samplers},
@@ -264,10 +266,11 @@ std::string TinkerApi::TraceSessionOf(const tenancy::Tenant& tenant, const Json&
     const size_t colon = model.find(":train:");
     if (colon != std::string::npos) return model.substr(0, colon);
   }
-  if (auto it = body.find("sampling_session_id"); it != body.end() && it->is_string() && sampler_ != nullptr) {
-    absl::StatusOr<sampling::SamplingSessionInfo> info =
-        sampler_->GetSession(ContextOf(tenant), it->get<std::string>());
-    if (info.ok()) return info->owner;
+  if (auto it = body.find("sampling_session_id"); it != body.end() && it->is_string()) {
+    if (ModelStack* m = served_.OfSamplingSession(tenant.id, it->get<std::string>())) {
+      absl::StatusOr<sampling::SamplingSessionInfo> info = m->sampler().GetSession(ContextOf(tenant), it->get<std::string>());
+      if (info.ok()) return info->owner;
+    }
   }
   return std::string();
 }

@@ -296,12 +296,15 @@ EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob(
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
 def test_every_example_config_is_valid(server_bin: Path, path: Path, tiny_model: Path, tmp_path: Path) -> None:
     """configs/*.yaml (the default, the dedicated sampler, multi-tenant and the model-family
-    examples) pass check-config as shipped: no key a reader copies from them is misspelt. A
-    family example names a checkpoint this machine does not have: its model.path (only) is
-    pointed at the tiny model."""
+    examples, the two-model one) pass check-config as shipped: no key a reader copies from them
+    is misspelt. An example naming a checkpoint this machine does not have gets that path (only)
+    pointed at the tiny model (each entry of a models: list likewise)."""
     config = yaml.safe_load(path.read_text())
-    if not (path.parent / config["model"]["path"]).is_dir():
-        config["model"]["path"] = str(tiny_model)
+    entries = config["models"] if "models" in config else [config["model"]]
+    missing = [e for e in entries if not (path.parent / e["path"]).is_dir()]
+    for entry in entries:  # the copy lives elsewhere: paths that exist become absolute
+        entry["path"] = str(tiny_model) if entry in missing else str((path.parent / entry["path"]).resolve())
+    if missing:
         path = configs.write_config(tmp_path / path.name, config)
     result = run_cli(server_bin, "check-config", "-c", str(path))
     assert result.returncode == 0, describe(result)

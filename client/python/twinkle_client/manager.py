@@ -145,7 +145,8 @@ class TwinkleClient:
 
     def get_server_capabilities(self) -> dict[str, Any]:
         info = self.get_server_info()
-        return {"supported_models": [{"model_name": info.base_model_id}],
+        names = [m.name for m in info.models] or [info.base_model_id]  # every served base model
+        return {"supported_models": [{"model_name": name} for name in names],
                 "supported_loss_names": list(info.supported_loss_names), "max_lora_rank": info.max_lora_rank}
 
     def get_capacity_info(self) -> dict[str, int]:
@@ -238,6 +239,16 @@ class TwinkleClient:
         if model_id:
             self._warn_if_other_model(model_id)
         return self._tokenizer_dir
+
+    def served_model(self, model_id: str) -> str:
+        """The served base model `model_id` names (ms://org/Name, a path or the server's name,
+        matched by its last part), or "" for the server's default model when it names none."""
+        info = self._server_info or self.get_server_info()
+        wanted = strip_hub_scheme(model_id).rstrip("/").split("/")[-1]
+        for m in info.models:
+            if wanted and wanted in (m.name, m.directory):
+                return str(m.name)
+        return ""
 
     def _warn_if_other_model(self, model_id: str) -> None:
         info = self._server_info or self.get_server_info()

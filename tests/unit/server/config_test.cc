@@ -629,5 +629,140 @@ TEST(ConfigTest, RenderMasksDigestsAndShowsTenants) {
   EXPECT_THAT(json, HasSubstr("\"max_lora_rank\": 16"));  // alice's effective quota
 }
 
+
+// ---- Several base models (`models:`). ----
+
+namespace models_test {
+
+constexpr char kTwoModels[] = R"(models:
+  - path: ../models/tiny-a
+    devices: [cuda:0]
+    sampler_devices: [cuda:1]
+    max_adapters: 2
+  - path: ../models/tiny-b
+    name: b
+    dtype: bfloat16
+    devices: [cuda:2, cuda:3]
+)";
+
+TEST(ConfigModelsTest, SingleModelBecomesOneEntryWithTheTopLevelDevices) {
+  absl::StatusOr<Config> c = Parse(kValid);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->models_listed);
+  ASSERT_EQ(c->models.size(), 1u);
+  EXPECT_EQ(c->models[0].name, "tiny");
+  EXPECT_EQ(c->models[0].path, "/etc/models/tiny");
+  EXPECT_EQ(c->models[0].devices, (std::vector<std::string>{"cpu", "cpu"}));
+  EXPECT_TRUE(c->models[0].sampler_devices.empty());
+  EXPECT_EQ(c->models[0].max_adapters, 64);  // limits.max_adapters
+  // print-config of the single form is unchanged: no models key.
+  EXPECT_THAT(RenderConfig(*c, ConfigFormat::kYaml), Not(HasSubstr("models:")));
+}
+
+TEST(ConfigModelsTest, ListIsReadWithItsOwnDevicesAndCapacity) {
+  absl::StatusOr<Config> c = Parse(kTwoModels);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->models_listed);
+  ASSERT_EQ(c->models.size(), 2u);
+  EXPECT_EQ(c->models[0].name, "tiny-a");
+  EXPECT_EQ(c->models[0].path, "/etc/models/tiny-a");
+  EXPECT_EQ(c->models[0].sampler_devices, (std::vector<std::string>{"cuda:1"}));
+  EXPECT_EQ(c->models[0].max_adapters, 2);
+  EXPECT_EQ(c->models[1].name, "b");
+  EXPECT_EQ(c->models[1].dtype, "bfloat16");
+  EXPECT_EQ(c->models[1].max_adapters, 64);  // 0 = limits.max_adapters
+  EXPECT_EQ(c->model.name, "tiny-a");        // mirrors models[0]
+
+  const Config b = ForModel(*c, 1);
+  EXPECT_EQ(b.model.name, "b");
+  EXPECT_EQ(b.model.dtype, "bfloat16");
+  EXPECT_EQ(b.engine.devices, (std::vector<std::string>{"cuda:2", "cuda:3"}));
+  EXPECT_TRUE(b.sampler.devices.empty());
+  EXPECT_EQ(b.limits.max_adapters, 64);
+  ASSERT_EQ(b.models.size(), 1u);
+  const Config a = ForModel(*c, 0);
+  EXPECT_EQ(a.sampler.devices, (std::vector<std::string>{"cuda:1"}));
+  EXPECT_EQ(a.limits.max_adapters, 2);
+}
+
+TEST(ConfigModelsTest, RenderWritesTheListBackAndItParsesAgain) {
+  absl::StatusOr<Config> c = Parse(kTwoModels);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string yaml = RenderConfig(*c, ConfigFormat::kYaml);
+  EXPECT_THAT(yaml, HasSubstr("models:"));
+  EXPECT_THAT(yaml, Not(HasSubstr("\nmodel:")));
+  // The output reads back as the same models (no top-level devices, which the list refuses).
+  absl::StatusOr<Config> again = Parse(yaml);
+  ASSERT_TRUE(again.ok()) << again.status() << "\n" << yaml;
+  ASSERT_EQ(again->models.size(), 2u);
+  EXPECT_EQ(again->models[1].devices, c->models[1].devices);
+  EXPECT_EQ(again->models[0].sampler_devices, c->models[0].sampler_devices);
+  EXPECT_EQ(again->models[0].max_adapters, 2);
+}
+
+TEST(ConfigModelsTest, BothFormsAreRefused) {
+  EXPECT_THAT(ErrorOf("model:\n  path: m\nmodels:\n  - path: n\n"),
+              HasSubstr("test.yaml:4: models: give either model: (one base model) or models: (several), not both"));
+}
+
+TEST(ConfigModelsTest, EmptyListIsRefused) {
+  EXPECT_THAT(ErrorOf("models: []\n"), HasSubstr("test.yaml:1: models: needs at least one model"));
+}
+
+TEST(ConfigModelsTest, NeitherFormNamesTheMissingPath) {
+  EXPECT_THAT(ErrorOf("server:\n  host: 127.0.0.1\n"), HasSubstr("model.path: required key is missing"));
+}
+
+TEST(ConfigModelsTest, DuplicateNamesAreRefusedAlsoWhenDefaultedFromTheDirectory) {
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    name: x\n  - path: b\n    name: x\n"),
+              HasSubstr("test.yaml:5: models[1].name: 'x' is already the name of models[0]"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: one/m\n  - path: two/m\n"),
+              HasSubstr("models[1].name: 'm' is already the name of models[0]"));
+}
+
+TEST(ConfigModelsTest, ADeviceServesOneModelButCpuIsShared) {
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devices: [cuda:0]\n  - path: b\n    devices: [cuda:0]\n"),
+              HasSubstr("models[1].devices: 'cuda:0' is already used by models[0] ('a'); a device serves one "
+                        "model (only cpu may be shared)"));
+  // A sampler device of one model that is another's training device.
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devices: [cuda:0]\n  - path: b\n    devices: [cuda:1]\n"
+                      "    sampler_devices: [cuda:0]\n"),
+              HasSubstr("models[1].sampler_devices: 'cuda:0' is already used by models[0]"));
+  // Within one model the usual rule and its message, under the model's own keys.
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devices: [cuda:0]\n    sampler_devices: [cuda:0]\n"),
+              HasSubstr("models[0].sampler_devices: 'cuda:0' is also in models[0].devices"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devices: []\n"), HasSubstr("models[0].devices: needs at least one device"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devices: [tpu]\n"), HasSubstr("models[0].devices: 'tpu' is not a device"));
+  absl::StatusOr<Config> cpu = Parse("models:\n  - path: a\n  - path: b\n    devices: [cpu, cpu]\n");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->models[0].devices, (std::vector<std::string>{"cpu"}));  // the default
+}
+
+TEST(ConfigModelsTest, TopLevelDevicesAreRefusedWithTheList) {
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\nengine:\n  devices: [cpu]\n"),
+              HasSubstr("test.yaml:4: engine.devices: with models:, each model lists its own devices (models[i].devices)"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\nsampler:\n  devices: [cpu]\n"),
+              HasSubstr("sampler.devices: with models:, each model lists its own devices (models[i].sampler_devices)"));
+}
+
+TEST(ConfigModelsTest, EntryKeysAreCheckedLikeModelKeys) {
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    dtype: float8\n"),
+              HasSubstr("test.yaml:3: models[0].dtype: 'float8' is not one of"));
+  EXPECT_THAT(ErrorOf("models:\n  - name: a\n"), HasSubstr("models[0].path: required key is missing"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    devcies: [cpu]\n"),
+              HasSubstr("models[0].devcies: unknown key (known: chat_renderer_fallback, devices, dtype, max_adapters"));
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n    max_adapters: 100001\n"),
+              HasSubstr("models[0].max_adapters: 100001 is out of range [0, 100000]"));
+  EXPECT_THAT(ErrorOf("models:\n  path: a\n"), HasSubstr("models: expected a list of mappings"));
+}
+
+TEST(ConfigModelsTest, NodesAreForASingleModel) {
+  EXPECT_THAT(ErrorOf("models:\n  - path: a\n  - path: b\n    devices: [cpu@node-a]\n"
+                      "nodes:\n  listen: 127.0.0.1:7000\n  secret_file: s\n"),
+              HasSubstr("models[1].devices: devices on other nodes (DEVICE@NODE) are supported with a single model only"));
+}
+
+}  // namespace models_test
+
 }  // namespace
 }  // namespace twinkle

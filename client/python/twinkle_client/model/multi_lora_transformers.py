@@ -122,9 +122,10 @@ class MultiLoraTransformersModel:
         gas = int(kwargs.pop("gradient_accumulation_steps", 1) or 1)
         self._ignore(kwargs)
         server_name = f"{adapter_name}-{secrets.token_hex(4)}"
+        # On the base model model_id names when the server serves several (else its default).
         reply = self._call("AddAdapter", pb.AddAdapterRequest(
             adapter_name=server_name, config=lora, gradient_accumulation_steps=gas,
-            session_id=self.client.session_id or ""))
+            session_id=self.client.session_id or "", base_model=self.client.served_model(self.model_id)))
         self._server_names[adapter_name] = reply.adapter_name
         self.run_ids[adapter_name] = reply.run_id
         self.adapter_name = adapter_name
