@@ -238,8 +238,14 @@ def test_killed_rank_restores_only_its_adapters(launch_server: LaunchServer, tin
         c.call("ForwardBackward", tpb.ForwardRequest(adapter_name=name, inputs=batch(77, vocab, sequences=2)))
     before = {engine_rank(p): p for p in server.engine_workers()}
     before[1].send_signal(signal.SIGKILL)
-    wait_until(lambda: len(server.engine_workers()) == 2 and
-               before[1].pid not in {p.pid for p in server.engine_workers()} or None, 120, "rank 1 replaced")
+
+    def replaced() -> bool:
+        # One snapshot: two reads could see the old rank 1 alive in the first and gone in
+        # the second, before its replacement exists (and health is still SERVING).
+        pids = {p.pid for p in server.engine_workers()}
+        return len(pids) == 2 and before[1].pid not in pids
+
+    wait_until(replaced, 120, "rank 1 replaced")
     server.wait_health("SERVING", 120)
     after = {engine_rank(p): p for p in server.engine_workers()}
     assert after[0].pid == before[0].pid, "rank 0 kept its process"
