@@ -432,6 +432,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   deps.metrics = &metrics;
   deps.usage = &usage;
   deps.node_secret = node_secret;
+  for (const ModelEntry& m : config.models) deps.model_names.push_back(m.name);
   std::vector<std::unique_ptr<ModelStack>> stacks;
   std::vector<ModelStack*> stack_ptrs;
   std::vector<std::string> pools;

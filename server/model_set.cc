@@ -43,14 +43,22 @@ ModelStack* ModelSet::OfRun(const std::string& tenant, const std::string& run_id
 }
 
 ModelStack& ModelSet::ForCheckpoint(const std::string& tenant, const std::string& path) const {
+  if (!several()) return primary();
   absl::StatusOr<training::CheckpointPath> parsed = training::ParseCheckpointPath(path, "path");
-  ModelStack* s = parsed.ok() ? OfRun(tenant, parsed->run_id) : nullptr;
+  if (!parsed.ok()) return primary();
+  ModelStack* s = OfRun(tenant, parsed->run_id);
+  if (s == nullptr && registry_ != nullptr) {
+    // Another tenant's published checkpoint: the model its owner's run was trained on.
+    absl::StatusOr<registry::CheckpointRecord> shared =
+        registry_->GetPublishedCheckpoint(parsed->run_id, parsed->checkpoint_id());
+    if (shared.ok()) s = OfRun(shared->tenant, shared->run_id);
+  }
   return s != nullptr ? *s : primary();
 }
 
 ModelStack* ModelSet::OfSamplingSession(const std::string& tenant, const std::string& id) const {
   for (ModelStack* s : stacks_) {
-    if (s->sampler().SessionOpen(tenant, id)) return s;
+    if (s->sampler().HoldsSession(tenant, id)) return s;
   }
   return nullptr;
 }

@@ -46,10 +46,12 @@ class ModelSet {
   // when the run or its model is unknown.
   ModelStack* OfRun(const std::string& tenant, const std::string& run_id) const;
   // The model a checkpoint path (twinkle://<run>/..., or tinker:// with a run id) was
-  // trained on; the default model when the path or its run is not the tenant's (its store
-  // then answers for it, NotFound or a bad path, as with one model).
+  // trained on: the tenant's run's, or the owner's run's for another tenant's published
+  // checkpoint; the default model when the path or its run is unknown (its store then
+  // answers for it, NotFound or a bad path, as with one model).
   ModelStack& ForCheckpoint(const std::string& tenant, const std::string& path) const;
-  // The model whose sampler has this open sampling session; null when none.
+  // The model whose sampler holds this sampling session (open, or journaled on it before a
+  // restart and not yet reopened); null when none.
   ModelStack* OfSamplingSession(const std::string& tenant, const std::string& id) const;
   // Its sampler, or the default model's when no model has the session open (it answers
   // NotFound, or why the session was released, as with one model).

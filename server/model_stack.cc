@@ -1,5 +1,6 @@
 #include "server/model_stack.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -149,8 +150,8 @@ ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several, 
   coordinator_ = std::make_unique<training::TrainingCoordinator>(coordinator_options, *engine_link_, *deps.futures);
   Metrics* metrics = deps.metrics;
   UsageMeter* usage = deps.usage;
-  coordinator_->scheduler().SetStepListener([metrics, usage](const sched::StepStats& step) {
-    usage->RecordStep(step);
+  coordinator_->scheduler().SetStepListener([metrics, usage, name = c.model.name](const sched::StepStats& step) {
+    usage->RecordStep(name, step);
     std::vector<Metrics::StepOp> ops;
     for (size_t i = 0; i < step.waits.size(); ++i) {
       ops.push_back({step.waits[i].first, absl::ToDoubleSeconds(step.waits[i].second),
@@ -170,6 +171,11 @@ ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several, 
   sampler_options.default_max_tokens = c.sampler.default_max_tokens;
   sampler_options.max_num_samples = c.sampler.max_num_samples;
   sampler_options.registry = deps.registry;  // open sessions outlive a restart
+  sampler_options.default_model = index == 0;
+  if (index == 0) {
+    sampler_options.other_models.assign(deps.model_names.begin() + std::min<size_t>(1, deps.model_names.size()),
+                                        deps.model_names.end());
+  }
   // Colocated, sampling calls go to the training engine and interleave with its steps;
   // dedicated, they go to the sampler workers. Either way sample requests and snapshots stay
   // scheduler ops of the training coordinator (futures, deadlines, quotas, fair share, and a
@@ -185,8 +191,8 @@ ModelStack::ModelStack(Config config, const ModelStackDeps& deps, bool several, 
   }
   sampler_ = std::make_unique<sampling::SamplerCoordinator>(sampler_options, sampling_engines, *coordinator_,
                                                             checkpoints_.get(), *deps.futures);
-  sampler_->SetUsageListener([metrics, usage](const sampling::SamplerCoordinator::SampleUsage& u) {
-    usage->RecordSample(u);
+  sampler_->SetUsageListener([metrics, usage, name = c.model.name](const sampling::SamplerCoordinator::SampleUsage& u) {
+    usage->RecordSample(name, u);
     metrics->RecordSampleTokens(u.tenant, u.prefill_tokens, u.sampled_tokens);
   });
 }

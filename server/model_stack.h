@@ -40,6 +40,7 @@ struct ModelStackDeps {
   Metrics* metrics = nullptr;
   UsageMeter* usage = nullptr;
   std::string node_secret;  // engines on other nodes (nodes.secret_file), single model only
+  std::vector<std::string> model_names;  // every served model's name, in config order
 };
 
 class ModelStack {

@@ -1,5 +1,7 @@
 #include "server/usage_meter.h"
 
+#include <map>
+#include <utility>
 #include <vector>
 
 namespace twinkle {
@@ -21,16 +23,17 @@ void UsageMeter::Add(const Who& who, const char* kind, int64_t amount, absl::Tim
   if (amount <= 0) return;
   {
     absl::MutexLock lock(&mu_);
-    pending_[Key{HourBucketMicros(now), who.tenant, who.key_id, who.session_id, who.run_id, kind}] += amount;
+    pending_[Key{HourBucketMicros(now), who.tenant, who.key_id, who.session_id, who.run_id, who.base_model, kind}] +=
+        amount;
   }
   if (listener_) listener_(who.tenant, kind, amount);
 }
 
-void UsageMeter::RecordStep(const sched::StepStats& step, absl::Time now) {
+void UsageMeter::RecordStep(const std::string& base_model, const sched::StepStats& step, absl::Time now) {
   for (size_t i = 0; i < step.op_usage.size() && i < step.waits.size(); ++i) {
     if (i >= step.op_ok.size() || !step.op_ok[i]) continue;
     const sched::Op::Usage& u = step.op_usage[i];
-    const Who who{step.waits[i].first, u.key_id, u.session_id, u.run_id};
+    const Who who{step.waits[i].first, u.key_id, u.session_id, u.run_id, base_model};
     const int64_t tokens = i < step.op_tokens.size() ? step.op_tokens[i] : 0;
     switch (step.kind) {
       case sched::OpKind::kForwardBackward:
@@ -47,8 +50,9 @@ void UsageMeter::RecordStep(const sched::StepStats& step, absl::Time now) {
   }
 }
 
-void UsageMeter::RecordSample(const sampling::SamplerCoordinator::SampleUsage& u, absl::Time now) {
-  const Who who{u.tenant, u.key_id, u.session_id, ""};
+void UsageMeter::RecordSample(const std::string& base_model, const sampling::SamplerCoordinator::SampleUsage& u,
+                              absl::Time now) {
+  const Who who{u.tenant, u.key_id, u.session_id, "", base_model};
   Add(who, "prefill", u.prefill_tokens, now);
   Add(who, "sampled", u.sampled_tokens, now);
 }
@@ -64,8 +68,14 @@ absl::Status UsageMeter::AccrueStorageLocked(absl::Time now) {
   absl::StatusOr<std::vector<registry::CheckpointRecord>> all = registry_.AllCheckpoints();
   if (!all.ok()) return all.status();
   storage_since_ += absl::Seconds(seconds);
+  std::map<std::pair<std::string, std::string>, std::string> model_of_run;  // one lookup per run
   for (const registry::CheckpointRecord& c : *all) {
-    Add(Who{c.tenant, 0, "", c.run_id}, "storage_byte_seconds", c.size_bytes * seconds, now);
+    auto [it, added] = model_of_run.try_emplace({c.tenant, c.run_id});
+    if (added) {
+      absl::StatusOr<registry::RunRecord> run = registry_.GetRun(c.tenant, c.run_id);
+      if (run.ok()) it->second = run->base_model;
+    }
+    Add(Who{c.tenant, 0, "", c.run_id, it->second}, "storage_byte_seconds", c.size_bytes * seconds, now);
   }
   return absl::OkStatus();
 }
@@ -81,8 +91,8 @@ absl::Status UsageMeter::Flush(absl::Time now) {
   std::vector<registry::UsageRecord> rows;
   rows.reserve(batch.size());
   for (const auto& [k, amount] : batch) {
-    const auto& [bucket, tenant, key_id, session, run, kind] = k;
-    rows.push_back({absl::FromUnixMicros(bucket), tenant, key_id, session, run, kind, amount});
+    const auto& [bucket, tenant, key_id, session, run, base_model, kind] = k;
+    rows.push_back({absl::FromUnixMicros(bucket), tenant, key_id, session, run, kind, amount, base_model});
   }
   if (absl::Status s = registry_.AddUsage(rows); !s.ok()) {
     absl::MutexLock lock(&mu_);

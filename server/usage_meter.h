@@ -12,6 +12,9 @@
 //                         clip_grad_and_step)
 //   storage_byte_seconds  checkpoint bytes held x seconds held (per run; accrued at each flush)
 //
+// Every count names the base model it was used on (config `models:`): the model whose
+// coordinator ran the step or whose sampler sampled; storage, the model of the checkpoint's run.
+//
 // Batching: events are added to counters in memory (a mutex and a hash map, no I/O on the
 // request path) and written in one registry transaction every auth.usage_flush_interval_s,
 // before every billing read, and at a clean shutdown. A crash (kill -9, power loss) loses
@@ -41,22 +44,25 @@ class UsageMeter {
     int64_t key_id = 0;
     std::string session_id;
     std::string run_id;
+    std::string base_model;
   };
   void Add(const Who& who, const char* kind, int64_t amount, absl::Time now = absl::Now());
   // Told of every amount added, as it is added (before the flush that persists it): how the
   // coordinator's /metrics mirrors the metered counts (Metrics::RecordUsage). Set before use.
   using Listener = std::function<void(const std::string& tenant, const std::string& kind, int64_t amount)>;
   void SetListener(Listener listener) { listener_ = std::move(listener); }
-  // The scheduler's step listener: training / forward tokens and optimizer steps.
-  void RecordStep(const sched::StepStats& step, absl::Time now = absl::Now());
-  // The sampler's usage listener: prefill and sampled tokens.
-  void RecordSample(const sampling::SamplerCoordinator::SampleUsage& usage, absl::Time now = absl::Now());
+  // The step listener of `base_model`'s scheduler: training / forward tokens and optimizer steps.
+  void RecordStep(const std::string& base_model, const sched::StepStats& step, absl::Time now = absl::Now());
+  // The usage listener of `base_model`'s sampler: prefill and sampled tokens.
+  void RecordSample(const std::string& base_model, const sampling::SamplerCoordinator::SampleUsage& usage,
+                    absl::Time now = absl::Now());
   // Adds storage byte-seconds for every checkpoint since the previous accrual (the first call
   // starts the clock), then writes every pending counter. Failures keep the counters.
   absl::Status Flush(absl::Time now = absl::Now());
 
  private:
-  using Key = std::tuple<int64_t, std::string, int64_t, std::string, std::string, std::string>;
+  // bucket (unix µs), tenant, key id, session, run, base model, kind.
+  using Key = std::tuple<int64_t, std::string, int64_t, std::string, std::string, std::string, std::string>;
   absl::Status AccrueStorageLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(flush_mu_);
 
   registry::Registry& registry_;

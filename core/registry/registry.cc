@@ -30,7 +30,7 @@ namespace {
 // transaction together with the user_version bump. Append only; never edit a shipped entry.
 // (foreign_keys is on and cannot change inside a transaction: a future migration that
 // rebuilds a referenced table must keep its keys intact.)
-constexpr std::array<const char*, 5> kMigrations = {
+constexpr std::array<const char*, 6> kMigrations = {
     // v0 → v1: the initial schema.
     R"sql(
 CREATE TABLE sessions (
@@ -185,6 +185,28 @@ CREATE TABLE sampling_sessions (
   live       INTEGER NOT NULL CHECK (live IN (0, 1)),
   created_us INTEGER NOT NULL
 ) WITHOUT ROWID;
+)sql",
+    // v5 → v6: several base models (config `models:`). A sampling session is reopened on the
+    // model it was opened on, and usage is counted per base model. '' = the default (first)
+    // model: every row written before v6. The usage key changes, so its table is rebuilt (no
+    // key refers to it).
+    R"sql(
+ALTER TABLE sampling_sessions ADD COLUMN base_model TEXT NOT NULL DEFAULT '';
+CREATE TABLE usage_v6 (
+  bucket_us  INTEGER NOT NULL,
+  tenant     TEXT    NOT NULL,
+  key_id     INTEGER NOT NULL,
+  session_id TEXT    NOT NULL,
+  run_id     TEXT    NOT NULL,
+  base_model TEXT    NOT NULL,
+  kind       TEXT    NOT NULL,
+  amount     INTEGER NOT NULL,
+  PRIMARY KEY (bucket_us, tenant, key_id, session_id, run_id, base_model, kind)
+) WITHOUT ROWID;
+INSERT INTO usage_v6 (bucket_us, tenant, key_id, session_id, run_id, base_model, kind, amount)
+  SELECT bucket_us, tenant, key_id, session_id, run_id, '', kind, amount FROM usage;
+DROP TABLE usage;
+ALTER TABLE usage_v6 RENAME TO usage;
 )sql",
 };
 static_assert(kMigrations.size() == Registry::kSchemaVersion,

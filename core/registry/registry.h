@@ -116,6 +116,7 @@ struct SamplingSessionRecord {
   std::string owner;       // the training session it belongs to, or ""
   bool live = false;       // on an unnamed snapshot of a training adapter: not kept across restarts
   absl::Time created;
+  std::string base_model;  // (v6) the served model it samples on; "" = the default (first) model
 };
 
 // ---- v3: runtime keys, usage and audit (registry_keys.cc, registry_usage.cc,
@@ -148,6 +149,7 @@ struct UsageRecord {
   std::string run_id;
   std::string kind;  // training | forward | prefill | sampled | optim_steps | storage_byte_seconds
   int64_t amount = 0;
+  std::string base_model;  // (v6) the served model it was used on; "" = the default (first) model
 };
 
 struct AuditRecord {
@@ -180,7 +182,7 @@ struct Page {
 
 class Registry {
  public:
-  static constexpr int kSchemaVersion = 5;
+  static constexpr int kSchemaVersion = 6;
 
   // Opens (creating when absent) the database file and migrates it. NotFound naming the
   // path when its parent directory does not exist; FailedPrecondition when the file is not a

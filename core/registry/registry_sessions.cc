@@ -219,10 +219,13 @@ absl::Status Registry::PutSamplingSession(const SamplingSessionRecord& r) {
   absl::MutexLock lock(&mu_);
   // Only the owning tenant's row may be replaced: ON CONFLICT ... WHERE leaves another's as it was.
   Stmt st(db_, path_,
-          "INSERT INTO sampling_sessions (id, tenant, model_path, owner, live, created_us) VALUES (?, ?, ?, ?, ?, ?) "
+          "INSERT INTO sampling_sessions (id, tenant, model_path, owner, live, created_us, base_model) "
+          "VALUES (?, ?, ?, ?, ?, ?, ?) "
           "ON CONFLICT(id) DO UPDATE SET model_path = excluded.model_path, owner = excluded.owner, "
-          "live = excluded.live, created_us = excluded.created_us WHERE tenant = excluded.tenant");
+          "live = excluded.live, created_us = excluded.created_us, base_model = excluded.base_model "
+          "WHERE tenant = excluded.tenant");
   st.Bind(r.id).Bind(r.tenant).Bind(r.model_path).Bind(r.owner).Bind(int64_t{r.live ? 1 : 0}).Bind(Micros(r.created));
+  st.Bind(r.base_model);
   if (absl::Status s = st.Run("put sampling session"); !s.ok()) return s;
   if (sqlite3_changes64(db_) == 0) {
     return absl::AlreadyExistsError(absl::StrCat("sampling session '", r.id, "' already exists"));
@@ -240,7 +243,8 @@ absl::Status Registry::DeleteSamplingSession(const std::string& id, const std::s
 absl::StatusOr<std::vector<SamplingSessionRecord>> Registry::ListSamplingSessions() {
   absl::MutexLock lock(&mu_);
   Stmt st(db_, path_,
-          "SELECT id, tenant, model_path, owner, live, created_us FROM sampling_sessions ORDER BY created_us, id");
+          "SELECT id, tenant, model_path, owner, live, created_us, base_model FROM sampling_sessions "
+          "ORDER BY created_us, id");
   std::vector<SamplingSessionRecord> out;
   for (;;) {
     absl::StatusOr<bool> row = st.Step("list sampling sessions");
@@ -253,6 +257,7 @@ absl::StatusOr<std::vector<SamplingSessionRecord>> Registry::ListSamplingSession
     r.owner = st.Text(3);
     r.live = st.Int(4) != 0;
     r.created = FromMicros(st.Int(5));
+    r.base_model = st.Text(6);
     out.push_back(std::move(r));
   }
   return out;

@@ -3,6 +3,7 @@
 // rows over the lanes. The lanes' decode threads, which run the rows, are in sampler_decode.cc.
 #include "core/sampling/sampler_coordinator.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -111,11 +112,27 @@ void SamplerCoordinator::Start() {
       LogWarning(kLog, absl::StrCat("sampling sessions of the last run not restored: ", rows.status().message()));
     }
   }
+  std::vector<registry::SamplingSessionRecord> unserved;  // of a model no longer served
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_) return;
+    for (registry::SamplingSessionRecord& row : journaled) {
+      const bool ours = row.base_model == options_.base_model || (row.base_model.empty() && options_.default_model);
+      if (ours) {
+        if (sessions_.count(row.id) == 0) dormant_.emplace(row.id, std::move(row));
+      } else if (options_.default_model && std::find(options_.other_models.begin(), options_.other_models.end(),
+                                                     row.base_model) == options_.other_models.end()) {
+        unserved.push_back(std::move(row));
+      }
+    }
+  }
+  for (const registry::SamplingSessionRecord& row : unserved) {
+    LogInfo(kLog, absl::StrCat("tenant ", row.tenant, ": sampling session ", row.id, " of base model '",
+                               row.base_model, "', no longer served, is not reopened"));
+    (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
+  }
   absl::MutexLock lock(&mu_);
   if (started_) return;
-  for (registry::SamplingSessionRecord& row : journaled) {
-    if (sessions_.count(row.id) == 0) dormant_.emplace(row.id, std::move(row));
-  }
   if (!dormant_.empty()) {
     dormant_until_ = clock_.Now() + options_.session_timeout;
     LogInfo(kLog, absl::StrCat(dormant_.size(), " sampling sessions of the last run can be reopened"));
@@ -348,6 +365,7 @@ void SamplerCoordinator::Journal(const std::string& tenant, const std::string& i
   row.model_path = model_path;
   row.owner = owner;
   row.created = clock_.Now();
+  row.base_model = options_.base_model;
   // Without its row the session still works; it is only not reopened after a restart.
   if (absl::Status s = options_.registry->PutSamplingSession(row); !s.ok()) {
     LogWarning(kLog, absl::StrCat("tenant ", tenant, ": sampling session ", id, " not journaled: ", s.message()));
@@ -538,10 +556,12 @@ absl::StatusOr<SamplingSessionInfo> SamplerCoordinator::GetSession(const TenantC
   return info;
 }
 
-bool SamplerCoordinator::SessionOpen(const std::string& tenant, const std::string& session_id) const {
+bool SamplerCoordinator::HoldsSession(const std::string& tenant, const std::string& session_id) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
-  return it != sessions_.end() && it->second->tenant == tenant;
+  if (it != sessions_.end()) return it->second->tenant == tenant;
+  auto dormant = dormant_.find(session_id);
+  return dormant != dormant_.end() && dormant->second.tenant == tenant;
 }
 
 absl::Status SamplerCoordinator::CloseSession(const TenantContext& tenant, const std::string& session_id) {

@@ -165,8 +165,14 @@ struct SamplerOptions {
   absl::Duration session_timeout = absl::Seconds(1800);  // unused this long: closed
   int64_t default_max_tokens = 16;
   int64_t max_num_samples = 128;
-  // Where open sessions are journaled so they outlive a restart (null: in memory only).
+  // Where open sessions are journaled so they outlive a restart (null: in memory only). Each
+  // row names base_model, and only this model's rows are reopened here; the default (first)
+  // model also takes the rows that name none (journaled before the registry's schema v6), and
+  // deletes those of a model no longer served (not one of other_models): a session is never
+  // reopened on another model than its own.
   registry::Registry* registry = nullptr;
+  bool default_model = true;
+  std::vector<std::string> other_models;  // the other served models (the default model's only)
 };
 
 // One lane (engine that samples): its share of the figures below.
@@ -226,9 +232,10 @@ class SamplerCoordinator {
   // Closes every session of the tenant owned by training session `owner`; returns how many.
   int64_t CloseOwnedBy(const TenantContext& tenant, const std::string& owner);
   absl::StatusOr<SamplingSessionInfo> GetSession(const TenantContext& tenant, const std::string& session_id);
-  // Whether the tenant's session is open, without counting as a use (GetSession does: it
-  // moves the session up the LRU order and resets its idle timer).
-  bool SessionOpen(const std::string& tenant, const std::string& session_id) const;
+  // Whether the tenant's session is here: open, or journaled by the last run on this model
+  // and not yet reopened (its first use reopens it). Not a use (GetSession is: it moves the
+  // session up the LRU order and resets its idle timer).
+  bool HoldsSession(const std::string& tenant, const std::string& session_id) const;
   absl::Status CloseSession(const TenantContext& tenant, const std::string& session_id);
 
   // Future value: SampleOutput. Bad input → INVALID_ARGUMENT naming the field, before

@@ -91,19 +91,22 @@ absl::StatusOr<Json> BillingEvents(ServingState& state, const HttpRequest& r) {
   absl::StatusOr<std::vector<registry::UsageRecord>> rows = state.registry->ListUsage("", *from, *to);
   if (!rows.ok()) return rows.status();
 
-  // Events: one per (bucket, tenant, key, session, kind), summed over runs.
-  using Group = std::tuple<int64_t, std::string, int64_t, std::string, std::string>;
+  // Events: one per (bucket, tenant, key, session, base model, kind), summed over runs. Rows
+  // written before the registry knew base models (schema v6) are the default model's.
+  using Group = std::tuple<int64_t, std::string, int64_t, std::string, std::string, std::string>;
   std::map<Group, int64_t> groups;
   Json raw = Json::array();
   for (const registry::UsageRecord& u : *rows) {
-    groups[Group{absl::ToUnixMicros(u.bucket), u.tenant, u.key_id, u.session_id, u.kind}] += u.amount;
+    const std::string& base_model = u.base_model.empty() ? state.config.model.name : u.base_model;
+    groups[Group{absl::ToUnixMicros(u.bucket), u.tenant, u.key_id, u.session_id, base_model, u.kind}] += u.amount;
     raw.push_back({{"bucket_start", IsoTime(u.bucket)}, {"tenant", u.tenant}, {"key_id", u.key_id},
-                   {"session_id", u.session_id}, {"run_id", u.run_id}, {"kind", u.kind}, {"amount", u.amount}});
+                   {"session_id", u.session_id}, {"run_id", u.run_id}, {"base_model", base_model},
+                   {"kind", u.kind}, {"amount", u.amount}});
   }
   Json data = Json::array();
   Json sessions = Json::object();
   for (const auto& [g, amount] : groups) {
-    const auto& [bucket_us, tenant, key_id, session, kind] = g;
+    const auto& [bucket_us, tenant, key_id, session, base_model, kind] = g;
     Json info;
     if (kind == "training" || kind == "forward") {
       info = {{"type", "training"}, {"token_count", amount}};
@@ -119,7 +122,7 @@ absl::StatusOr<Json> BillingEvents(ServingState& state, const HttpRequest& r) {
     const absl::Time bucket = absl::FromUnixMicros(bucket_us);
     Json event = {{"bucket_start", IsoTime(bucket)},
                   {"bucket_end", IsoTime(bucket + absl::Hours(1))},
-                  {"base_model", state.config.model.name},
+                  {"base_model", base_model},
                   {"user_id", absl::StrCat("tenant:", tenant, "/key:", key_id)},
                   {"user_name", tenant},
                   {"session_id", session.empty() ? Json(nullptr) : Json(session)},

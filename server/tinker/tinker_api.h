@@ -287,8 +287,10 @@ class TinkerApi {
   // caller's checkpoint weights/<name> of a new run (import-<hex>) that load_state,
   // create_training_client_from_state and sampling use like any other. Body:
   // {"name", "adapter_config": {...adapter_config.json...}, "adapter_model": base64 of
-  // adapter_model.safetensors, "ttl_seconds"?}. Validated against the served model before
-  // anything is written (CheckpointStore::ImportPeftAdapter); quota-checked. Answers
+  // adapter_model.safetensors, "ttl_seconds"?, "base_model"? (a served model's name or
+  // directory; default: the first)}. Validated against that model's weights before anything
+  // is written (CheckpointStore::ImportPeftAdapter), and its run is recorded on that model
+  // (load_state, sampling and the OpenAI routes then use it); quota-checked. Answers
   // {"tinker_path", "model_id"}. The body's size is bounded by the route (max_import_bytes).
   absl::StatusOr<Json> ImportAdapter(const tenancy::Tenant& tenant, const Json& body);
 
@@ -379,7 +381,8 @@ class TinkerApi {
   absl::Duration url_ttl_ = absl::Hours(1);
   const Clock* url_clock_ = &RealClock();
   absl::Mutex shapes_mu_;
-  std::optional<std::map<std::string, std::vector<int64_t>>> base_shapes_ ABSL_GUARDED_BY(shapes_mu_);
+  // Each served model's base weight shapes, by model name, read at its first import.
+  std::map<std::string, std::map<std::string, std::vector<int64_t>>> base_shapes_ ABSL_GUARDED_BY(shapes_mu_);
   std::unique_ptr<Worker> blocking_;  // AddAdapter / RemoveAdapter (they wait for the engine)
   std::unique_ptr<Worker> timers_;    // long-poll timeouts, seq gaps, expiry
   // record_stability_info samples, for stable_reinforce; shared with the sample encoders,

@@ -398,22 +398,26 @@ absl::StatusOr<Json> TinkerApi::ImportAdapter(const tenancy::Tenant& tenant, con
   if (!absl::Base64Unescape(*encoded, &safetensors)) {
     return absl::InvalidArgumentError("adapter_model: not base64 (adapter_model.safetensors, base64-encoded)");
   }
+  absl::StatusOr<std::string> base_model = GetString(body, "base_model", "");
+  if (!base_model.ok()) return base_model.status();
+  absl::StatusOr<ModelStack*> stack = served_.ForBaseModel(*base_model);
+  if (!stack.ok()) return stack.status();
   std::map<std::string, std::vector<int64_t>> shapes;
   {
     absl::MutexLock lock(&shapes_mu_);
-    if (!base_shapes_) {
-      absl::StatusOr<std::map<std::string, std::vector<int64_t>>> read = training::BaseWeightShapes(served_.primary().model_dir());
+    auto cached = base_shapes_.find((*stack)->name());
+    if (cached == base_shapes_.end()) {
+      absl::StatusOr<std::map<std::string, std::vector<int64_t>>> read = training::BaseWeightShapes((*stack)->model_dir());
       if (!read.ok()) return read.status();
-      base_shapes_ = *std::move(read);
+      cached = base_shapes_.emplace((*stack)->name(), *std::move(read)).first;
     }
-    shapes = *base_shapes_;
+    shapes = cached->second;
   }
   registry::RunRecord run;
   run.run_id = "import-" + NewCopyRunId().substr(5);
   run.tenant = tenant.id;
   run.adapter_name = run.run_id;
-  // Imports are checked against, and recorded on, the default (first) model.
-  run.base_model = served_.primary().name();
+  run.base_model = (*stack)->name();
   run.created = run.last_request = url_clock_->Now();
   absl::StatusOr<registry::CheckpointRecord> record = checkpoints_->ImportPeftAdapter(
       tenant.id, run.run_id, *name, safetensors, body["adapter_config"], shapes,

@@ -57,15 +57,15 @@ sched::StepStats Step(sched::OpKind kind, std::vector<std::tuple<std::string, in
 TEST_F(UsageMeterTest, StepsAndSamplesAreCountedExactly) {
   UsageMeter meter(*registry_);
   const absl::Time t = absl::FromUnixSeconds(3600 * 100 + 5);
-  meter.RecordStep(Step(sched::OpKind::kForwardBackward,
+  meter.RecordStep("m", Step(sched::OpKind::kForwardBackward,
                         {{"alice", 11, "forward_backward", true}, {"alice", 5, "forward_backward", false},
                          {"alice", 1, "backward", true}, {"bob", 3, "forward_backward", true}}),
                    t);
-  meter.RecordStep(Step(sched::OpKind::kForward, {{"alice", 4, "forward", true}}), t);
-  meter.RecordStep(Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "step", true},
+  meter.RecordStep("m", Step(sched::OpKind::kForward, {{"alice", 4, "forward", true}}), t);
+  meter.RecordStep("m", Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "step", true},
                                                 {"alice", 0, "zero_grad", true}, {"alice", 0, "optim_step", false}}),
                    t);
-  meter.RecordSample({"alice", 7, "sess", 6, 9}, t);
+  meter.RecordSample("m", {"alice", 7, "sess", 6, 9}, t);
   ASSERT_TRUE(meter.Flush(t).ok());
   EXPECT_EQ(Totals("alice"), (std::map<std::string, int64_t>{
                                  {"training", 11}, {"forward", 4}, {"optim_steps", 2}, {"prefill", 6}, {"sampled", 9}}));
@@ -79,7 +79,43 @@ TEST_F(UsageMeterTest, StepsAndSamplesAreCountedExactly) {
   for (const auto& r : *rows) {
     EXPECT_EQ(r.bucket, absl::FromUnixSeconds(3600 * 100));  // the hour's start
     EXPECT_EQ(r.key_id, 7);
+    EXPECT_EQ(r.base_model, "m");
   }
+}
+
+TEST_F(UsageMeterTest, EachCountNamesItsBaseModel) {
+  registry::RunRecord run;
+  run.run_id = "s1-b";
+  run.tenant = "alice";
+  run.adapter_name = "b";
+  run.base_model = "model-b";
+  run.lora_config_json = "{}";
+  ASSERT_TRUE(registry_->PutRun(run).ok());
+  registry::CheckpointRecord c;
+  c.tenant = "alice";
+  c.run_id = "s1-b";
+  c.checkpoint_id = "weights/x";
+  c.kind = "training";
+  c.path = "/tmp/x";
+  c.size_bytes = 10;
+  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  UsageMeter meter(*registry_);
+  const absl::Time t = absl::FromUnixSeconds(3600 * 400);
+  ASSERT_TRUE(meter.Flush(t).ok());  // starts the storage clock
+  meter.RecordSample("model-a", {"alice", 7, "sess", 6, 9}, t);
+  meter.RecordSample("model-b", {"alice", 7, "sess", 1, 2}, t);
+  ASSERT_TRUE(meter.Flush(t + absl::Seconds(3)).ok());
+  std::map<std::pair<std::string, std::string>, int64_t> by_model;
+  absl::StatusOr<std::vector<registry::UsageRecord>> rows =
+      registry_->ListUsage("alice", t, t + absl::Hours(1));
+  ASSERT_TRUE(rows.ok());
+  for (const auto& r : *rows) by_model[{r.base_model, r.kind}] += r.amount;
+  EXPECT_EQ(by_model, (std::map<std::pair<std::string, std::string>, int64_t>{
+                          {{"model-a", "prefill"}, 6},
+                          {{"model-a", "sampled"}, 9},
+                          {{"model-b", "prefill"}, 1},
+                          {{"model-b", "sampled"}, 2},
+                          {{"model-b", "storage_byte_seconds"}, 30}}));  // its run's model
 }
 
 TEST_F(UsageMeterTest, StorageAccruesWholeSecondsWithTheRemainderCarried) {
@@ -130,11 +166,11 @@ TEST_F(UsageMeterTest, MetricsMirrorOptimizerStepsAndStorageByTenantExactly) {
     metrics.RecordUsage(tenant, kind, amount);
   });
   const absl::Time t0 = absl::FromUnixSeconds(3600 * 300);
-  meter.RecordStep(Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "clip_grad_and_step", true},
+  meter.RecordStep("m", Step(sched::OpKind::kOther, {{"alice", 0, "optim_step", true}, {"alice", 0, "clip_grad_and_step", true},
                                                 {"bob", 0, "step", true}, {"alice", 0, "optim_step", false},
                                                 {"alice", 0, "zero_grad", true}}),
                    t0);
-  meter.RecordStep(Step(sched::OpKind::kForwardBackward, {{"alice", 11, "forward_backward", true}}), t0);
+  meter.RecordStep("m", Step(sched::OpKind::kForwardBackward, {{"alice", 11, "forward_backward", true}}), t0);
   ASSERT_TRUE(meter.Flush(t0).ok());
   ASSERT_TRUE(meter.Flush(t0 + absl::Seconds(7)).ok());
   const std::string text = metrics.Render();

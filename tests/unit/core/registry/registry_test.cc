@@ -899,6 +899,60 @@ TEST_F(RegistryTest, UsageAddsUpPerBucketAndKind) {
   EXPECT_TRUE(reg->ListUsage("", hour + absl::Hours(1), hour + absl::Hours(2))->empty());
 }
 
+TEST_F(RegistryTest, UsageAndSamplingSessionsAreKeptPerBaseModel) {
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  const absl::Time hour = absl::FromUnixSeconds(3600 * 10);
+  UsageRecord u{hour, "alice", 1, "s1", "", "sampled", 5, "model-a"};
+  UsageRecord v = u;
+  v.base_model = "model-b";
+  ASSERT_TRUE(reg->AddUsage({u, v, v}).ok());
+  absl::StatusOr<std::vector<UsageRecord>> rows = reg->ListUsage("alice", hour, hour + absl::Hours(1));
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*rows)[0].base_model, "model-a");
+  EXPECT_EQ((*rows)[0].amount, 5);
+  EXPECT_EQ((*rows)[1].base_model, "model-b");
+  EXPECT_EQ((*rows)[1].amount, 10);
+
+  SamplingSessionRecord session{"ss1", "alice", "", "", false, hour, "model-b"};
+  ASSERT_TRUE(reg->PutSamplingSession(session).ok());
+  absl::StatusOr<std::vector<SamplingSessionRecord>> sessions = reg->ListSamplingSessions();
+  ASSERT_TRUE(sessions.ok());
+  ASSERT_EQ(sessions->size(), 1u);
+  EXPECT_EQ((*sessions)[0].base_model, "model-b");
+}
+
+TEST_F(RegistryTest, V5UsageAndSamplingSessionsMigrateToTheDefaultModel) {
+  // The v5 shape of the two tables v6 changes, with a row in each.
+  RawExec(R"sql(
+CREATE TABLE usage (bucket_us INTEGER NOT NULL, tenant TEXT NOT NULL, key_id INTEGER NOT NULL,
+  session_id TEXT NOT NULL, run_id TEXT NOT NULL, kind TEXT NOT NULL, amount INTEGER NOT NULL,
+  PRIMARY KEY (bucket_us, tenant, key_id, session_id, run_id, kind)) WITHOUT ROWID;
+INSERT INTO usage VALUES (36000000000, 'alice', 1, 's1', 'run', 'training', 42);
+CREATE TABLE sampling_sessions (id TEXT NOT NULL PRIMARY KEY, tenant TEXT NOT NULL, model_path TEXT NOT NULL,
+  owner TEXT NOT NULL, live INTEGER NOT NULL CHECK (live IN (0, 1)), created_us INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO sampling_sessions VALUES ('ss1', 'alice', '', '', 0, 7);
+PRAGMA user_version = 5;
+)sql");
+  std::unique_ptr<Registry> reg = OpenOrDie();
+  ASSERT_NE(reg, nullptr);
+  EXPECT_EQ(RawInt("PRAGMA user_version"), Registry::kSchemaVersion);
+  const absl::Time hour = absl::FromUnixSeconds(3600 * 10);
+  absl::StatusOr<std::vector<UsageRecord>> rows = reg->ListUsage("alice", hour, hour + absl::Hours(1));
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].amount, 42);
+  EXPECT_EQ((*rows)[0].base_model, "");
+  // The old key still adds up: the same row (base model '') grows.
+  ASSERT_TRUE(reg->AddUsage({UsageRecord{hour, "alice", 1, "s1", "run", "training", 8}}).ok());
+  EXPECT_EQ(reg->ListUsage("alice", hour, hour + absl::Hours(1))->at(0).amount, 50);
+  absl::StatusOr<std::vector<SamplingSessionRecord>> sessions = reg->ListSamplingSessions();
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  ASSERT_EQ(sessions->size(), 1u);
+  EXPECT_EQ((*sessions)[0].id, "ss1");
+  EXPECT_EQ((*sessions)[0].base_model, "");
+}
+
 TEST_F(RegistryTest, AuditRowsAreAppendOnlyAndExpire) {
   std::unique_ptr<Registry> reg = OpenOrDie();
   AuditRecord a;
