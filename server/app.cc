@@ -143,36 +143,20 @@ class SignalWatcher {
   std::thread thread_;
 };
 
-// Copies the coordinator's adapter counts and per-tenant queue depths into the metrics.
-// Runs on every housekeeping tick and on every /metrics scrape, so a scrape is current.
+// Copies each model's adapter and sampler figures (label `model`) and the per-tenant queue
+// depths (summed over the models) into the metrics. Runs on every housekeeping tick and on
+// every /metrics scrape, so a scrape is current.
 void SampleGauges(ServingState& state) {
-  // Summed over the models: the gauges describe the server (per-model figures: GetCapacity).
-  training::CoordinatorStats s;
-  sampling::SamplerStats z;
   std::vector<std::pair<std::string, int64_t>> depths;
   for (const tenancy::Tenant* t : state.authenticator->registry().tenants()) depths.emplace_back(t->id, 0);
   for (ModelStack* m : state.models->stacks()) {
-    const training::CoordinatorStats one = m->coordinator().stats();
-    s.adapters += one.adapters;
-    s.resident += one.resident;
-    s.offloads += one.offloads;
-    s.reloads += one.reloads;
-    s.expired += one.expired;
-    s.restored += one.restored;
-    s.lost += one.lost;
+    const training::CoordinatorStats s = m->coordinator().stats();
+    state.metrics.SetAdapters(m->name(), s.adapters, s.resident, s.offloads, s.reloads, s.expired, s.restored, s.lost);
     for (auto& [tenant, depth] : depths) depth += m->coordinator().scheduler().queued_for_tenant(tenant);
-    const sampling::SamplerStats y = m->sampler().stats();
-    z.sessions += y.sessions;
-    z.snapshots += y.snapshots;
-    z.waiting += y.waiting;
-    z.running += y.running;
-    z.blocks_in_use += y.blocks_in_use;
-    z.blocks_total += y.blocks_total;
-    z.tokens_generated += y.tokens_generated;
-    z.states_in_use += y.states_in_use;
-    z.states_total += y.states_total;
+    const sampling::SamplerStats z = m->sampler().stats();
+    state.metrics.SetSampler(m->name(), {z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use,
+                                         z.blocks_total, z.tokens_generated, z.states_in_use, z.states_total});
   }
-  state.metrics.SetAdapters(s.adapters, s.resident, s.offloads, s.reloads, s.expired, s.restored, s.lost);
   state.metrics.SetQueueDepths(depths);
   if (state.checkpoints != nullptr) {
     if (absl::StatusOr<std::vector<std::pair<std::string, int64_t>>> stored = state.registry->StorageBytesByTenant();
@@ -191,8 +175,6 @@ void SampleGauges(ServingState& state) {
     }
   }
   state.metrics.SetDraining(state.draining.load());
-  state.metrics.SetSampler({z.sessions, z.snapshots, z.waiting, z.running, z.blocks_in_use, z.blocks_total,
-                            z.tokens_generated, z.states_in_use, z.states_total});
 }
 
 // Once a second: expire adapters and futures, and sample the gauges; every
@@ -359,7 +341,9 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   if (absl::Status s = CheckEnvironment(config); !s.ok()) return fail(std::string(s.message()));
 
   const std::string where = config.source_file.string();
-  Metrics metrics(/*tenant_labels=*/!config.auth.enabled || config.server.metrics_tenant_labels);
+  std::vector<std::string> model_names;
+  for (const ModelEntry& m : config.models) model_names.push_back(m.name);
+  Metrics metrics(/*tenant_labels=*/!config.auth.enabled || config.server.metrics_tenant_labels, model_names);
   ServingState state(config, metrics);
   std::string node_secret;
   if (!config.nodes.secret_file.empty()) {
@@ -432,7 +416,7 @@ int RunServer(const Config& config, const LaunchOptions& options) {
   deps.metrics = &metrics;
   deps.usage = &usage;
   deps.node_secret = node_secret;
-  for (const ModelEntry& m : config.models) deps.model_names.push_back(m.name);
+  deps.model_names = model_names;
   std::vector<std::unique_ptr<ModelStack>> stacks;
   std::vector<ModelStack*> stack_ptrs;
   std::vector<std::string> pools;

@@ -25,7 +25,9 @@ class Metrics {
  public:
   // tenant_labels false: every per-tenant series is kept under tenant="all" (with auth on,
   // /metrics is open without a key and must not list tenant ids; server.metrics_tenant_labels).
-  explicit Metrics(bool tenant_labels = true);
+  // `models`: the served base models, whose adapter and sampler series (label `model`) exist
+  // from the start at 0; a model first named later gets its series then.
+  explicit Metrics(bool tenant_labels = true, const std::vector<std::string>& models = {});
 
   // Records one finished request. `method` is an RPC name ("UtilityService/GetServerInfo")
   // or an HTTP route ("GET /metrics"); `code` a gRPC code name or an HTTP status. The
@@ -62,20 +64,22 @@ class Metrics {
   void SetQueueDepths(const std::vector<std::pair<std::string, int64_t>>& depths);
   // Checkpoint bytes stored, by tenant (summed like the queue depths).
   void SetStorageBytes(const std::vector<std::pair<std::string, int64_t>>& bytes);
-  void SetAdapters(int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
+  // One base model's adapters (label `model`): held and resident, and its coordinator's
+  // running totals of adapter events (the counters advance by what they grew since the last call).
+  void SetAdapters(const std::string& model, int32_t adapters, int32_t resident, int64_t offloads, int64_t reloads,
                    int64_t expired, int64_t restored, int64_t lost);
   void RecordAuthFailure();
   // 1 from SIGTERM until exit: readiness fails and new calls are refused (server.drain_timeout_s).
   void SetDraining(bool draining);
-  // The sampler pool: open sessions, engine snapshots, rows waiting / in the engine's batch,
-  // KV cache blocks in use / total, tokens generated so far (a running total), and a hybrid
-  // model's recurrent state slots in use / total (0 and 0 for a dense model).
+  // One base model's sampler (label `model`): open sessions, engine snapshots, rows waiting /
+  // in the engine's batch, KV cache blocks in use / total, tokens generated so far (a running
+  // total), and a hybrid model's recurrent state slots in use / total (0 and 0 for a dense model).
   struct SamplerGauges {
     int64_t sessions = 0, snapshots = 0, waiting = 0, running = 0;
     int64_t kv_blocks_in_use = 0, kv_blocks_total = 0, tokens_generated = 0;
     int64_t state_slots_in_use = 0, state_slots_total = 0;
   };
-  void SetSampler(const SamplerGauges& g);
+  void SetSampler(const std::string& model, const SamplerGauges& g);
 
   // The Prometheus text exposition of every metric.
   std::string Render() const;
@@ -102,12 +106,12 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& adapter_events_;
   prometheus::Family<prometheus::Counter>& auth_failures_;
   prometheus::Gauge& draining_;
-  prometheus::Gauge& sampler_sessions_;
-  prometheus::Gauge& sampler_snapshots_;
+  prometheus::Family<prometheus::Gauge>& sampler_sessions_;
+  prometheus::Family<prometheus::Gauge>& sampler_snapshots_;
   prometheus::Family<prometheus::Gauge>& sampler_requests_;
   prometheus::Family<prometheus::Gauge>& sampler_kv_blocks_;
   prometheus::Family<prometheus::Gauge>& sampler_state_slots_;
-  prometheus::Counter& sampler_tokens_;
+  prometheus::Family<prometheus::Counter>& sampler_tokens_;
   // RecordRequest's cache of series, per method: its latency histogram and its request
   // counter per code. Read-mostly: a shared lock on the hot path, exclusive to add a series
   // (a std::shared_mutex, which costs less per call than absl::Mutex with deadlock detection).
@@ -123,12 +127,13 @@ class Metrics {
   // rest share "other", so a flood of tenants cannot blow up the series count.
   std::string TenantLabel(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> tenant_labels_ ABSL_GUARDED_BY(mu_);
-  int64_t offloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t sampler_tokens_seen_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t reloads_seen_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t expired_seen_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t restored_seen_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t lost_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per model: the running totals the counters were last advanced to.
+  struct ModelSeen {
+    int64_t offloads = 0, reloads = 0, expired = 0, restored = 0, lost = 0, sampler_tokens = 0;
+  };
+  std::map<std::string, ModelSeen> seen_ ABSL_GUARDED_BY(mu_);
+  // The series of a model, at 0 (idempotent).
+  void AddModelSeries(const std::string& model);
 };
 
 // Measures one request from construction to destruction.

@@ -565,8 +565,8 @@ bool CheckTrainingDevices(const Config& c, const std::vector<std::string>& devic
 // The `models:` list: not together with `model:`, not empty, names unique, and no device
 // (other than cpu) serving two models: a GPU holds one base model's workers. In the list form
 // every model names its own devices, so the top-level engine.devices and sampler.devices
-// would be ambiguous and are refused. Engines on other nodes need one node socket per
-// supervisor, so DEVICE@NODE is for a single model.
+// would be ambiguous and are refused. Engines on other nodes: each model has its own node
+// socket (ForModel: models[i] listens on nodes.listen's port + i), so those ports must exist.
 void CheckModels(const Config& c, YamlReader& r) {
   if (!c.models_listed) return;
   if (r.Has("model")) {
@@ -593,8 +593,18 @@ void CheckModels(const Config& c, YamlReader& r) {
                                               "]; every model needs its own name (name:, default: the directory's name)"));
     }
     const bool remote = CheckTrainingDevices(c, m.devices, at + ".devices", r);
-    if (remote && c.models.size() > 1) {
-      r.ErrorAtKey(at + ".devices", "devices on other nodes (DEVICE@NODE) are supported with a single model only");
+    if (remote && !c.nodes.listen.empty()) {
+      int port = 0;
+      const size_t colon = c.nodes.listen.rfind(':');
+      if (colon != std::string::npos && absl::SimpleAtoi(c.nodes.listen.substr(colon + 1), &port) &&
+          port + static_cast<int>(i) > 65535) {
+        r.ErrorAtKey(at + ".devices", absl::StrCat("models[", i, "]'s node agents join nodes.listen's port + ", i,
+                                                   ", past 65535: lower nodes.listen's port"));
+      }
+      if (c.nodes.rendezvous_port > 0 && c.nodes.rendezvous_port + static_cast<int>(i) > 65535) {
+        r.ErrorAtKey("nodes.rendezvous_port", absl::StrCat("models[", i, "] rendezvouses at its port + ", i,
+                                                           ", past 65535"));
+      }
     }
     CheckSamplerDevices(m.sampler_devices, m.devices, at + ".sampler_devices", at + ".devices", r);
     for (const auto& [list, key] : {std::pair{&m.devices, at + ".devices"},
@@ -663,7 +673,12 @@ void CheckSemantics(const Config& c, YamlReader& r) {
     }
     if (c.nodes.secret_file.empty()) r.ErrorAtKey("nodes.secret_file", "nodes.listen needs the node secret");
     const std::string host = RendezvousHost(c);
-    if (remote && c.models[0].devices.size() > 1 && (host == "0.0.0.0" || host == "::" || host == "*" || host.empty())) {
+    const bool remote_group = std::any_of(c.models.begin(), c.models.end(), [](const ModelEntry& m) {
+      return m.devices.size() > 1 && std::any_of(m.devices.begin(), m.devices.end(), [](const std::string& d) {
+               return d.find('@') != std::string::npos;
+             });
+    });
+    if (remote_group && (host == "0.0.0.0" || host == "::" || host == "*" || host.empty())) {
       r.ErrorAtKey("nodes.rendezvous_host", absl::StrCat("nodes.listen binds '", host,
                                                          "': set the address other nodes reach this node at"));
     }
@@ -832,6 +847,15 @@ Config ForModel(const Config& config, size_t index) {
   c.sampler.devices = m.sampler_devices;
   c.limits.max_adapters = m.max_adapters;
   c.models = {m};
+  // Each model's supervisor has its own node socket and rendezvous: models[i] on port + i.
+  if (index > 0 && !c.nodes.listen.empty()) {
+    const size_t colon = c.nodes.listen.rfind(':');
+    int port = 0;
+    if (colon != std::string::npos && absl::SimpleAtoi(c.nodes.listen.substr(colon + 1), &port)) {
+      c.nodes.listen = absl::StrCat(c.nodes.listen.substr(0, colon), ":", port + static_cast<int>(index));
+    }
+  }
+  if (index > 0 && c.nodes.rendezvous_port > 0) c.nodes.rendezvous_port += static_cast<int32_t>(index);
   return c;
 }
 

@@ -7,7 +7,8 @@ with auth on (tenants alice and bob, an admin), and four things that outlive a c
 - an imported PEFT adapter (import_adapter's `base_model`): checked against and recorded on
   the model it names; loaded, it computes what PEFT computes on that model;
 - another tenant's published checkpoint: sampled on the model its owner trained it on;
-- usage: every count names the model it was used on (billing events' `base_model`), exactly;
+- usage: every count names the model it was used on (billing events' `base_model`), exactly,
+  and so do the adapter and sampler series on /metrics (label `model`);
 - a sampling session on the second model, after a server restart: reopened on that model.
 Each would silently run on the default model otherwise; the log-probs say which model ran.
 """
@@ -182,8 +183,21 @@ def usage_totals(d: Deployment) -> Counter[tuple[str, str, str]]:
     return totals
 
 
-def test_usage_names_the_model_it_was_used_on(deployment: Deployment) -> None:
+def model_gauges(d: Deployment) -> dict[tuple[str, str], float]:
+    """(metric, model) -> value of the per-model adapter and sampler series on /metrics."""
+    from e2e_support import prom
+
+    samples = prom.parse(requests.get(d.server.http_url("/metrics"), timeout=30).text)
+    out = {}
+    for model in (QWEN, LLAMA):
+        out[("adapters", model)] = prom.value(samples, "twinkle_adapters", model=model, state="all")
+        out[("sampled", model)] = prom.value(samples, "twinkle_sampler_tokens_total", model=model)
+    return out
+
+
+def test_usage_and_metrics_name_the_model_they_were_used_on(deployment: Deployment) -> None:
     before = usage_totals(deployment)
+    gauges_before = model_gauges(deployment)
     bob = service(deployment, KEYS["bob"])
     on_qwen = resolved(bob.create_lora_training_client(base_model=QWEN, rank=4))
     on_llama = resolved(bob.create_lora_training_client(base_model=LLAMA, rank=4))
@@ -206,6 +220,11 @@ def test_usage_names_the_model_it_was_used_on(deployment: Deployment) -> None:
     diff = wait_until(grown, scaled(30), "bob's usage counted")
     print(f"bob's usage by (tenant, base model, kind): {diff}")
     assert diff == want
+    # /metrics: one adapter more on each model; the 3 sampled tokens on the Llama model's sampler.
+    gauges = model_gauges(deployment)
+    moved = {k: gauges[k] - gauges_before[k] for k in gauges}
+    print(f"per-model series, after - before: {moved}")
+    assert moved == {("adapters", QWEN): 1, ("adapters", LLAMA): 1, ("sampled", QWEN): 0, ("sampled", LLAMA): 3}
 
 
 def test_sampling_session_reopens_on_its_model_after_a_restart(deployment: Deployment) -> None:

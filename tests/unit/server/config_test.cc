@@ -756,10 +756,23 @@ TEST(ConfigModelsTest, EntryKeysAreCheckedLikeModelKeys) {
   EXPECT_THAT(ErrorOf("models:\n  path: a\n"), HasSubstr("models: expected a list of mappings"));
 }
 
-TEST(ConfigModelsTest, NodesAreForASingleModel) {
-  EXPECT_THAT(ErrorOf("models:\n  - path: a\n  - path: b\n    devices: [cpu@node-a]\n"
-                      "nodes:\n  listen: 127.0.0.1:7000\n  secret_file: s\n"),
-              HasSubstr("models[1].devices: devices on other nodes (DEVICE@NODE) are supported with a single model only"));
+TEST(ConfigModelsTest, EachModelHasItsOwnNodePortAndRendezvousPort) {
+  absl::StatusOr<Config> c = ParseConfig(
+      "models:\n  - path: a\n  - path: b\n    devices: [cpu, cpu@node-a]\n"
+      "nodes:\n  listen: 127.0.0.1:7000\n  secret_file: s\n  rendezvous_port: 7100\n",
+      "test.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(ForModel(*c, 0).nodes.listen, "127.0.0.1:7000");
+  EXPECT_EQ(ForModel(*c, 1).nodes.listen, "127.0.0.1:7001");
+  EXPECT_EQ(ForModel(*c, 0).nodes.rendezvous_port, 7100);
+  EXPECT_EQ(ForModel(*c, 1).nodes.rendezvous_port, 7101);
+  // models[1] would listen on 65536: refused at the limit + 1, accepted at the limit.
+  const std::string two_models = "models:\n  - path: a\n  - path: b\n    devices: [cpu@node-a]\n";
+  EXPECT_THAT(ErrorOf(two_models + "nodes:\n  listen: 127.0.0.1:65535\n  secret_file: s\n"),
+              HasSubstr("models[1].devices: models[1]'s node agents join nodes.listen's port + 1, past 65535"));
+  EXPECT_TRUE(ParseConfig(two_models + "nodes:\n  listen: 127.0.0.1:65534\n  secret_file: s\n", "test.yaml").ok());
+  EXPECT_THAT(ErrorOf(two_models + "nodes:\n  listen: 127.0.0.1:7000\n  secret_file: s\n  rendezvous_port: 65535\n"),
+              HasSubstr("nodes.rendezvous_port: models[1] rendezvouses at its port + 1, past 65535"));
 }
 
 }  // namespace models_test

@@ -34,11 +34,24 @@ training::TenantContext Tenant(const std::string& id) {
   return t;
 }
 
+// The base model a boot's sampler serves (a default model takes journal rows that name
+// none, and drops those of a model not among `others`).
+struct BootModel {
+  std::string name = "m";
+  bool is_default = true;
+  std::vector<std::string> others;
+};
+
 // One run of the server: its coordinators over the registry file, started.
 struct Boot {
-  Boot(const std::string& registry_path, FakeClock& clock, int32_t max_sessions_per_tenant) : clock(clock) {
+  using Model = BootModel;
+  Boot(const std::string& registry_path, FakeClock& clock, int32_t max_sessions_per_tenant, Model model = {})
+      : clock(clock) {
     registry = std::move(registry::Registry::Open(registry_path)).value();
     SamplerOptions o;
+    o.base_model = model.name;
+    o.default_model = model.is_default;
+    o.other_models = model.others;
     o.session_timeout = kTimeout;
     o.max_sessions_per_tenant = max_sessions_per_tenant;
     o.registry = registry.get();
@@ -67,9 +80,10 @@ struct Boot {
 class SamplerRestartTest : public ::testing::Test {
  protected:
   // A run of the server; the clock moves on between runs, as a restart's does.
-  std::unique_ptr<Boot> Launch(int32_t max_sessions_per_tenant = 64) {
+  std::unique_ptr<Boot> Launch(int32_t max_sessions_per_tenant = 64, Boot::Model model = {}) {
     clock_.Advance(absl::Seconds(5));
-    return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_, max_sessions_per_tenant);
+    return std::make_unique<Boot>((dir_.path() / "registry.sqlite").string(), clock_, max_sessions_per_tenant,
+                                  std::move(model));
   }
 
   // A live snapshot session of `tenant`'s adapter "a" (made with its training session).
@@ -144,6 +158,41 @@ TEST_F(SamplerRestartTest, BaseModelSessionsAreReopenedUnderTheirIdsAfterARestar
   std::unique_ptr<Boot> third = Launch();
   EXPECT_EQ(third->sampler->GetSession(alice, alices).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(third->sampler->GetSession(bob, bobs).ok());
+}
+
+TEST_F(SamplerRestartTest, EachModelReopensOnlyItsOwnSessions) {
+  const training::TenantContext alice = Tenant("alice");
+  const Boot::Model a{"model-a", true, {"model-b"}}, b{"model-b", false, {}};
+  std::string on_b;
+  {
+    std::unique_ptr<Boot> first = Launch(64, b);
+    on_b = first->sampler->CreateSession(alice, "").value();
+    // A row journaled before the registry knew models (schema v6), and one of a model that
+    // the next boots no longer serve.
+    registry::SamplingSessionRecord legacy{"sampler-0000000a-1", "alice", "", "", false, clock_.Now(), ""};
+    registry::SamplingSessionRecord unserved{"sampler-0000000a-2", "alice", "", "", false, clock_.Now(), "gone"};
+    ASSERT_TRUE(first->registry->PutSamplingSession(legacy).ok());
+    ASSERT_TRUE(first->registry->PutSamplingSession(unserved).ok());
+    for (const registry::SamplingSessionRecord& row : first->registry->ListSamplingSessions().value()) {
+      if (row.id == on_b) EXPECT_EQ(row.base_model, "model-b");
+    }
+    EXPECT_EQ(first->JournalRows(), 3u);
+  }
+  {
+    std::unique_ptr<Boot> default_model = Launch(64, a);
+    EXPECT_FALSE(default_model->sampler->HoldsSession("alice", on_b));  // model-b's: not here
+    EXPECT_TRUE(default_model->sampler->HoldsSession("alice", "sampler-0000000a-1"));
+    EXPECT_FALSE(default_model->sampler->HoldsSession("bob", "sampler-0000000a-1"));
+    EXPECT_FALSE(default_model->sampler->HoldsSession("alice", "sampler-0000000a-2"));
+    EXPECT_EQ(default_model->JournalRows(), 2u);  // the unserved model's row is gone
+    EXPECT_TRUE(default_model->sampler->GetSession(alice, "sampler-0000000a-1").ok());
+  }
+  std::unique_ptr<Boot> second_model = Launch(64, b);
+  EXPECT_TRUE(second_model->sampler->HoldsSession("alice", on_b));
+  absl::StatusOr<SamplingSessionInfo> back = second_model->sampler->GetSession(alice, on_b);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->base_model, "model-b");
+  EXPECT_FALSE(second_model->sampler->HoldsSession("alice", "sampler-0000000a-1"));
 }
 
 TEST_F(SamplerRestartTest, AReopeningOverTheSessionLimitIsRefusedAndKeptForLater) {
