@@ -26,8 +26,9 @@ from e2e_support import configs  # noqa: E402
 from e2e_support.server import launch, stop_all  # noqa: E402
 from e2e_support.training import resolved  # noqa: E402
 from e2e_support.waiting import scaled  # noqa: E402
-from test_models import LLAMA, QWEN, SEQ, make_llama, reference_logprobs, two_model_config  # noqa: E402
-from test_models_state import datum, forward_logprobs, prompt_logprobs  # noqa: E402
+from test_models import (  # noqa: E402
+    LLAMA, QWEN, SEQ, datum, forward_logprobs, make_llama, reference_logprobs, two_model_config)
+from test_models_state import prompt_logprobs  # noqa: E402
 from test_nodes import Agent, free_port, node_secret  # noqa: E402
 
 STARTUP_TIMEOUT_S = 120.0

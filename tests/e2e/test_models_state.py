@@ -37,7 +37,8 @@ from e2e_support.server import ServerProcess, launch, stop_all  # noqa: E402
 from e2e_support.training import KEYS, resolved, sha256_hex  # noqa: E402
 from e2e_support.waiting import scaled, wait_until  # noqa: E402
 from test_hosted_checkpoints import import_body, peft_adapter, peft_logprobs  # noqa: E402
-from test_models import LLAMA, QWEN, SEQ, make_llama, reference_logprobs, two_model_config  # noqa: E402
+from test_models import (  # noqa: E402
+    LLAMA, QWEN, SEQ, datum, forward_logprobs, make_llama, reference_logprobs, two_model_config)
 
 ADMIN_KEY = "tml-ops-admin-models-00112233445566778899aabb"
 STARTUP_TIMEOUT_S = 120.0
@@ -91,16 +92,6 @@ def service(d: Deployment, key: str) -> tinker.ServiceClient:
 def api(d: Deployment, method: str, path: str, key: str, **kw: Any) -> requests.Response:
     return requests.request(method, d.server.http_url(f"/api/v1{path}"), headers={"X-API-Key": key},
                             timeout=60, **kw)
-
-
-def datum(seq: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                       loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
-
-
-def forward_logprobs(training: Any, seq: list[int]) -> np.ndarray:
-    out = training.forward([datum(seq)], "cross_entropy").result()
-    return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)
 
 
 def prompt_logprobs(sampler: Any, seq: list[int]) -> np.ndarray:

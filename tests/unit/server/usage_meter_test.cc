@@ -37,6 +37,25 @@ class UsageMeterTest : public ::testing::Test {
     return out;
   }
 
+  // Alice's run `run_id` on `base_model`, with one checkpoint of `bytes` bytes.
+  void PutRunWithCheckpoint(const std::string& run_id, const std::string& base_model, int64_t bytes) {
+    registry::RunRecord run;
+    run.run_id = run_id;
+    run.tenant = "alice";
+    run.adapter_name = run_id;
+    run.base_model = base_model;
+    run.lora_config_json = "{}";
+    ASSERT_TRUE(registry_->PutRun(run).ok());
+    registry::CheckpointRecord c;
+    c.tenant = "alice";
+    c.run_id = run_id;
+    c.checkpoint_id = "weights/x";
+    c.kind = "training";
+    c.path = "/tmp/x";
+    c.size_bytes = bytes;
+    ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  }
+
   std::string dir_;
   std::unique_ptr<registry::Registry> registry_;
 };
@@ -84,21 +103,7 @@ TEST_F(UsageMeterTest, StepsAndSamplesAreCountedExactly) {
 }
 
 TEST_F(UsageMeterTest, EachCountNamesItsBaseModel) {
-  registry::RunRecord run;
-  run.run_id = "s1-b";
-  run.tenant = "alice";
-  run.adapter_name = "b";
-  run.base_model = "model-b";
-  run.lora_config_json = "{}";
-  ASSERT_TRUE(registry_->PutRun(run).ok());
-  registry::CheckpointRecord c;
-  c.tenant = "alice";
-  c.run_id = "s1-b";
-  c.checkpoint_id = "weights/x";
-  c.kind = "training";
-  c.path = "/tmp/x";
-  c.size_bytes = 10;
-  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  PutRunWithCheckpoint("s1-b", "model-b", 10);
   UsageMeter meter(*registry_);
   const absl::Time t = absl::FromUnixSeconds(3600 * 400);
   ASSERT_TRUE(meter.Flush(t).ok());  // starts the storage clock
@@ -119,21 +124,7 @@ TEST_F(UsageMeterTest, EachCountNamesItsBaseModel) {
 }
 
 TEST_F(UsageMeterTest, StorageAccruesWholeSecondsWithTheRemainderCarried) {
-  registry::RunRecord run;
-  run.run_id = "s1-a";
-  run.tenant = "alice";
-  run.adapter_name = "a";
-  run.base_model = "m";
-  run.lora_config_json = "{}";
-  ASSERT_TRUE(registry_->PutRun(run).ok());
-  registry::CheckpointRecord c;
-  c.tenant = "alice";
-  c.run_id = "s1-a";
-  c.checkpoint_id = "weights/x";
-  c.kind = "training";
-  c.path = "/tmp/x";
-  c.size_bytes = 1000;
-  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  PutRunWithCheckpoint("s1-a", "m", 1000);
   UsageMeter meter(*registry_);
   const absl::Time t0 = absl::FromUnixSeconds(3600 * 200);
   ASSERT_TRUE(meter.Flush(t0).ok());  // starts the clock
@@ -145,21 +136,7 @@ TEST_F(UsageMeterTest, StorageAccruesWholeSecondsWithTheRemainderCarried) {
 }
 
 TEST_F(UsageMeterTest, MetricsMirrorOptimizerStepsAndStorageByTenantExactly) {
-  registry::RunRecord run;
-  run.run_id = "s1-a";
-  run.tenant = "alice";
-  run.adapter_name = "a";
-  run.base_model = "m";
-  run.lora_config_json = "{}";
-  ASSERT_TRUE(registry_->PutRun(run).ok());
-  registry::CheckpointRecord c;
-  c.tenant = "alice";
-  c.run_id = "s1-a";
-  c.checkpoint_id = "weights/x";
-  c.kind = "training";
-  c.path = "/tmp/x";
-  c.size_bytes = 1234;
-  ASSERT_TRUE(registry_->PutCheckpoint(c).ok());
+  PutRunWithCheckpoint("s1-a", "m", 1234);
   Metrics metrics(/*tenant_labels=*/true);
   UsageMeter meter(*registry_);
   meter.SetListener([&metrics](const std::string& tenant, const std::string& kind, int64_t amount) {
