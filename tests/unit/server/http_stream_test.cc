@@ -25,14 +25,16 @@ constexpr char kRequest[] = "POST /stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent
 TEST(HttpStream, ChunksFromAnotherThreadArriveInOrderThenTheConnectionCloses) {
   Metrics metrics;
   HttpServer http(metrics);
-  std::thread writer;
+  // The writer thread is handed over through a promise: the test may read everything it
+  // wrote before the handler's thread has finished storing it anywhere else.
+  std::promise<std::thread> writer;
   http.RouteStreaming("POST", "/stream", [&writer](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
     std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", "", {{"X-Test", "1"}}});
-    writer = std::thread([stream] {
+    writer.set_value(std::thread([stream] {
       for (int i = 0; i < 5; ++i) EXPECT_TRUE(stream->Write("data: " + std::to_string(i) + "\n\n"));
       stream->End();
       EXPECT_FALSE(stream->Write("late"));
-    });
+    }));
   });
   absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
   ASSERT_TRUE(port.ok()) << port.status();
@@ -51,7 +53,7 @@ TEST(HttpStream, ChunksFromAnotherThreadArriveInOrderThenTheConnectionCloses) {
   }
   EXPECT_EQ(got.find("late"), std::string::npos);
   EXPECT_TRUE(client.ServerClosed());
-  writer.join();
+  writer.get_future().get().join();
   http.Stop();
 }
 
@@ -88,11 +90,11 @@ TEST(HttpStream, AClientThatStopsReadingIsDroppedPastTheBacklogLimit) {
   http.SetLimits(limits);
   std::promise<void> gone;
   std::promise<int> written;
-  std::thread writer;
+  std::promise<std::thread> writer;  // handed over as in the first test
   http.RouteStreaming("POST", "/stream", [&](const HttpRequest&, HttpResponder, HttpStreamer streamer) {
     std::shared_ptr<HttpStream> stream = streamer({200, "text/event-stream", ""});
     stream->OnClientGone([&gone] { gone.set_value(); });
-    writer = std::thread([stream, &written] {
+    writer.set_value(std::thread([stream, &written] {
       // 256 MiB in all, far past what the socket buffers take: the backlog limit must trip.
       int n = 0;
       while (n < 256 && stream->Write(std::string(1 << 20, 'x'))) {
@@ -100,7 +102,7 @@ TEST(HttpStream, AClientThatStopsReadingIsDroppedPastTheBacklogLimit) {
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       }
       written.set_value(n);
-    });
+    }));
   });
   absl::StatusOr<int> port = http.Start("127.0.0.1", 0, 2);
   ASSERT_TRUE(port.ok()) << port.status();
@@ -108,7 +110,7 @@ TEST(HttpStream, AClientThatStopsReadingIsDroppedPastTheBacklogLimit) {
   client.Send(kRequest);  // and never reads
   ASSERT_EQ(gone.get_future().wait_for(std::chrono::seconds(60)), std::future_status::ready);
   EXPECT_LT(written.get_future().get(), 256);  // the writer was told to stop
-  writer.join();
+  writer.get_future().get().join();
   http.Stop();
 }
 
