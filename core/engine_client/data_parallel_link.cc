@@ -95,20 +95,24 @@ std::vector<bool> DataParallelLink::ReadyRanks() const {
 }
 
 std::vector<absl::StatusOr<ipc::Message>> DataParallelLink::CallRanks(std::vector<ipc::Message> requests,
-                                                                      const std::vector<bool>& send) {
+                                                                      const std::vector<bool>& send,
+                                                                      std::vector<uint64_t>* served_generations) {
   const size_t n = requests.size();
+  if (served_generations != nullptr) served_generations->assign(n, 0);
   std::vector<absl::StatusOr<ipc::Message>> results(n, absl::StatusOr<ipc::Message>(ipc::Message{}));
   absl::Mutex mu;
   size_t pending = 0;
   for (size_t r = 0; r < n; ++r) pending += send[r] ? 1 : 0;
   for (size_t r = 0; r < n; ++r) {
     if (!send[r]) continue;
-    supervisor_.Call(static_cast<int32_t>(r), std::move(requests[r]),
-                     [&, r](absl::StatusOr<ipc::Message> reply) {
-                       absl::MutexLock lock(&mu);
-                       results[r] = std::move(reply);
-                       --pending;
-                     });
+    supervisor_.Call(
+        static_cast<int32_t>(r), std::move(requests[r]),
+        [&, r](absl::StatusOr<ipc::Message> reply) {
+          absl::MutexLock lock(&mu);
+          results[r] = std::move(reply);
+          --pending;
+        },
+        served_generations != nullptr ? &(*served_generations)[r] : nullptr);
   }
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(+[](size_t* p) { return *p == 0; }, &pending));
@@ -153,10 +157,11 @@ absl::StatusOr<ipc::Message> DataParallelLink::CreateAdapter(ipc::Message reques
       }
     }
   }
-  absl::StatusOr<ipc::Message> reply = supervisor_.CallAndWait(home, std::move(request));
+  uint64_t generation = 0;  // of the process that created it (a restart right after drops it)
+  absl::StatusOr<ipc::Message> reply = supervisor_.CallAndWait(home, std::move(request), &generation);
   if (reply.ok()) {
     absl::MutexLock lock(&mu_);
-    homes_[create->adapter_id] = Home{home, supervisor_.engine_generation(home), 0, -kMoveCooldownSteps};
+    homes_[create->adapter_id] = Home{home, generation, 0, -kMoveCooldownSteps};
     Log(LogLevel::kDebug, kLog, absl::StrCat("adapter ", create->adapter_id, ": home rank ", home));
   }
   return reply;
@@ -173,7 +178,8 @@ absl::StatusOr<DataParallelLink::AdapterState> DataParallelLink::ReadState(const
 }
 
 absl::Status DataParallelLink::Install(const std::string& key, const AdapterState& from,
-                                       const ipc::SetAdapterStateRequest& set, const std::vector<bool>& on) {
+                                       const ipc::SetAdapterStateRequest& set, const std::vector<bool>& on,
+                                       std::vector<uint64_t>* served_generations) {
   ipc::CreateAdapterRequest config = from.body.config;
   config.adapter_id = key;
   std::vector<ipc::Message> creates, sets;
@@ -182,7 +188,10 @@ absl::Status DataParallelLink::Install(const std::string& key, const AdapterStat
     sets.push_back(ipc::MakeRequest(ipc::kMethodSetAdapterState, ipc::Pack(set), from.message.buffers));
   }
   for (auto* calls : {&creates, &sets}) {
-    for (absl::StatusOr<ipc::Message>& reply : CallRanks(std::move(*calls), on)) {
+    // The generations that count are those that took the state (a create and its set on
+    // two processes of a rank cannot both succeed: the new one has no adapter to set).
+    for (absl::StatusOr<ipc::Message>& reply :
+         CallRanks(std::move(*calls), on, calls == &sets ? served_generations : nullptr)) {
       if (!reply.ok()) return reply.status();
     }
   }
@@ -216,7 +225,9 @@ absl::Status DataParallelLink::MoveAdapter(const std::string& key, int32_t to) {
   if (from == to) return absl::OkStatus();
   absl::StatusOr<AdapterState> state = ReadState(key, from);
   if (!state.ok()) return state.status();
-  if (absl::Status s = Install(key, *state, ipc::RestoreRequestOf(state->body, key), OnlyRank(to)); !s.ok()) {
+  std::vector<uint64_t> installed_in;  // per rank: the generation of the process that took it
+  if (absl::Status s = Install(key, *state, ipc::RestoreRequestOf(state->body, key), OnlyRank(to), &installed_in);
+      !s.ok()) {
     RemoveFrom(key, OnlyRank(to));
     return s;
   }
@@ -225,7 +236,7 @@ absl::Status DataParallelLink::MoveAdapter(const std::string& key, int32_t to) {
   auto it = homes_.find(key);
   if (it != homes_.end()) {
     it->second.rank = to;
-    it->second.generation = supervisor_.engine_generation(to);
+    it->second.generation = installed_in[static_cast<size_t>(to)];
     it->second.moved_at_step = steps_;
   }
   ++moves_;

@@ -76,13 +76,15 @@ class DataParallelLink final : public SupervisorModelLink {
  private:
   struct Home {
     int32_t rank = 0;
-    uint64_t generation = 0;  // the home rank's, when the adapter was created there
+    uint64_t generation = 0;  // of the home rank's process that holds it (created or moved there)
     double load = 0;          // its tokens, halved every forward_backward step
     int64_t moved_at_step = -kMoveCooldownSteps;
   };
-  // Sends one request per rank that has one, waits for all; index = rank.
+  // Sends one request per rank that has one, waits for all; index = rank. With
+  // `served_generations`: each replying rank's process generation (Supervisor::Call).
   std::vector<absl::StatusOr<ipc::Message>> CallRanks(std::vector<ipc::Message> requests,
-                                                      const std::vector<bool>& send);
+                                                      const std::vector<bool>& send,
+                                                      std::vector<uint64_t>* served_generations = nullptr);
   absl::StatusOr<ipc::Message> CreateAdapter(ipc::Message request);
   absl::StatusOr<ipc::Message> RunStep(ipc::Message request);
   // An adapter's state as get_adapter_state returned it (frames in `message`).
@@ -91,9 +93,10 @@ class DataParallelLink final : public SupervisorModelLink {
     ipc::AdapterStateReply body;
   };
   absl::StatusOr<AdapterState> ReadState(const std::string& key, int32_t rank);
-  // Creates `key` on the ranks `on` and sets `set` (which refers to `from`'s frames) there.
+  // Creates `key` on the ranks `on` and sets `set` (which refers to `from`'s frames) there;
+  // `served_generations`: per rank, the process generation that now holds it.
   absl::Status Install(const std::string& key, const AdapterState& from, const ipc::SetAdapterStateRequest& set,
-                       const std::vector<bool>& on);
+                       const std::vector<bool>& on, std::vector<uint64_t>* served_generations = nullptr);
   void RemoveFrom(const std::string& key, const std::vector<bool>& on);
   std::vector<bool> OnlyRank(int32_t rank) const;
   std::vector<bool> AllRanksBut(int32_t rank) const;

@@ -69,11 +69,11 @@ void Supervisor::Wake() {
   if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
 }
 
-void Supervisor::Call(int32_t rank, ipc::Message request, ReplyCallback done) {
+void Supervisor::Call(int32_t rank, ipc::Message request, ReplyCallback done, uint64_t* served_generation) {
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_ && thread_.joinable()) {
-      outgoing_.push_back({rank, std::move(request), std::move(done)});
+      outgoing_.push_back({rank, std::move(request), std::move(done), served_generation});
       Wake();
       return;
     }
@@ -81,13 +81,17 @@ void Supervisor::Call(int32_t rank, ipc::Message request, ReplyCallback done) {
   done(absl::UnavailableError("the engine is stopping"));
 }
 
-absl::StatusOr<ipc::Message> Supervisor::CallAndWait(int32_t rank, ipc::Message request) {
+absl::StatusOr<ipc::Message> Supervisor::CallAndWait(int32_t rank, ipc::Message request,
+                                                     uint64_t* served_generation) {
   absl::Notification replied;
   absl::StatusOr<ipc::Message> result;
-  Call(rank, std::move(request), [&](absl::StatusOr<ipc::Message> reply) {
-    result = std::move(reply);
-    replied.Notify();
-  });
+  Call(
+      rank, std::move(request),
+      [&](absl::StatusOr<ipc::Message> reply) {
+        result = std::move(reply);
+        replied.Notify();
+      },
+      served_generation);
   replied.WaitForNotification();
   return result;
 }
@@ -139,7 +143,7 @@ void Supervisor::SendQueuedCalls(absl::Time now) {
       continue;
     }
     in_flight_[id] = {call.rank, std::move(call.done), call.request.envelope.method,
-                      CallBudget(call.request), std::nullopt};
+                      CallBudget(call.request), std::nullopt, call.served_generation};
   }
 }
 
@@ -544,6 +548,7 @@ void Supervisor::HandleMessages(absl::Time now, zmq::socket_t& socket) {
           absl::StatusOr<ipc::Message> reply =
               status.ok() ? absl::StatusOr<ipc::Message>(std::move(*received->message))
                           : absl::StatusOr<ipc::Message>(status);
+          if (call->second.served_generation != nullptr) *call->second.served_generation = w.loaded_generation;
           completions_.push_back([done = std::move(call->second.done),
                                   reply = std::move(reply)]() mutable { done(std::move(reply)); });
           in_flight_.erase(call);

@@ -145,11 +145,15 @@ class Supervisor {
   // ready, or when it goes down before replying (the request is lost with it, and a call
   // past its deadline takes the worker down). INVALID_ARGUMENT, with the worker untouched,
   // when the request or its reply is larger than the link carries (ipc::DecodeLimits).
+  // `served_generation`, when given, is set before `done` runs with a reply to the generation
+  // (engine_generation(rank)) of the worker process that replied: what holds the state the
+  // call made, even if that process is replaced right after.
   using ReplyCallback = std::function<void(absl::StatusOr<ipc::Message>)>;
-  void Call(int32_t rank, ipc::Message request, ReplyCallback done);
+  void Call(int32_t rank, ipc::Message request, ReplyCallback done, uint64_t* served_generation = nullptr);
 
   // Call, waiting for the reply.
-  absl::StatusOr<ipc::Message> CallAndWait(int32_t rank, ipc::Message request);
+  absl::StatusOr<ipc::Message> CallAndWait(int32_t rank, ipc::Message request,
+                                           uint64_t* served_generation = nullptr);
 
   // Increments every time a worker (re)loads the model: engine-side state such as adapters
   // does not survive a change of it.
@@ -231,6 +235,7 @@ class Supervisor {
     int32_t rank;
     ipc::Message request;
     ReplyCallback done;
+    uint64_t* served_generation = nullptr;
   };
   struct InFlightCall {
     int32_t rank;
@@ -238,6 +243,7 @@ class Supervisor {
     std::string method;
     absl::Duration budget;                 // its deadline, counted from `started_at`
     std::optional<absl::Time> started_at;  // first heartbeat that reported it executing
+    uint64_t* served_generation = nullptr;
   };
   // Marks the call a heartbeat reports executing as started.
   void NoteBusyLocked(uint64_t request_id, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -158,6 +158,9 @@ TEST(SupervisorTest, DataParallelRankRestartsAlone) {
   ASSERT_EQ(before.size(), 2u);
   const uint64_t generation0 = supervisor.engine_generation(0);
   const uint64_t generation1 = supervisor.engine_generation(1);
+  uint64_t served_before = 0;
+  ASSERT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0), &served_before).ok());
+  EXPECT_EQ(served_before, generation1);
   ASSERT_EQ(kill(static_cast<pid_t>(before[1].pid), SIGKILL), 0);
   AwaitTrue([&] { return supervisor.Snapshot()[1].restarts >= 1 && supervisor.AllReady(); });
   const std::vector<WorkerSnapshot> after = supervisor.Snapshot();
@@ -167,7 +170,11 @@ TEST(SupervisorTest, DataParallelRankRestartsAlone) {
   EXPECT_EQ(supervisor.engine_generation(0), generation0);
   EXPECT_NE(supervisor.engine_generation(1), generation1);
   EXPECT_TRUE(supervisor.CallAndWait(0, Debug(ipc::kMethodDebugSleep, 0)).ok());
-  EXPECT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0)).ok());
+  // A reply names the process that sent it: the restarted rank 1's generation now.
+  uint64_t served = 0;
+  EXPECT_TRUE(supervisor.CallAndWait(1, Debug(ipc::kMethodDebugSleep, 0), &served).ok());
+  EXPECT_EQ(served, supervisor.engine_generation(1));
+  EXPECT_NE(served, generation1);
   supervisor.Stop(absl::Seconds(5));
 }
 
