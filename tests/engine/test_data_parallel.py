@@ -315,3 +315,24 @@ def test_a_replaced_rank_rejoins_the_survivors(reference_models: Path) -> None:
             # Rank 0 holds both steps' gradients, rank 1 (fresh, same weights) the second's:
             # rank 0's minus its earlier equals rank 1's.
             assert torch.allclose(g0["grads"][name] - kept["grads"][name], g1["grads"][name], atol=1e-7)
+
+
+@pytest.mark.parametrize("flag,value,ok", [
+    ("--group-epoch", "0", True), ("--group-epoch", str(1 << 40), True),
+    ("--group-epoch", "-1", False), ("--group-epoch", str((1 << 40) + 1), False),
+    ("--world-size", "4096", True), ("--world-size", "4097", False), ("--world-size", "0", False),
+    ("--dist-port", "65536", False), ("--dist-timeout-s", "86401", False), ("--dist-timeout-s", "0", False),
+])
+def test_distributed_flags_are_range_checked(flag: str, value: str, ok: bool) -> None:
+    """Each of the engine's process-group flags at its limits and limit + 1: outside the range
+    the engine exits at once (CLI11's validation error, 105) naming the flag and the range;
+    inside it is accepted (a trailing --help makes the engine parse its flags and stop)."""
+    import subprocess
+
+    binary = Path(os.environ.get("TWINKLE_ENGINE_BIN", Path(__file__).resolve().parents[2] / "build/bin/twinkle-engine"))
+    args = [str(binary), "--endpoint", "ipc:///nonexistent/engine.sock", "--dist-port", "29500", flag, value]
+    r = subprocess.run([*args, "--help"], capture_output=True, text=True, timeout=60)
+    if ok:
+        assert r.returncode == 0, (r.returncode, r.stderr)
+    else:
+        assert r.returncode == 105 and flag in r.stderr and "not in range" in r.stderr, (r.returncode, r.stderr)
