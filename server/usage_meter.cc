@@ -68,15 +68,21 @@ absl::Status UsageMeter::AccrueStorageLocked(absl::Time now) {
   absl::StatusOr<std::vector<registry::CheckpointRecord>> all = registry_.AllCheckpoints();
   if (!all.ok()) return all.status();
   storage_since_ += absl::Seconds(seconds);
-  std::map<std::pair<std::string, std::string>, std::string> model_of_run;  // one lookup per run
+  // A run's base model never changes: read once per run, kept while the run holds checkpoints.
+  std::map<std::pair<std::string, std::string>, std::string> model_of_run;
   for (const registry::CheckpointRecord& c : *all) {
     auto [it, added] = model_of_run.try_emplace({c.tenant, c.run_id});
     if (added) {
-      absl::StatusOr<registry::RunRecord> run = registry_.GetRun(c.tenant, c.run_id);
-      if (run.ok()) it->second = run->base_model;
+      auto known = model_of_run_.find(it->first);
+      if (known != model_of_run_.end()) {
+        it->second = known->second;
+      } else if (absl::StatusOr<registry::RunRecord> run = registry_.GetRun(c.tenant, c.run_id); run.ok()) {
+        it->second = run->base_model;
+      }
     }
     Add(Who{c.tenant, 0, "", c.run_id, it->second}, "storage_byte_seconds", c.size_bytes * seconds, now);
   }
+  model_of_run_ = std::move(model_of_run);
   return absl::OkStatus();
 }
 

@@ -22,8 +22,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -71,6 +73,8 @@ class UsageMeter {
   absl::flat_hash_map<Key, int64_t> pending_ ABSL_GUARDED_BY(mu_);
   absl::Mutex flush_mu_;  // one flush at a time
   absl::Time storage_since_ ABSL_GUARDED_BY(flush_mu_) = absl::InfinitePast();
+  // (tenant, run) -> base model of the runs holding checkpoints at the last accrual.
+  std::map<std::pair<std::string, std::string>, std::string> model_of_run_ ABSL_GUARDED_BY(flush_mu_);
 };
 
 }  // namespace twinkle

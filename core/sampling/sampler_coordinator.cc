@@ -112,27 +112,24 @@ void SamplerCoordinator::Start() {
       LogWarning(kLog, absl::StrCat("sampling sessions of the last run not restored: ", rows.status().message()));
     }
   }
-  std::vector<registry::SamplingSessionRecord> unserved;  // of a model no longer served
-  {
-    absl::MutexLock lock(&mu_);
-    if (started_) return;
-    for (registry::SamplingSessionRecord& row : journaled) {
-      const bool ours = row.base_model == options_.base_model || (row.base_model.empty() && options_.default_model);
-      if (ours) {
-        if (sessions_.count(row.id) == 0) dormant_.emplace(row.id, std::move(row));
-      } else if (options_.default_model && std::find(options_.other_models.begin(), options_.other_models.end(),
-                                                     row.base_model) == options_.other_models.end()) {
-        unserved.push_back(std::move(row));
-      }
+  // This model's rows wait for their first use; the default model drops those of a model no
+  // longer served (never reopened on another one).
+  std::vector<registry::SamplingSessionRecord> ours;
+  for (registry::SamplingSessionRecord& row : journaled) {
+    if (row.base_model == options_.base_model || (row.base_model.empty() && options_.default_model)) {
+      ours.push_back(std::move(row));
+    } else if (options_.default_model && std::find(options_.other_models.begin(), options_.other_models.end(),
+                                                   row.base_model) == options_.other_models.end()) {
+      LogInfo(kLog, absl::StrCat("tenant ", row.tenant, ": sampling session ", row.id, " of base model '",
+                                 row.base_model, "', no longer served, is not reopened"));
+      (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
     }
-  }
-  for (const registry::SamplingSessionRecord& row : unserved) {
-    LogInfo(kLog, absl::StrCat("tenant ", row.tenant, ": sampling session ", row.id, " of base model '",
-                               row.base_model, "', no longer served, is not reopened"));
-    (void)options_.registry->DeleteSamplingSession(row.id, row.tenant);
   }
   absl::MutexLock lock(&mu_);
   if (started_) return;
+  for (registry::SamplingSessionRecord& row : ours) {
+    if (sessions_.count(row.id) == 0) dormant_.emplace(row.id, std::move(row));
+  }
   if (!dormant_.empty()) {
     dormant_until_ = clock_.Now() + options_.session_timeout;
     LogInfo(kLog, absl::StrCat(dormant_.size(), " sampling sessions of the last run can be reopened"));

@@ -2,7 +2,7 @@
 
 The two-model deployment of test_models.py (the tiny Qwen3 first, the default; a tiny Llama
 with the same tokenizer and the same weight shapes, so only the numbers tell which model ran),
-with auth on (tenants alice and bob, an admin), and four things that outlive a call:
+with auth on (tenants alice, bob and carol, an admin), and four things that outlive a call:
 
 - an imported PEFT adapter (import_adapter's `base_model`): checked against and recorded on
   the model it names; loaded, it computes what PEFT computes on that model;
@@ -41,6 +41,8 @@ from test_models import (  # noqa: E402
     LLAMA, QWEN, SEQ, datum, forward_logprobs, make_llama, reference_logprobs, two_model_config)
 
 ADMIN_KEY = "tml-ops-admin-models-00112233445566778899aabb"
+# Carol's usage is counted by one test only: no other test's late-flushed counts can reach it.
+CAROL_KEY = "tml-carol-models-0123456789abcdef01234567"
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -74,6 +76,7 @@ def deployment(server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.Temp
         entry["max_adapters"] = 8
     tenants = [{"id": t, "key_sha256": [sha256_hex(k)]} for t, k in KEYS.items()]
     tenants.append({"id": "ops", "key_sha256": [sha256_hex(ADMIN_KEY)], "role": "admin"})
+    tenants.append({"id": "carol", "key_sha256": [sha256_hex(CAROL_KEY)]})
     config["auth"] = {"enabled": True, "tenants": tenants, "usage_flush_interval_s": 1}
     server = launch(server_bin, configs.write_config(workdir / "twinkle.yaml", config), config, workdir)
     d = Deployment(server_bin, server, config, {QWEN: tiny_model, LLAMA: llama}, workdir)
@@ -189,27 +192,27 @@ def model_gauges(d: Deployment) -> dict[tuple[str, str], float]:
 def test_usage_and_metrics_name_the_model_they_were_used_on(deployment: Deployment) -> None:
     before = usage_totals(deployment)
     gauges_before = model_gauges(deployment)
-    bob = service(deployment, KEYS["bob"])
-    on_qwen = resolved(bob.create_lora_training_client(base_model=QWEN, rank=4))
-    on_llama = resolved(bob.create_lora_training_client(base_model=LLAMA, rank=4))
+    carol = service(deployment, CAROL_KEY)
+    on_qwen = resolved(carol.create_lora_training_client(base_model=QWEN, rank=4))
+    on_llama = resolved(carol.create_lora_training_client(base_model=LLAMA, rank=4))
     on_qwen.forward_backward([datum(SEQ)], "cross_entropy").result()
     for _ in range(2):
         on_llama.forward_backward([datum(SEQ)], "cross_entropy").result()
     on_llama.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    sampler = resolved(bob.create_sampling_client(base_model=LLAMA))
+    sampler = resolved(carol.create_sampling_client(base_model=LLAMA))
     sampler.sample(types.ModelInput.from_ints(SEQ[:4]), num_samples=1,
                    sampling_params=types.SamplingParams(max_tokens=3, temperature=0.0)).result()
     tokens = len(SEQ) - 1
-    want = {("bob", QWEN, "training"): tokens, ("bob", LLAMA, "training"): 2 * tokens,
-            ("bob", LLAMA, "optim_steps"): 1, ("bob", LLAMA, "prefill"): 4, ("bob", LLAMA, "sampled"): 3}
+    want = {("carol", QWEN, "training"): tokens, ("carol", LLAMA, "training"): 2 * tokens,
+            ("carol", LLAMA, "optim_steps"): 1, ("carol", LLAMA, "prefill"): 4, ("carol", LLAMA, "sampled"): 3}
 
     def grown() -> dict[tuple[str, str, str], int] | None:
         after = usage_totals(deployment)
-        diff = {k: after[k] - before[k] for k in after if k[0] == "bob" and after[k] != before[k]}
+        diff = {k: after[k] - before[k] for k in after if k[0] == "carol" and after[k] != before[k]}
         return diff if all(diff.get(k, 0) >= v for k, v in want.items()) else None
 
-    diff = wait_until(grown, scaled(30), "bob's usage counted")
-    print(f"bob's usage by (tenant, base model, kind): {diff}")
+    diff = wait_until(grown, scaled(30), "carol's usage counted")
+    print(f"carol's usage by (tenant, base model, kind): {diff}")
     assert diff == want
     # /metrics: one adapter more on each model; the 3 sampled tokens on the Llama model's sampler.
     gauges = model_gauges(deployment)
